@@ -1,0 +1,535 @@
+"""
+FP8 training, from the bits up: formats, scaling, and the FP8 linear layer.
+
+This file is meant to be read top to bottom. It is everything nanofp8 needs to run the
+GEMMs of a Linear layer in 8-bit floating point, and it doubles as a lesson.
+
+1. Two 8-bit formats
+--------------------
+An 8-bit float has 1 sign bit and 7 bits to split between exponent (range) and mantissa
+(precision). Hopper tensor cores take two splits:
+
+    E4M3 (torch.float8_e4m3fn): 4 exponent bits, 3 mantissa bits. Max 448, smallest normal
+         2^-6, smallest subnormal 2^-9. No infinity ("fn" = finite): 0x7f/0xff are NaN.
+    E5M2 (torch.float8_e5m2):   5 exponent bits, 2 mantissa bits. Max 57344, smallest normal
+         2^-14, smallest subnormal 2^-16. Has +-inf, like a shortened fp16.
+
+Each spans only about 18 (E4M3) or 32 (E5M2) binades, against fp32's 277. Weights and
+activations have a fairly tame spread, and they benefit from the extra mantissa bit, so they
+use E4M3. Gradients are spikier (a few large values next to many tiny ones), and losing a
+tiny gradient to underflow is worse than rounding a large one, so they get E5M2's range.
+That split is the "hybrid" convention (Transformer Engine, MS-AMP, torchao tensorwise).
+Fine-grained recipes (DeepSeek-V3) give every 128 values their own scale, which makes range
+much less of a problem, so they use E4M3 everywhere: `Recipe(formats="e4m3")`.
+
+2. Scaling: putting a tensor's values where the format has room
+---------------------------------------------------------------
+FP8's range is tiny, so a tensor is multiplied by a scale before the cast, chosen to bring its
+largest magnitude (amax) up to the format's max:
+
+    scale = fp8_max / amax          x_fp8 = saturate(x * scale)          x ~= x_fp8 / scale
+
+THE CONVENTION, stated once: in nanofp8 `scale` is always the multiply-before-cast factor (as in
+Transformer Engine and torchao). Dequantizing multiplies by `inv_scale = 1 / scale`, and that
+inverse is what `torch._scaled_mm` (and our Triton kernel) take as `scale_a` / `scale_b`: they
+compute (a_fp8 * inv_a) @ (b_fp8 * inv_b).
+
+Details that matter:
+  * amax is taken in float64 before the division. fp8_max / amax in fp32 can round differently
+    depending on how the compiler fuses it; float64 then one rounding to fp32 gives the same
+    scale in eager, compiled and Triton code (torchao's trick), which makes backends bit-exact.
+  * amax is clamped to >= 1e-12 so an all-zero tensor gets a large finite scale, not inf.
+  * Optional power-of-two scales (rounded down, as MS-AMP always does): multiplying by 2^k is
+    exact, so scaling itself adds no rounding error and the scale survives any re-encoding.
+  * margin m divides the scale by 2^m: headroom for values that grow before the next amax.
+  * Casts saturate: a finite value never becomes inf or NaN (we clamp to +-fp8_max first;
+    E5M2 would otherwise overflow to inf). A non-finite input is NOT hidden: torch's E4M3
+    cast would turn inf into 448, so we map inf/NaN to NaN explicitly and let it propagate
+    to the loss, where the training loop sees it and skips the step.
+  * A NaN or inf amax never becomes a scale: the previous scale (or 1.0) is kept instead.
+
+Where the amax comes from:
+  * current ("just-in-time") scaling: the amax of the very tensor being cast. Always fits,
+    costs one extra read of the tensor.
+  * delayed scaling: the amax of the last H steps (the history), as Transformer Engine does.
+    The scale used at step t comes only from steps before t; the amax of step t is recorded
+    afterwards. Values can outgrow a stale scale, and then they saturate.
+
+How many scales:
+  * "tensor": one scale for the whole tensor.
+  * "row":    one scale per row of the GEMM operand, along the contraction dimension.
+  * "block":  one scale per tile: 1x128 for activations and gradients (one token, 128
+              channels), 128x128 for weights, as in DeepSeek-V3. One outlier then only costs
+              precision to its own 128 neighbours, not to the whole tensor.
+
+3. The three GEMMs of a Linear layer
+------------------------------------
+For y = x W^T (x: M x K tokens by features, W: N x K), training runs three GEMMs:
+
+    forward  y  = x  @ W^T     E4M3 x E4M3   contraction over K
+    dgrad    dx = dy @ W       E5M2 x E4M3   contraction over N
+    wgrad    dW = dy^T @ x     E5M2 x E4M3   contraction over M (the tokens)
+
+Every GEMM here is written in one form, out = A @ B^T with A: (rows, k), B: (cols, k), both
+quantized along k. That matters twice. First, scales must sit along the non-contracted
+dimensions (a row scale of A and a row scale of B factor out of the dot product; a scale that
+varied along k would not), so each GEMM quantizes its operands along its own contraction
+dimension: the row-scaled x of the forward pass cannot be reused for wgrad, where the
+contraction is over tokens. Second, FP8 tensor cores (and torch._scaled_mm) want the first
+operand row-major and the second column-major, which is exactly what B (cols, k) row-major
+viewed as B^T is.
+
+What is saved for backward are the FP8 operands the backward GEMMs need (x^T and W^T, quantized
+along M and N respectively), not the high-precision x and W: an activation saved for backward
+then costs 1 byte per element instead of 2 or 4, which is most of the activation memory of a
+transformer. With tensor scaling these are plain transposes of the forward copies; with row and
+block scaling they are re-quantized from the high-precision values while those are still at hand.
+
+Fast accumulation (Hopper's cheaper, less precise FP8 accumulate) is used only in the forward
+GEMM; gradients, whose errors compound over training, always get the careful path.
+"""
+
+import math
+import warnings
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# 1. Formats
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    name: str
+    dtype: torch.dtype
+    max: float  # largest finite value
+    min_normal: float  # below this, values lose mantissa bits (subnormals), then flush to 0
+
+
+E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, 2.0**-6)
+E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-14)
+
+# (format of weights and activations, format of gradients)
+FORMAT_CONVENTIONS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
+
+AMAX_EPS = 1e-12  # amax floor: an all-zero tensor gets a large finite scale, never inf
+BLOCK = 128  # tile edge of block scaling (DeepSeek-V3), and the K step of the block GEMM
+
+# -----------------------------------------------------------------------------
+# 2. Scales and the quantized-tensor container
+
+
+def compute_scale(amax, fmt, margin=0, power_of_two=False, fallback=None):
+    """scale = fp8_max / amax (/ 2^margin), computed in float64, returned as fp32.
+
+    Where amax is NaN or inf, the result is `fallback` (same shape, or broadcastable) or 1.0:
+    a bad amax is never allowed to become a scale."""
+    amax64 = amax.detach().double()
+    scale = fmt.max / torch.clamp(amax64, min=AMAX_EPS)
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))  # round down: never exceed range
+    scale = (scale / 2.0**margin).float()
+    if fallback is None:
+        fallback = torch.ones_like(scale)
+    return torch.where(torch.isfinite(amax64), scale, fallback.float().expand_as(scale))
+
+
+@dataclass
+class Fp8Tensor:
+    """FP8 data + fp32 scales + what is needed to give the original tensor back.
+
+    data is 2-D (rows, cols) = the input flattened to (-1, last dim), contiguous.
+    scale (the multiply-before-cast factor) has shape () for "tensor", (rows, 1) for "row",
+    and (ceil(rows/br), ceil(cols/bc)) for "block" with tiles `block` = (br, bc)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: Fp8Format
+    granularity: str
+    block: tuple
+    shape: torch.Size  # original shape
+    dtype: torch.dtype  # original dtype
+    amax: torch.Tensor = None  # the amax the data was measured with (NaN where it was non-finite)
+
+    @property
+    def inv_scale(self):
+        return self.scale.reciprocal()
+
+    def t(self):
+        """The transpose, without re-quantizing. A tensor scale and a square block grid transpose
+        with the data; a row scale does not (it would then vary along the new contraction dim)."""
+        if self.granularity == "row":
+            raise ValueError("row-scaled FP8 data cannot be transposed: re-quantize the transpose")
+        scale = self.scale if self.granularity == "tensor" else self.scale.t().contiguous()
+        rows, cols = self.data.shape
+        return Fp8Tensor(self.data.t().contiguous(), scale, self.fmt, self.granularity,
+                         self.block[::-1], torch.Size((cols, rows)), self.dtype, self.amax)
+
+
+def _tile_amax(x2, block):
+    """amax over (br, bc) tiles of a 2-D tensor; ragged edge tiles are padded with zeros."""
+    br, bc = block
+    rows, cols = x2.shape
+    xp = F.pad(x2.abs(), (0, (-cols) % bc, 0, (-rows) % br))
+    return xp.unflatten(1, (-1, bc)).unflatten(0, (-1, br)).amax(dim=(1, 3))
+
+
+def _expand_tiles(s, block, shape):
+    """Tile scales (R, C) -> one per element (rows, cols)."""
+    br, bc = block
+    return s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[: shape[0], : shape[1]]
+
+
+def _per_element(q, s):
+    """Broadcast a scale-shaped tensor of q to q.data's shape."""
+    return _expand_tiles(s, q.block, q.data.shape) if q.granularity == "block" else s
+
+
+def _amax(x2, granularity, block):
+    if granularity == "tensor":
+        return x2.abs().amax()
+    if granularity == "row":
+        return x2.abs().amax(dim=1, keepdim=True)
+    return _tile_amax(x2, block)
+
+
+def _saturating_cast(x2, scale_el, fmt):
+    """x * scale, clamped to the format's range, then rounded to FP8 (round-to-nearest-even).
+    Non-finite inputs become NaN (E4M3 would silently turn inf into 448)."""
+    y = x2.float() * scale_el
+    y = torch.where(torch.isfinite(x2), y.clamp(-fmt.max, fmt.max), torch.nan)
+    return y.to(fmt.dtype)
+
+
+GRANULARITIES = ("tensor", "row", "block")
+
+
+def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=0,
+             power_of_two=False):
+    """Quantize x to FP8 along its last dim (the GEMM contraction dim). Returns an Fp8Tensor.
+
+    scale: use this scale instead of measuring one (delayed scaling). Its shape must match
+    the granularity; the amax is still measured and returned in the container."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
+    if x.dim() < 1 or x.numel() == 0:
+        raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}")
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    block = tuple(block) if granularity == "block" else (1, x2.shape[1])
+    amax = _amax(x2.detach(), granularity, block)
+    if scale is None:
+        scale = compute_scale(amax, fmt, margin, power_of_two)
+    scale = scale.float()
+    el = _expand_tiles(scale, block, x2.shape) if granularity == "block" else scale
+    data = _saturating_cast(x2.detach(), el, fmt)
+    return Fp8Tensor(data, scale, fmt, granularity, block, x.shape, x.dtype, amax)
+
+
+def dequantize(q, dtype=None):
+    """The high-precision tensor (original shape; original dtype unless `dtype` is given)."""
+    x = q.data.float() * _per_element(q, q.inv_scale)
+    return x.to(dtype or q.dtype).reshape(q.shape)
+
+
+def sqnr(ref, approx):
+    """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|)."""
+    ref, approx = ref.double(), approx.double()
+    noise = (ref - approx).norm()
+    return float("inf") if noise == 0 else (20 * torch.log10(ref.norm() / noise)).item()
+
+
+# -----------------------------------------------------------------------------
+# 3. The scaled GEMM, three ways: out = dequantize(a) @ dequantize(b).T (+ bias)
+
+_warned = set()
+
+
+def _warn_once(key, msg):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _gemm_emulate(a, b, out_dtype, bias):
+    """The reference: dequantize both operands to fp32 and multiply. Slow, simple, exact.
+    With block scales the fp32 partial sums are added one 128-wide slice of K at a time, the
+    order in which a block-scaled kernel promotes them (see _gemm_torch)."""
+    a32 = a.data.float() * _per_element(a, a.inv_scale)
+    b32 = b.data.float() * _per_element(b, b.inv_scale)
+    if a.granularity == "block":
+        k = a32.shape[1]
+        out = sum(a32[:, k0 : k0 + BLOCK] @ b32[:, k0 : k0 + BLOCK].t() for k0 in range(0, k, BLOCK))
+        out = out if bias is None else out + bias.float()
+    else:
+        out = a32 @ b32.t() if bias is None else torch.addmm(bias.float(), a32, b32.t())
+    return out.to(out_dtype)
+
+
+def _gemm_torch(a, b, out_dtype, bias, fast_accum):
+    """torch._scaled_mm: FP8 tensor cores on CUDA (the cuBLASLt kernel), a correct but slow
+    dequantize-and-multiply on CPU. It takes per-tensor or row-wise scales; for block scales
+    we run one GEMM per 128-wide slice of K, each with row-wise scales, and sum in fp32:
+    the same "promote to fp32 every 128 of K" that DeepSeek-V3 does by hand on Hopper."""
+    if a.granularity != "block":
+        sa = a.inv_scale
+        sb = b.inv_scale if b.granularity == "tensor" else b.inv_scale.t()
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    k = a.data.shape[1]
+    ia = a.inv_scale.repeat_interleave(a.block[0], 0)[: a.data.shape[0]]  # (M, K tiles)
+    ib = b.inv_scale.repeat_interleave(b.block[0], 0)[: b.data.shape[0]]  # (N, K tiles)
+    out = None
+    for j, k0 in enumerate(range(0, k, BLOCK)):
+        ks = slice(k0, min(k0 + BLOCK, k))
+        part = torch._scaled_mm(a.data[:, ks], b.data[:, ks].t(), scale_a=ia[:, j : j + 1].contiguous(),
+                                scale_b=ib[:, j : j + 1].t().contiguous(), out_dtype=torch.float32)
+        out = part if out is None else out + part
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _gemm_triton(a, b, out_dtype, bias):
+    try:
+        import kernels  # top-level kernels.py: on sys.path when run from the repo root
+    except ImportError as e:
+        raise RuntimeError("backend='triton' needs the repo's kernels.py importable (run from "
+                           "the repo root) and the triton package installed") from e
+    return kernels.fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, out_dtype, bias)
+
+
+def _torch_backend_reason(a, b):
+    """Why torch._scaled_mm cannot take these operands (None if it can). cuBLASLt wants the
+    contraction dim and the output columns in multiples of 16; the CPU path takes anything."""
+    if not a.data.is_cuda:
+        return None
+    k, n = a.data.shape[1], b.data.shape[0]
+    if k % 16 or n % 16:  # (k % 16 == 0 also makes every 128-slice of K a multiple of 16)
+        return f"dims K={k}, N={n} are not multiples of 16"
+    return None
+
+
+BACKENDS = ("torch", "emulate", "triton")
+
+
+def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, name="?"):
+    """out (M, N) = dequantize(a) @ dequantize(b).T (+ bias), accumulated in fp32.
+    a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K."""
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}")
+    if (a.granularity == "block") != (b.granularity == "block"):
+        raise ValueError("block-scaled operands can only be multiplied with block-scaled operands")
+    if backend == "emulate":
+        return _gemm_emulate(a, b, out_dtype, bias)
+    if backend == "triton":
+        return _gemm_triton(a, b, out_dtype, bias)
+    if backend != "torch":
+        raise ValueError(f"unknown GEMM backend {backend!r}; expected one of {BACKENDS}")
+    reason = _torch_backend_reason(a, b)
+    if reason is None:
+        try:
+            return _gemm_torch(a, b, out_dtype, bias, fast_accum)
+        except RuntimeError as e:  # a layout/dtype combination this torch build does not take
+            reason = str(e).splitlines()[0]
+    _warn_once((name, reason), f"nanofp8: layer {name}: torch._scaled_mm cannot run this GEMM "
+               f"({reason}); falling back to a high-precision GEMM of the FP8 values")
+    return _gemm_emulate(a, b, out_dtype, bias)
+
+
+# -----------------------------------------------------------------------------
+# 4. The recipe: every knob of FP8 training in one place
+
+
+@dataclass
+class Recipe:
+    scaling: str = "current"  # "current" (amax of this tensor) | "delayed" (amax history)
+    granularity: str = "tensor"  # "tensor" | "row" | "block" (1x128 acts/grads, 128x128 weights)
+    formats: str = "hybrid"  # "hybrid" (E4M3 fwd, E5M2 grads) | "e4m3" (E4M3 everywhere)
+    history_len: int = 16  # delayed scaling: steps of amax history (MS-AMP uses 16)
+    amax_algo: str = "max"  # delayed scaling: "max" over the window | "most_recent"
+    margin: int = 0  # scale /= 2^margin
+    power_of_two: bool = False  # round scales down to powers of two
+    backend: str = "torch"  # "torch" (_scaled_mm) | "emulate" (fp32 reference) | "triton"
+
+    def __post_init__(self):
+        choices = {"scaling": ("current", "delayed"), "granularity": GRANULARITIES,
+                   "formats": tuple(FORMAT_CONVENTIONS), "amax_algo": ("max", "most_recent"),
+                   "backend": BACKENDS}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"Recipe.{key}={getattr(self, key)!r}; expected one of {allowed}")
+        if self.scaling == "delayed" and self.granularity != "tensor":
+            # The rows and tiles of an activation are different tokens every step, so a history
+            # of per-row amaxes describes nothing that comes again: delay only whole tensors.
+            raise ValueError("delayed scaling needs granularity='tensor' (per-row/tile amax "
+                             "histories of activations do not carry over between steps)")
+        if self.history_len < 1 or self.margin < 0:
+            raise ValueError("Recipe needs history_len >= 1 and margin >= 0")
+
+    @property
+    def fwd_fmt(self):
+        return FORMAT_CONVENTIONS[self.formats][0]
+
+    @property
+    def bwd_fmt(self):
+        return FORMAT_CONVENTIONS[self.formats][1]
+
+
+# -----------------------------------------------------------------------------
+# 5. The FP8 linear layer: one autograd.Function for the three GEMMs
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
+
+
+def _quantize_role(mod, role, x2, fmt, block):
+    """Quantize along the last dim with the layer's recipe, for one tensor role."""
+    r = mod.recipe
+    if r.scaling == "current":
+        return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
+    return mod.delayed_quantize(role, x2, fmt)
+
+
+def _requantize_t(mod, role, x2, fmt, q, block):
+    """The operand for a backward GEMM that contracts over x2's *first* dim: the transpose of
+    the FP8 copy where scales allow it, else a fresh quantization of x2^T along that dim."""
+    if mod.recipe.granularity == "tensor" or (mod.recipe.granularity == "block" and q.block[0] > 1):
+        return q.t()
+    return quantize(x2.t(), fmt, mod.recipe.granularity, block, margin=mod.recipe.margin,
+                    power_of_two=mod.recipe.power_of_two)
+
+
+def _pack(q):  # Fp8Tensor -> (tensors for save_for_backward, metadata for ctx)
+    return (q.data, q.scale), (q.fmt, q.granularity, q.block, q.data.shape, q.dtype)
+
+
+def _unpack(tensors, meta):
+    return Fp8Tensor(tensors[0], tensors[1], meta[0], meta[1], meta[2], meta[3], meta[4])
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mod, out_dtype):
+        r = mod.recipe
+        act_block, w_block = (1, BLOCK), (BLOCK, BLOCK)
+        x2 = x.reshape(-1, x.shape[-1])
+        qx = _quantize_role(mod, INPUT, x2, r.fwd_fmt, act_block)
+        qw = _quantize_role(mod, WEIGHT, weight, r.fwd_fmt, w_block)
+        b = None if bias is None else bias.to(out_dtype)
+        y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
+        # Keep only the FP8 operands of the two backward GEMMs, laid out along their
+        # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad.
+        qx_t = _requantize_t(mod, INPUT, x2, r.fwd_fmt, qx, act_block)
+        qw_t = _requantize_t(mod, WEIGHT, weight, r.fwd_fmt, qw, w_block)
+        (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
+        ctx.save_for_backward(*tx, *tw)
+        ctx.meta = (mx, mw)
+        ctx.mod, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = mod, x.shape, x.dtype, weight.dtype
+        ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        mod, r = ctx.mod, ctx.mod.recipe
+        saved = ctx.saved_tensors
+        qx_t, qw_t = _unpack(saved[:2], ctx.meta[0]), _unpack(saved[2:], ctx.meta[1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            qdy = _quantize_role(mod, GRAD_OUTPUT, dy2, r.bwd_fmt, (1, BLOCK))
+            if ctx.needs_input_grad[0]:  # dgrad: dx (M, K) = dy (M, N) @ [W^T (K, N)]^T
+                dx = scaled_gemm(qdy, qw_t, ctx.x_dtype, backend=r.backend, name=mod.fqn)
+                dx = dx.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:  # wgrad: dW (N, K) = dy^T (N, M) @ [x^T (K, M)]^T
+                qdy_t = _requantize_t(mod, GRAD_OUTPUT, dy2, r.bwd_fmt, qdy, (1, BLOCK))
+                dw = scaled_gemm(qdy_t, qx_t, ctx.w_dtype, backend=r.backend, name=mod.fqn)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy2.float().sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose three GEMMs run in FP8. Same parameters, same state_dict keys, plus
+    the scaling state of its three tensor roles (input, weight, grad-output) as buffers:
+
+        amax_history (3, H)  newest first, zeros where not yet filled
+        history_count (3,)   how many entries are valid (warm-up: 0 -> just-in-time scaling)
+        scale        (3,)    the scale last used (what a NaN amax falls back to)
+        nonfinite    (3,)    how many non-finite amaxes were seen and kept out of the history
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
+                 recipe=None, fqn=""):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = recipe or Recipe()
+        self.fqn = fqn or "Fp8Linear"
+        self._init_scaling_state(self.weight.device)
+
+    def _init_scaling_state(self, device):
+        h = self.recipe.history_len
+        self.register_buffer("amax_history", torch.zeros(3, h, device=device))
+        self.register_buffer("history_count", torch.zeros(3, dtype=torch.long, device=device))
+        self.register_buffer("scale", torch.ones(3, device=device))
+        self.register_buffer("nonfinite", torch.zeros(3, dtype=torch.long, device=device))
+
+    @classmethod
+    def from_linear(cls, lin, recipe, fqn=""):
+        """Wrap an existing nn.Linear, sharing (not copying) its parameters."""
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None, device="meta",
+                  recipe=recipe, fqn=fqn)
+        new.weight, new.bias = lin.weight, lin.bias
+        new._init_scaling_state(lin.weight.device)
+        new.train(lin.training)
+        return new
+
+    @torch.no_grad()
+    def delayed_quantize(self, role, x2, fmt):
+        """Delayed scaling: quantize with the scale from the amax history of earlier steps, then
+        record this step's amax. Before any history exists, scale just in time (MS-AMP's warm-up)."""
+        r, hist, n = self.recipe, self.amax_history[role], self.history_count[role]
+        past = hist.max() if r.amax_algo == "max" else hist[0]
+        amax = x2.abs().amax()
+        prev = self.scale[role]
+        from_past = compute_scale(past, fmt, r.margin, r.power_of_two, fallback=prev)
+        just_in_time = compute_scale(amax, fmt, r.margin, r.power_of_two, fallback=prev)
+        scale = torch.where(n > 0, from_past, just_in_time)
+        q = quantize(x2, fmt, "tensor", scale=scale)
+        if self.training:  # evaluation reads the state but never writes it
+            finite = torch.isfinite(amax)
+            hist.copy_(torch.where(finite, torch.cat([amax.reshape(1).float(), hist[:-1]]), hist))
+            n.copy_(torch.where(finite, (n + 1).clamp(max=hist.numel()), n))
+            self.nonfinite[role] += (~finite).long()
+            self.scale[role] = scale
+        return q
+
+    def forward(self, x):
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):  # we choose every dtype ourselves
+            return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+
+    def extra_repr(self):
+        r = self.recipe
+        return (f"{super().extra_repr()}, fp8={r.scaling}/{r.granularity}/{r.formats}, "
+                f"backend={r.backend}")
+
+
+def convert_to_fp8(model, recipe=None, module_filter=None):
+    """Swap every nn.Linear in `model` (in place) for an Fp8Linear sharing its parameters.
+    module_filter(fqn, linear) -> bool chooses which ones; returns the model."""
+    recipe = recipe or Recipe()
+    if type(model) is nn.Linear:  # a bare Linear cannot be swapped inside itself
+        return Fp8Linear.from_linear(model, recipe, "linear")
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            fqn = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is nn.Linear and (module_filter is None or module_filter(fqn, child)):
+                setattr(parent, name, Fp8Linear.from_linear(child, recipe, fqn))
+    return model
+
+
+def recipe_fields():
+    """Names of the Recipe knobs (for config validation in train.py)."""
+    return [f.name for f in fields(Recipe)]

@@ -1,0 +1,369 @@
+"""Tests of nanofp8/fp8.py: casts, scales, delayed scaling, the scaled GEMM and Fp8Linear.
+
+Numerics are judged by SQNR against fp32/fp64 references (torchao's habit), and casts are
+checked bit for bit against an independent implementation (ml_dtypes)."""
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from nanofp8 import fp8
+from nanofp8.fp8 import (E4M3, E5M2, GRAD_OUTPUT, INPUT, Fp8Linear, Recipe, convert_to_fp8,
+                         dequantize, quantize, scaled_gemm, sqnr)
+
+ML = {E4M3.name: ml_dtypes.float8_e4m3fn, E5M2.name: ml_dtypes.float8_e5m2}
+FORMATS = [E4M3, E5M2]
+
+
+def fp8_bits(t):
+    return t.view(torch.uint8).numpy()
+
+
+def reference_bits(x, fmt):
+    """Independent reference: clamp to the finite range, then ml_dtypes' RNE cast."""
+    x = np.clip(x.double().numpy(), -fmt.max, fmt.max)
+    return x.astype(ML[fmt.name]).view(np.uint8)
+
+
+def all_finite_values(fmt):
+    v = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    return v[torch.isfinite(v)].unique()  # sorted, -max..max, +0 once
+
+
+# -- casts -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_cast_bit_exact_against_ml_dtypes(fmt):
+    g = torch.Generator().manual_seed(0)
+    grid = all_finite_values(fmt)
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly halfway: round-to-nearest-even decides
+    sub = torch.linspace(-4 * fmt.min_normal, 4 * fmt.min_normal, 4001)  # subnormal zone
+    wide = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-24, 24, (20000,), generator=g).float())
+    out_of_range = torch.tensor([fmt.max * 1.0001, -fmt.max * 3, 1e30, -1e30, fmt.max + 1])
+    x = torch.cat([grid, ties, sub, wide, out_of_range])
+    q = quantize(x, fmt, scale=torch.tensor(1.0))
+    assert np.array_equal(fp8_bits(q.data).ravel(), reference_bits(x, fmt))
+    # saturation: finite inputs never become inf or NaN
+    assert torch.isfinite(q.data.float()).all()
+    assert q.data.float().abs().max().item() == fmt.max
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_nonfinite_stays_nonfinite_and_never_becomes_a_scale(fmt):
+    x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 3.0])
+    q = quantize(x, fmt)
+    d = q.data.float().ravel()
+    # torch's own E4M3 cast would turn inf into 448; we keep it visible as NaN
+    assert torch.isnan(d[1:4]).all() and torch.isfinite(d[[0, 4]]).all()
+    assert torch.isfinite(q.scale) and q.scale.item() == 1.0  # the fallback, not a NaN scale
+    assert not torch.isfinite(q.amax)  # ... and the caller can see what happened
+    # row scaling: only the bad row falls back, the others are scaled normally
+    rows = torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [0.5, -0.25]])
+    qr = quantize(rows, fmt, "row")
+    assert torch.isfinite(qr.scale).all()
+    assert qr.scale[1].item() == 1.0 and qr.scale[0].item() == pytest.approx(fmt.max / 2)
+
+
+def test_scale_rules():
+    amax = torch.tensor([3.0, 0.0, 1e-20])
+    s = fp8.compute_scale(amax, E4M3)
+    assert s.dtype == torch.float32
+    assert s[0].item() == np.float32(448.0 / 3.0)  # computed in float64, rounded once
+    assert s[1].item() == np.float32(448.0 / 1e-12)  # epsilon guard: finite
+    p2 = fp8.compute_scale(amax, E4M3, power_of_two=True)
+    assert p2[0].item() == 128.0  # 149.3 rounded *down* to a power of two
+    assert fp8.compute_scale(amax, E4M3, margin=2)[0].item() == np.float32(448.0 / 3.0 / 4)
+    s_fb = fp8.compute_scale(torch.tensor(float("inf")), E4M3, fallback=torch.tensor(7.0))
+    assert s_fb.item() == 7.0
+
+
+# -- round trips -------------------------------------------------------------------
+
+GRANS = [("tensor", (1, 128)), ("row", (1, 128)), ("block", (1, 128)), ("block", (128, 128))]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("gran,block", GRANS, ids=lambda v: str(v))
+def test_round_trip_sqnr_gaussian(fmt, gran, block):
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(1))
+    q = quantize(x, fmt, gran, block)
+    y = dequantize(q)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    # E4M3 keeps 3 mantissa bits (~31 dB for uniform rounding error), E5M2 2 bits (~25 dB).
+    # Observed: E4M3 31.0-31.4 dB, E5M2 25.1-25.3 dB for every granularity.
+    assert sqnr(x, y) > (29.0 if fmt is E4M3 else 24.0)
+
+
+def test_round_trip_keeps_shape_and_dtype():
+    x = torch.randn(2, 3, 40, dtype=torch.bfloat16)
+    for gran, block in GRANS:
+        q = quantize(x, E4M3, gran, block)
+        assert q.data.shape == (6, 40) and dequantize(q).shape == x.shape
+        assert dequantize(q).dtype == torch.bfloat16
+
+
+def test_fine_granularity_beats_tensor_on_outliers():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 512, generator=g) * 1e-3
+    x[5, 7], x[200, 300] = 1e3, -1e3  # two outliers, 1e6 x the bulk
+    deq = {name: dequantize(quantize(x, E4M3, gran, block))
+           for name, (gran, block) in zip(["tensor", "row", "tile", "blk"], GRANS)}
+    # Tensor scaling flushes the 1e-3 bulk to zero (2^20 below the outliers, past E4M3's range);
+    # finer scales lose only the neighbours of an outlier. Judge the bulk away from the two
+    # 128x128 blocks that hold outliers (that region contains the affected rows and tiles).
+    bulk = torch.ones_like(x, dtype=torch.bool)
+    bulk[0:128, 0:128] = False
+    bulk[128:256, 256:384] = False
+    bulk[[5, 200]] = False
+    s = {k: sqnr(x[bulk], v[bulk]) for k, v in deq.items()}
+    # Observed: bulk 0.4 dB (tensor), 31.6 (row), 31.8 (1x128), 31.6 (128x128); whole tensor
+    # 72 dB (tensor) vs 93, 98, 78: the outliers themselves are kept by every granularity.
+    assert s["tensor"] < 1.0
+    assert s["row"] > 30 and s["tile"] > 30 and s["blk"] > 30
+    total = {k: sqnr(x, v) for k, v in deq.items()}
+    assert min(total["row"], total["tile"], total["blk"]) >= total["tensor"]
+
+
+# -- delayed scaling ---------------------------------------------------------------
+
+
+def _delayed_layer(**kw):
+    return Fp8Linear(8, 8, recipe=Recipe(scaling="delayed", **kw)).train()
+
+
+def _scales_used(layer, amaxes):
+    used = []
+    for a in amaxes:
+        x = torch.full((4, 8), float(a))
+        q = layer.delayed_quantize(INPUT, x, E4M3)
+        used.append(q.scale.item())
+    return used
+
+
+def test_delayed_scaling_window_max():
+    layer = _delayed_layer(history_len=3)
+    amaxes = [1, 2, 4, 0.5, 0.25, 0.25, float("nan"), 8, 1]
+    s = lambda a: np.float32(448.0 / a).item()
+    expected = [s(1),  # step 0, history {}: no history yet -> just in time
+                s(1),  # step 1, {1}: this step's amax 2 saturates, as it does with delayed scaling
+                s(2),  # step 2, {2, 1}
+                s(4),  # step 3, {4, 2, 1}
+                s(4),  # step 4, {0.5, 4, 2}: the 1 has rolled out of the window of 3
+                s(4),  # step 5, {0.25, 0.5, 4}
+                s(0.5),  # step 6, {0.25, 0.25, 0.5}: the 4 has rolled out; this step's NaN is dropped
+                s(0.5),  # step 7, {0.25, 0.25, 0.5}: unchanged by the NaN
+                s(8)]  # step 8, {8, 0.25, 0.25}
+    assert _scales_used(layer, amaxes) == expected
+    assert layer.nonfinite[INPUT].item() == 1
+    assert layer.amax_history[INPUT].tolist() == [1.0, 8.0, 0.25]  # newest first
+    assert torch.isfinite(layer.scale).all()
+
+
+def test_delayed_scaling_most_recent_and_margin():
+    layer = _delayed_layer(history_len=4, amax_algo="most_recent", margin=1)
+    s = lambda a: np.float32(448.0 / a / 2).item()
+    assert _scales_used(layer, [1, 4, 2, 8]) == [s(1), s(1), s(4), s(2)]
+
+
+def test_delayed_scaling_nan_first_step_keeps_old_scale():
+    layer = _delayed_layer()
+    assert _scales_used(layer, [float("nan"), 2]) == [1.0, np.float32(224.0).item()]
+    assert layer.history_count[INPUT].item() == 1
+
+
+def test_delayed_scaling_eval_does_not_write_state():
+    layer = _delayed_layer()
+    _scales_used(layer, [2.0])
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.eval()
+    _scales_used(layer, [100.0])
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# -- the GEMM and the layer --------------------------------------------------------
+
+RECIPES = [Recipe(granularity="tensor"), Recipe(granularity="row"), Recipe(granularity="block"),
+           Recipe(scaling="delayed"), Recipe(granularity="block", formats="e4m3")]
+RIDS = ["tensor", "row", "block", "delayed", "block-e4m3"]
+
+
+def _twins(recipe, seed=0, shape=(4, 50, 256), out=192):
+    torch.manual_seed(seed)
+    ref = nn.Linear(shape[-1], out)
+    lin = nn.Linear(shape[-1], out)
+    lin.load_state_dict(ref.state_dict())
+    layer = convert_to_fp8(lin, recipe)
+    x = torch.randn(*shape)
+    return ref, layer, x
+
+
+def _run(layer, x):
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    g = torch.randn_like(y, generator=torch.Generator().manual_seed(5)) if y.dim() else None
+    y.backward(g)
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RIDS)
+def test_fp8_linear_against_fp32(recipe):
+    ref, layer, x = _twins(recipe)
+    y0, dx0, dw0, db0 = _run(ref, x)
+    y, dx, dw, db = _run(layer, x)
+    # torchao's thresholds are 18/17/17 dB. Observed on this Gaussian case: output ~28.7 dB,
+    # dgrad and wgrad ~25 dB with hybrid formats (E5M2 gradients), ~28 dB with E4M3 everywhere.
+    assert sqnr(y0, y) > 27 and sqnr(dx0, dx) > 24 and sqnr(dw0, dw) > 24
+    assert torch.equal(db, db0)  # the bias gradient is an fp32 sum, untouched by FP8
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RIDS)
+def test_torch_backend_bit_exact_against_emulate(recipe):
+    # With power-of-two scales every dequantize/multiply order gives the same fp32 numbers,
+    # so the CPU _scaled_mm path and the reference must agree bit for bit. (Arbitrary scales:
+    # rows and E4M3xE5M2 still agree exactly, but the CPU E4M3xE4M3 per-tensor kernel applies
+    # its scales in another order, which moves the last bit.)
+    kw = {f: getattr(recipe, f) for f in ("scaling", "granularity", "formats")}
+    outs = []
+    for backend in ("torch", "emulate"):
+        _, layer, x = _twins(Recipe(**kw, power_of_two=True, backend=backend), shape=(3, 70, 200), out=144)
+        outs.append(_run(layer, x))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_row_scales_bit_exact_without_power_of_two():
+    outs = [_run(*_twins(Recipe(granularity="row", backend=b))[1:]) for b in ("torch", "emulate")]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_saves_only_fp8_copies_for_backward():
+    _, layer, x = _twins(Recipe(granularity="row"))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x.requires_grad_()).sum().backward()
+    fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
+    big = [t for t in saved if t.numel() >= 1000]
+    assert len(big) == 2 and all(t.dtype in fp8_dtypes for t in big)  # x^T and W^T in FP8
+    assert all(t.dtype in fp8_dtypes + (torch.float32,) for t in saved)  # + fp32 scales
+
+
+def test_autocast_dtypes():
+    _, layer, x = _twins(Recipe())
+    x = x.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+
+
+def test_nan_input_propagates_but_scales_stay_finite():
+    _, layer, x = _twins(Recipe(scaling="delayed"))
+    layer(x).sum().backward()  # one good step fills the history
+    x[0, 0, 0] = float("nan")
+    layer.weight.grad = None
+    y = layer(x.requires_grad_())
+    y.sum().backward()
+    assert torch.isnan(y).any()  # the loss will be NaN: the training loop skips the step
+    assert torch.isfinite(layer.scale).all() and torch.isfinite(layer.amax_history).all()
+    assert layer.nonfinite[INPUT].item() == 1
+
+
+def test_fallback_warns_once_naming_the_layer(monkeypatch):
+    model = convert_to_fp8(nn.Sequential(nn.Linear(64, 32)), Recipe())
+    x = torch.randn(8, 64)
+    expected = fp8.scaled_gemm(quantize(x, E4M3), quantize(model[0].weight, E4M3), torch.float32,
+                               model[0].bias, backend="emulate")
+
+    def refuse(*a, **k):
+        raise RuntimeError("Expected both dimensions of mat2 to be divisible by 16")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    fp8._warned.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y1 = model(x)
+        model(x)
+    msgs = [str(m.message) for m in w]
+    assert len(msgs) == 1 and "layer 0" in msgs[0] and "divisible by 16" in msgs[0]
+    assert torch.equal(y1.detach(), expected)
+
+
+def test_state_dict_round_trip_of_scaling_state():
+    torch.manual_seed(0)
+    make = lambda: convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)),
+                                  Recipe(scaling="delayed", history_len=4))
+    a = make()
+    for _ in range(3):
+        a(torch.randn(16, 32)).sum().backward()
+    sd = a.state_dict()
+    assert {"0.amax_history", "0.history_count", "0.scale", "0.nonfinite"} <= set(sd)
+    b = make()
+    b.load_state_dict(sd)
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    x = torch.randn(16, 32)
+    assert torch.equal(a(x), b(x))
+    assert torch.equal(a[0].amax_history, b[0].amax_history)
+
+
+def test_convert_to_fp8_filters_shares_and_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    weights = [m.weight for m in model if isinstance(m, nn.Linear)]
+    convert_to_fp8(model, Recipe(granularity="row"), module_filter=lambda fqn, m: fqn != "4")
+    assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear)
+    assert type(model[4]) is nn.Linear
+    assert model[0].weight is weights[0] and model[2].weight is weights[1]  # shared, not copied
+    assert model[2].fqn == "2" and "fp8=current/row/hybrid" in repr(model)
+    x = torch.randn(512, 16)
+    target = (x[:, :4].sum(1, keepdim=True)).sin()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        loss = nn.functional.mse_loss(model(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+
+
+# -- bad input ---------------------------------------------------------------------
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="granularity"):
+        Recipe(granularity="column")
+    with pytest.raises(ValueError, match="delayed scaling needs granularity='tensor'"):
+        Recipe(scaling="delayed", granularity="row")
+    with pytest.raises(ValueError, match="backend"):
+        Recipe(backend="cuda")
+    with pytest.raises(ValueError, match="unknown granularity"):
+        quantize(torch.randn(4, 4), E4M3, "col")
+    with pytest.raises(ValueError, match="cannot quantize"):
+        quantize(torch.randn(0, 4), E4M3)
+    a, b = quantize(torch.randn(4, 8), E4M3), quantize(torch.randn(4, 16), E4M3)
+    with pytest.raises(ValueError, match="contraction dims differ"):
+        scaled_gemm(a, b, torch.float32)
+    with pytest.raises(ValueError, match="cannot be transposed"):
+        quantize(torch.randn(4, 8), E4M3, "row").t()
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        scaled_gemm(a, a, torch.float32, backend="cublas")
+
+
+def test_block_gemm_odd_shapes_against_fp64():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(65, 200, generator=g), torch.randn(96, 200, generator=g)
+    a, b = quantize(x, E4M3, "block", (1, 128)), quantize(w, E4M3, "block", (128, 128))
+    y = scaled_gemm(a, b, torch.float32)
+    exact = dequantize(a).double() @ dequantize(b).double().t()
+    assert sqnr(exact, y) > 120  # only fp32 summation error remains
+    assert sqnr(x.double() @ w.double().t(), y) > 25
