@@ -276,6 +276,12 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
     if a.granularity != "block":
         sa = a.inv_scale
         sb = b.inv_scale if b.granularity == "tensor" else b.inv_scale.t()
+        if not a.data.is_cuda and a.granularity == "tensor":
+            # On CPU, torch routes per-tensor E4M3 x E4M3 through a slow oneDNN kernel that also
+            # applies the scales in another order; the same scales repeated per row take its
+            # dequantize-and-multiply path: ~10x faster and bit-exact with "emulate".
+            sa = sa.expand(a.data.shape[0], 1).contiguous()
+            sb = sb.expand(1, b.data.shape[0]).contiguous()
         return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, bias=bias,
                                 out_dtype=out_dtype, use_fast_accum=fast_accum)
     k = a.data.shape[1]
@@ -416,17 +422,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
         act_block, w_block = (1, BLOCK), (BLOCK, BLOCK)
         x2 = x.reshape(-1, x.shape[-1])
         qx = _quantize_role(mod, INPUT, x2, r.fwd_fmt, act_block)
-        qw = _quantize_role(mod, WEIGHT, weight, r.fwd_fmt, w_block)
+        qw, qw_t = mod.weight_operands()  # W for this GEMM, W^T for dgrad
         b = None if bias is None else bias.to(out_dtype)
         y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
         # Keep only the FP8 operands of the two backward GEMMs, laid out along their
         # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad.
         qx_t = _requantize_t(mod, INPUT, x2, r.fwd_fmt, qx, act_block)
-        qw_t = _requantize_t(mod, WEIGHT, weight, r.fwd_fmt, qw, w_block)
         (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
         ctx.save_for_backward(*tx, *tw)
         ctx.meta = (mx, mw)
-        ctx.mod, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = mod, x.shape, x.dtype, weight.dtype
+        ctx.mod, ctx.x_shape, ctx.x_dtype = mod, x.shape, x.dtype
         ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -444,7 +449,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:  # wgrad: dW (N, K) = dy^T (N, M) @ [x^T (K, M)]^T
                 qdy_t = _requantize_t(mod, GRAD_OUTPUT, dy2, r.bwd_fmt, qdy, (1, BLOCK))
-                dw = scaled_gemm(qdy_t, qx_t, ctx.w_dtype, backend=r.backend, name=mod.fqn)
+                dw = scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend, name=mod.fqn)
+                dw = mod.take_wgrad(dw)  # O1: the autograd gradient; O2: kept in FP8 instead
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.b_dtype)
         return dx, dw, db, None, None
@@ -467,7 +473,34 @@ class Fp8Linear(nn.Linear):
         self.fqn = fqn or "Fp8Linear"
         self._init_scaling_state(self.weight.device)
 
+    # Two extension points, used by precision decoupling (level O2, nanofp8/optim.py), which
+    # keeps the master weight in fp16 and the weight gradient in FP8:
+    def hp_weight(self):
+        """The high-precision weight the FP8 copies are cast from."""
+        return self.weight
+
+    def take_wgrad(self, dw):
+        """Receives the fp32 weight gradient; returns what autograd accumulates into .grad."""
+        return dw.to(self.weight.dtype)
+
+    def weight_operands(self):
+        """FP8 W (N, K) and W^T (K, N), cast once per optimizer step: with gradient accumulation
+        the weight is unchanged across micro-steps, so the cast (and, with delayed scaling, the
+        weight's history) is reused until the weight's version counter moves."""
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._w_cache is not None and self._w_cache[0] == key and not torch.compiler.is_compiling():
+            return self._w_cache[1]
+        w, r, blk = self.hp_weight().detach(), self.recipe, (BLOCK, BLOCK)
+        qw = _quantize_role(self, WEIGHT, w, r.fwd_fmt, blk)
+        ops = (qw, _requantize_t(self, WEIGHT, w, r.fwd_fmt, qw, blk))
+        self._w_cache = None if torch.compiler.is_compiling() else (key, ops)
+        return ops
+
+    def free_weight_cache(self):
+        self._w_cache = None
+
     def _init_scaling_state(self, device):
+        self._w_cache = None
         h = self.recipe.history_len
         self.register_buffer("amax_history", torch.zeros(3, h, device=device))
         self.register_buffer("history_count", torch.zeros(3, dtype=torch.long, device=device))

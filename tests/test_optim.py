@@ -1,0 +1,203 @@
+"""Tests of nanofp8/optim.py: the O2 optimizer against torch.optim.AdamW, the precision of every
+state (asserted through the memory accounting), non-finite gradients, checkpoints, and gradient
+accumulation in FP8."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, dequantize, quantize, sqnr
+from nanofp8.optim import (Fp8AdamW, O2Linear, activation_bytes, convert_to_o2,
+                           training_state_bytes)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+
+def o2_twin(model, recipe=None, v_format="fp16", lr=1e-3, wd=0.1):
+    o2 = convert_to_o2(convert_to_fp8(copy.deepcopy(model), recipe or Recipe()))
+    return o2, Fp8AdamW(o2.parameters(), o2, lr=lr, weight_decay=wd, v_format=v_format)
+
+
+def feed(ref, o2, grads):
+    """Give both models the same gradients (the O2 weights receive them as FP8 gradients)."""
+    for p, g in zip(ref.parameters(), grads):
+        p.grad = g.clone()
+    for (name, p), g in zip(o2.named_parameters(), grads):
+        mod = o2[int(name.split(".")[0])]
+        if isinstance(mod, O2Linear) and name.endswith("weight"):
+            mod.wgrad = quantize(g, E4M3)
+        else:
+            p.grad = g.clone()
+
+
+@pytest.mark.parametrize("v_format", ["fp16", "fp8"])
+def test_o2_adamw_tracks_torch_adamw(v_format):
+    ref = mlp()
+    o2, opt = o2_twin(ref, v_format=v_format)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    w0 = [p.detach().clone() for p in ref.parameters()]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        grads = [torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-5, -1, (), generator=g)
+                 for p in ref.parameters()]
+        feed(ref, o2, grads)
+        ref_opt.step()
+        assert opt.step()
+    for i in (0, 2):
+        upd_ref = ref[i].weight.detach() - w0[2 * (i // 2)]
+        upd_o2 = o2[i].hp_weight() - w0[2 * (i // 2)]
+        # The update is where the precision goes: FP8 gradient (~31 dB per step) and FP8 m.
+        # Observed 26.9-27.1 dB for the summed update of 30 steps (fp16 v), ~26 with FP8 v; the
+        # weights themselves agree to 42-48 dB.
+        assert sqnr(upd_ref, upd_o2) > 22
+        assert sqnr(ref[i].weight.detach(), o2[i].hp_weight()) > 38
+        # biases keep fp32 AdamW state: bit-identical to torch.optim.AdamW
+        assert torch.equal(ref[i].bias, o2[i].bias)
+
+
+def _one_step(model, opt, x):
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()  # gradients present for the accounting
+
+
+@pytest.mark.parametrize("v_format,budget", [("fp16", 6.0), ("fp8", 5.0)])
+def test_state_dtypes_and_bytes(v_format, budget):
+    o2, opt = o2_twin(mlp(), v_format=v_format)
+    _one_step(o2, opt, torch.randn(32, 64))
+    lin = o2[0]
+    st = opt.state[lin.weight]
+    assert lin.weight.dtype == torch.float16 and lin.weight.grad is None
+    assert lin.wgrad.data.dtype == torch.float8_e4m3fn
+    assert st["exp_avg"].dtype == torch.float8_e4m3fn
+    assert st["exp_avg_sq"].dtype == (torch.float16 if v_format == "fp16" else torch.float8_e4m3fn)
+    assert opt.state[lin.bias]["exp_avg"].dtype == torch.float32
+    acc = training_state_bytes(o2, opt)
+    # 2 (fp16 master) + 1 (FP8 grad) + 1 (FP8 m) + 2 or 1 (v) bytes, plus one fp32 scale per
+    # tensor and Adam's step counter: 6.0012 / 5.0012 B for these small 64x256 layers.
+    assert budget <= acc["linear"]["per_param"] < budget + 0.002
+    assert acc["linear"]["gemm_weight"] > 0  # FP8 W and W^T held from forward to step
+
+
+def test_bf16_baseline_accounts_16_bytes():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    _one_step(model, opt, torch.randn(32, 64))
+    acc = training_state_bytes(model, opt)
+    assert 16.0 <= acc["linear"]["per_param"] < 16.001 and acc["linear"]["gemm_weight"] == 0
+
+
+def test_nonfinite_gradient_skips_step_and_touches_nothing():
+    o2, opt = o2_twin(mlp())
+    x = torch.randn(32, 64)
+    _one_step(o2, opt, x)
+    before_model = {k: v.clone() for k, v in o2.state_dict().items()}
+    before_opt = copy.deepcopy(opt.state_dict())
+    for bad in (float("nan"), float("inf")):
+        opt.zero_grad()
+        o2(x).square().mean().backward()
+        o2[2].wgrad = quantize(torch.full((64, 256), bad), E4M3)
+        assert opt.step() is False
+        for k, v in o2.state_dict().items():
+            assert torch.equal(v, before_model[k]), k
+    assert opt.skipped_steps == 2
+    assert opt.state_dict()["state"].keys() == before_opt["state"].keys()
+    for k, st in opt.state_dict()["state"].items():
+        for name, t in st.items():
+            assert torch.equal(t, before_opt["state"][k][name])
+    # the same for an ordinary fp32 parameter's gradient
+    opt.zero_grad()
+    o2(x).square().mean().backward()
+    o2[0].bias.grad[3] = float("nan")
+    assert opt.step() is False and opt.skipped_steps == 3
+
+
+def test_checkpoint_round_trip_resumes_exactly():
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+
+    def run(model, opt, n):
+        losses = []
+        for _ in range(n):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    a, opt_a = o2_twin(mlp(), Recipe(scaling="delayed"))
+    full = run(a, opt_a, 6)
+    b, opt_b = o2_twin(mlp(), Recipe(scaling="delayed"))
+    first = run(b, opt_b, 3)
+    ckpt = {"model": b.state_dict(), "opt": opt_b.state_dict()}
+    torch.save(ckpt, "/tmp/nanofp8_o2_ckpt.pt")
+    ckpt = torch.load("/tmp/nanofp8_o2_ckpt.pt", weights_only=True)
+    c, opt_c = o2_twin(mlp(seed=9), Recipe(scaling="delayed"))  # different init, overwritten
+    c.load_state_dict(ckpt["model"])
+    opt_c.load_state_dict(ckpt["opt"])
+    assert first + run(c, opt_c, 3) == full
+
+
+def test_gradient_accumulation_in_fp8_does_not_drift():
+    o2, _ = o2_twin(mlp())
+    lin = o2[2]
+    g = torch.Generator().manual_seed(4)
+    micro = [torch.randn(64, 256, generator=g) * (1 + 3 * i) for i in range(8)]  # growing sum
+    for dw in micro:
+        lin.take_wgrad(dw)
+    exact = torch.stack(micro).sum(0)
+    once = sqnr(exact, dequantize(quantize(exact, E4M3)))
+    requantized = sqnr(exact, dequantize(lin.wgrad))
+    # The naive alternative: keep the first micro-step's scale and add in FP8. The sum outgrows
+    # the scale and saturates, and that error does compound.
+    first = quantize(micro[0], E4M3)
+    fixed = first
+    for dw in micro[1:]:
+        fixed = quantize(dequantize(fixed) + dw, E4M3, scale=first.scale)
+    fixed_scale = sqnr(exact, dequantize(fixed))
+    # Observed: exact sum quantized once 31.6 dB; re-quantized with a fresh scale after each of
+    # 8 micro-steps 27.6 dB (the first partial sums' rounding errors stay in); fixed scale 1.5 dB.
+    assert once > 30 and requantized > once - 5 and fixed_scale < requantized - 15
+
+
+def test_o2_trains_like_bf16():
+    torch.manual_seed(0)
+    x = torch.randn(256, 16)
+    y = x[:, :4].sum(1, keepdim=True).sin()
+    base = nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 1))
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
+    o2 = convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe(),
+                                      module_filter=lambda fqn, m: fqn != "4"))
+    opt = Fp8AdamW(o2.parameters(), o2, lr=3e-3, weight_decay=0.0)
+    for model, o in ((ref, ref_opt), (o2, opt)):
+        for _ in range(120):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    l_ref = nn.functional.mse_loss(ref(x), y).item()
+    l_o2 = nn.functional.mse_loss(o2(x), y).item()
+    print(f"mse after 120 steps: fp32 {l_ref:.4f}, O2 {l_o2:.4f}")
+    assert l_ref < 0.05 and l_o2 < 0.05  # both fit (from ~0.5)
+    assert abs(l_o2 - l_ref) < 0.02
+
+
+def test_weight_cast_once_per_step_and_activation_bytes():
+    o2, opt = o2_twin(mlp())
+    x = torch.randn(32, 64)
+    o2(x).sum().backward()
+    cached = o2[0]._w_cache[1][0]
+    o2(x).sum().backward()  # second micro-step: same FP8 weight object, not recast
+    assert o2[0]._w_cache[1][0] is cached
+    opt.step()
+    assert o2[0]._w_cache is None  # the step freed it; the next forward casts the new weight
+    nbytes, _ = activation_bytes(lambda: o2(x))
+    # saved: x^T (FP8), W^T (FP8) per layer, GELU input (fp32), + scales: FP8 dominates
+    assert nbytes < 32 * 64 + 64 * 256 + 32 * 256 * 4 + 32 * 256 + 256 * 64 + 1024
