@@ -298,13 +298,14 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
     return out.to(out_dtype)
 
 
-def _gemm_triton(a, b, out_dtype, bias):
+def _gemm_triton(a, b, out_dtype, bias, fast_accum):
     try:
         import kernels  # top-level kernels.py: on sys.path when run from the repo root
     except ImportError as e:
         raise RuntimeError("backend='triton' needs the repo's kernels.py importable (run from "
                            "the repo root) and the triton package installed") from e
-    return kernels.fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, out_dtype, bias)
+    return kernels.fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, out_dtype, bias,
+                            fast_accum=fast_accum)
 
 
 def _torch_backend_reason(a, b):
@@ -331,7 +332,7 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
     if backend == "emulate":
         return _gemm_emulate(a, b, out_dtype, bias)
     if backend == "triton":
-        return _gemm_triton(a, b, out_dtype, bias)
+        return _gemm_triton(a, b, out_dtype, bias, fast_accum)
     if backend != "torch":
         raise ValueError(f"unknown GEMM backend {backend!r}; expected one of {BACKENDS}")
     reason = _torch_backend_reason(a, b)

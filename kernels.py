@@ -1,0 +1,628 @@
+"""
+FP8 kernels in Triton: a persistent scaled GEMM and the quantizers that feed it
+===============================================================================
+
+nanofp8/fp8.py describes FP8 training in PyTorch; this file is the fast path underneath it.
+It holds the two kinds of kernel an FP8 linear layer needs, written to be read top to bottom:
+
+1. `quantize`: x (bf16/fp32) -> (fp8 data, fp32 scale), per tensor, per row, or per tile
+   (1x128 for activations and gradients, 128x128 for weights, as in DeepSeek-V3), and
+   `quantize_transpose`, which also writes the transposed copy that backward GEMMs read.
+2. `fp8_gemm`: out = (a * a_inv) @ (b * b_inv)^T (+ bias), fp8 operands, fp32 accumulation.
+
+The GEMM
+--------
+Start from the grouped, tiled matmul of Triton's tutorial 03 and the persistent kernel of
+tutorial 09. Each program owns a BLOCK_M x BLOCK_N tile of the output and walks K in steps of
+BLOCK_K = 128, multiplying fp8 tiles on the tensor cores into an fp32 accumulator. On Hopper:
+
+* Operand layout. FP8 wgmma only reads K-major operands: A as (M, K) row-major and B as
+  (N, K) row-major (i.e. B^T column-major, the layout torch._scaled_mm asks for too). That is
+  why every GEMM of the layer is written as A @ B^T with both operands quantized along K.
+* TMA. The Tensor Memory Accelerator copies a whole 2-D tile from global to shared memory from
+  one descriptor (base, shape, strides, box), zero-filling what falls outside the tensor, so
+  ragged edges need no masks. We build descriptors on the device (`tl.make_tensor_descriptor`),
+  which needs a little global scratch per program (hence `triton.set_allocator`) and 16-byte
+  aligned rows: K % 16 == 0 for fp8 operands. Other shapes take a masked pointer path.
+* Persistent schedule. We launch one program per SM and let each loop over output tiles
+  (tile, tile + NUM_SMS, ...), so there is no second wave of launches and the compiler can
+  overlap the epilogue of one tile with the loads of the next.
+* Grouped order. Tiles are visited GROUP_M rows of tiles at a time, column by column, so the
+  programs running together share A rows and B columns and mostly hit in L2.
+* Accumulation. Hopper's FP8 MMA accumulates with fewer bits than fp32 (DeepSeek-V3 measured
+  ~14, up to 2% relative error at K = 4096). Triton's `max_num_imprecise_acc` makes the compiler
+  add the tensor-core partial sum into a true fp32 accumulator every that many elements of K;
+  we use 128 unless `fast_accum=True` (the imprecise, faster mode used for forward GEMMs).
+* Scales. A per-tensor or per-row scale is constant along K, so it factors out of the dot
+  product and is applied once, in the epilogue. A block scale changes every 128 elements of K,
+  so each 128-wide partial product is scaled as it is added to the fp32 accumulator: the
+  "promote to fp32 every 128 of K" of DeepSeek-V3 comes for free.
+
+The quantizers
+--------------
+scale = fp8_max / max(amax, 1e-12), computed in float64 and rounded once to fp32 (so Triton,
+eager and compiled torch agree bit for bit), optionally rounded down to a power of two and
+divided by 2^margin; a NaN/inf amax gives scale 1.0. Then data = saturate(x * scale): clamp to
++-fp8_max, round to nearest even, and non-finite inputs become NaN (never a silent 448).
+Row and tile scales need only the values a program has in hand: one pass over memory. A
+tensor scale needs the amax of the whole tensor before the first element can be cast, so it
+takes two passes: partial maxima (one per program, no atomics, deterministic), then a cast
+kernel in which every program reduces those partials to the same scale itself.
+
+We round onto the fp8 grid ourselves before the final cast. The cast of an already
+representable value is exact on every backend, so the bytes match torch's cast on the GPU and
+in the CPU interpreter (TRITON_INTERPRET=1), whose own float->fp8/bf16 casts round differently.
+
+Run `python kernels.py` for a correctness check (CPU: interpreter, no timings) and, on a
+CUDA GPU, a benchmark against torch._scaled_mm and bf16 torch.matmul (`--json PATH` saves it).
+"""
+
+import os
+import sys
+
+import torch
+
+if __name__ == "__main__" and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: run the kernels in the interpreter
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # keep the failure readable: nanofp8 works without Triton (backend="torch")
+    raise ImportError("kernels.py needs the `triton` package (and a CUDA GPU, or "
+                      "TRITON_INTERPRET=1 on CPU); use backend='torch' without it") from e
+
+# Triton reads this variable when a kernel is decorated, so it must be set before this import.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+# torch dtype -> (largest finite value, mantissa bits, exponent of the smallest normal)
+FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KBLOCK = 128  # K step of the GEMM = width of a scaling tile (DeepSeek-V3)
+AMAX_EPS = tl.constexpr(1e-12)  # amax floor: an all-zero tensor gets a large finite scale
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # |v| <= FLT_MAX  <=>  v is finite (NaN fails)
+NAN_BYTE = tl.constexpr(0x7F)  # torch's positive NaN in both E4M3FN and E5M2
+
+
+# -----------------------------------------------------------------------------
+# Shared building blocks: scale from amax, and the saturating, correctly rounded cast
+
+
+@triton.jit
+def _scale_from_amax(amax, FP8_MAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr):
+    """fp32 scale from an fp32 amax (any shape), exactly as nanofp8.fp8.compute_scale."""
+    a64 = amax.to(tl.float64)
+    # tl.full keeps 1e-12 a float64 constant (a bare literal would be rounded to fp32 first)
+    s64 = FP8_MAX / tl.maximum(a64, tl.full(a64.shape, AMAX_EPS, tl.float64))
+    if POW2:  # 2^floor(log2 s): clear the 52 mantissa bits of the (positive) float64
+        s64 = ((s64.to(tl.int64, bitcast=True) >> 52) << 52).to(tl.float64, bitcast=True)
+    scale = (s64 * MARGIN_MUL).to(tl.float32)  # MARGIN_MUL = 2^-margin: exact
+    return tl.where(amax <= FLT_MAX, scale, 1.0)  # NaN or inf amax: fall back to 1.0
+
+
+@triton.jit
+def _abs_for_amax(x):
+    """|x| in fp32 with NaN mapped to inf, so that a max over it is non-finite iff any x is."""
+    ax = tl.abs(x.to(tl.float32))
+    return tl.where(ax == ax, ax, float("inf"))
+
+
+@triton.jit
+def _store_fp8(q_ptrs, x, scale, mask, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
+               EMIN: tl.constexpr):
+    """Store saturate(x * scale) as fp8: clamp, round to nearest even on the fp8 grid, cast."""
+    x = x.to(tl.float32)  # before any comparison: FLT_MAX would round to inf in bf16/fp16
+    y = tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX)
+    # The fp8 grid spacing near y is 2^(e - MBITS), e = exponent of y, floored at the
+    # smallest normal exponent (below it the spacing is constant: the subnormals).
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
+    up = ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)  # 2^(MBITS - e)
+    down = ((127 - MBITS + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - MBITS)
+    t = y * up  # exact: |t| < 2^(MBITS + 1), an integer count of grid steps plus a fraction
+    t = (t + 12582912.0) - 12582912.0  # adding 1.5 * 2^23 leaves no fraction bits: RNE
+    r = t * down
+    r = tl.where(bits < 0, -tl.abs(r), tl.abs(r))  # keep the sign of values that round to 0
+    q = r.to(q_ptrs.dtype.element_ty).to(tl.uint8, bitcast=True)  # exact: r is on the grid
+    q = tl.where(tl.abs(x) <= FLT_MAX, q, NAN_BYTE)  # inf/NaN input -> NaN, never +-max
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty, bitcast=True), mask=mask)
+
+
+# -----------------------------------------------------------------------------
+# Quantization kernels
+
+
+@triton.jit
+def _amax_partial_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    """Pass 1 of tensor scaling: program p writes max |x| over its grid-strided chunks."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, _abs_for_amax(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
+    tl.store(partial_ptr + pid, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _cast_tensor_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, scale_ptr, R, C, P,
+                        FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                        MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, WRITE_T: tl.constexpr,
+                        P_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pass 2 of tensor scaling. Each program reduces the partial maxima (a few KB, from L2)
+    to the scale once, then casts (BLOCK_R, BLOCK_C) tiles t = pid, pid + programs, ...;
+    with WRITE_T it also writes every tile transposed into qt (C, R)."""
+    p = tl.arange(0, P_BLOCK)
+    amax = tl.max(tl.load(partial_ptr + p, mask=p < P, other=0.0), axis=0)
+    scale = _scale_from_amax(amax, FP8_MAX, MARGIN_MUL, POW2)
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr, scale)
+    n_col_tiles = tl.cdiv(C, BLOCK_C)
+    for t in range(tl.program_id(0), tl.cdiv(R, BLOCK_R) * n_col_tiles, tl.num_programs(0)):
+        rows = (t // n_col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = (t % n_col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        _store_fp8(q_ptr + rows[:, None] * C + cols[None, :], x, scale, mask, FP8_MAX, MBITS, EMIN)
+        if WRITE_T:  # cast + transpose: the (C, R) copy that the backward GEMMs read K-major
+            _store_fp8(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(x), scale,
+                       tl.trans(mask), FP8_MAX, MBITS, EMIN)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, R, C,
+                          FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                          MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One scale per row. Sweep 1 finds the amax of BLOCK_R rows, sweep 2 casts them; the
+    second read of the same rows usually comes from L2, so HBM sees the tensor about once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    amax = tl.zeros([BLOCK_R], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(_abs_for_amax(x), axis=1))
+    scale = _scale_from_amax(amax, FP8_MAX, MARGIN_MUL, POW2)
+    tl.store(scale_ptr + rows, scale, mask=rows < R)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        _store_fp8(q_ptr + rows[:, None] * C + cols[None, :], x, scale[:, None], mask,
+                   FP8_MAX, MBITS, EMIN)
+
+
+@triton.jit
+def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, R, C, n_col_tiles,
+                           FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                           MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
+                           TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One scale per (TILE_R, TILE_C) tile, in a single pass. A program holds BLOCK_R rows by
+    TILE_C columns: one tile when TILE_R > 1 (BLOCK_R == TILE_R), or BLOCK_R 1-row tiles."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+    amax = tl.max(_abs_for_amax(x), axis=1)  # per row; padding reads 0 and cannot win
+    if TILE_R == 1:
+        scale = _scale_from_amax(amax, FP8_MAX, MARGIN_MUL, POW2)
+        tl.store(scale_ptr + rows * n_col_tiles + tl.program_id(1), scale, mask=rows < R)
+        scale = scale[:, None]
+    else:
+        scale = _scale_from_amax(tl.max(amax, axis=0), FP8_MAX, MARGIN_MUL, POW2)
+        tl.store(scale_ptr + tl.program_id(0) * n_col_tiles + tl.program_id(1), scale)
+    _store_fp8(q_ptr + rows[:, None] * C + cols[None, :], x, scale, mask, FP8_MAX, MBITS, EMIN)
+
+
+# -----------------------------------------------------------------------------
+# The persistent FP8 GEMM
+
+
+def _gemm_configs():
+    if INTERPRET or not torch.cuda.is_available():
+        # the interpreter cannot time configs: one is enough (and small tiles keep it quick)
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": KBLOCK, "GROUP_M": 8})]
+    # Hopper, fp8: BLOCK_K = 128 bytes fills a 128-byte swizzled shared-memory row, and it must
+    # equal the scaling tile width anyway. Stages x (BM + BN) x 128 B must fit in ~227 KB.
+    # Large tiles suit fast accumulation; promotion (and block scaling) keeps a second fp32
+    # accumulator live, which spills at 128x256, so the smaller tiles win there.
+    shapes = [(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (128, 128, 3, 8),
+              (128, 128, 4, 4), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 5, 4)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": KBLOCK, "GROUP_M": 8},
+                          num_stages=s, num_warps=w) for bm, bn, s, w in shapes]
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: walk GROUP_M rows of tiles column by column (L2 reuse of A and B)."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)  # the last group may be shorter
+    pid_m = first_m + (tile_id % tiles_per_group) % group_rows
+    pid_n = (tile_id % tiles_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _round_to_bf16_grid(x):
+    """Round fp32 to the nearest-even bf16 value, kept in fp32. Only the CPU interpreter needs
+    this (its bf16 cast truncates); on the GPU the cast itself rounds to nearest even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    r = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) <= FLT_MAX, r, x)
+
+
+@triton.jit
+def _k_block_scales(ptr, safe_offs, start, ki, stride_r, stride_k, ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """The BLOCK scales of one operand's tile rows at K-block ki. When the tile lies inside one
+    group of ROWS rows (a 128x128 weight block) they are all one value: load it once, so the
+    software pipeline carries one register per stage instead of a vector (no spills)."""
+    if ROWS % BLOCK == 0:
+        return tl.zeros([BLOCK], tl.float32) + tl.load(ptr + (start // ROWS) * stride_r + ki * stride_k)
+    else:
+        return tl.load(ptr + (safe_offs // ROWS) * stride_r + ki * stride_k)
+
+
+@triton.autotune(configs=_gemm_configs(),
+                 key=["M", "N", "K", "BLOCKWISE", "FAST_ACCUM", "USE_TMA", "HAS_BIAS"])
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+                     stride_sam, stride_sak, stride_sbn, stride_sbk,
+                     A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+                     BLOCKWISE: tl.constexpr, FAST_ACCUM: tl.constexpr, USE_TMA: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, NUM_SMS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """c (M, N) = (a * sa) @ (b * sb)^T (+ bias). a: (M, K) fp8, b: (N, K) fp8, contiguous.
+    Scale of a at row m, K-block kb: a_scale[(m // A_SCALE_ROWS) * stride_sam + kb * stride_sak]
+    (stride 0 = constant along that axis: per-tensor scales have both strides 0). BLOCKWISE:
+    scales vary along K, so they are applied to every BLOCK_K (= 128) partial product."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if USE_TMA:  # descriptors are built once per program and reused for all of its tiles
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+    offs_k = tl.arange(0, BLOCK_K)
+    # persistent loop: this program takes tiles pid, pid + NUM_SMS, ... (flatten=True lets the
+    # software pipeliner treat the tile and K loops as one, prefetching across tile boundaries)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # rows past the edge read row 0 (in bounds, so no row mask) and are never stored
+        safe_m = tl.where(offs_m < M, offs_m, 0)
+        safe_n = tl.where(offs_n < N, offs_n, 0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BLOCK_K
+            if USE_TMA:  # out-of-bounds parts of the box arrive as zeros
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+                b = b_desc.load([pid_n * BLOCK_N, k0])
+            else:  # zero the K tail by masking, so it adds nothing to the dot product
+                k_ok = offs_k[None, :] < K - k0
+                a = tl.load(a_ptr + safe_m[:, None] * K + (k0 + offs_k)[None, :], mask=k_ok, other=0.0)
+                b = tl.load(b_ptr + safe_n[:, None] * K + (k0 + offs_k)[None, :], mask=k_ok, other=0.0)
+            if BLOCKWISE:
+                # a fresh tensor-core sum over these 128 of K, scaled, then added in fp32
+                sa = _k_block_scales(a_scale_ptr, safe_m, pid_m * BLOCK_M, ki, stride_sam,
+                                     stride_sak, A_SCALE_ROWS, BLOCK_M)
+                sb = _k_block_scales(b_scale_ptr, safe_n, pid_n * BLOCK_N, ki, stride_sbn,
+                                     stride_sbk, B_SCALE_ROWS, BLOCK_N)
+                acc += tl.dot(a, b.T) * sa[:, None] * sb[None, :]
+            elif FAST_ACCUM:  # Hopper's default for fp8: limited-precision accumulation
+                acc = tl.dot(a, b.T, acc)
+            else:  # promote the tensor-core partial sum into fp32 every BLOCK_K of K
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+        # epilogue: scales that are constant along K, bias, output cast, store
+        if not BLOCKWISE:
+            sa = tl.load(a_scale_ptr + (safe_m // A_SCALE_ROWS) * stride_sam)
+            sb = tl.load(b_scale_ptr + (safe_n // B_SCALE_ROWS) * stride_sbn)
+            acc = acc * sa[:, None] * sb[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+        if ROUND_BF16:
+            acc = _round_to_bf16_grid(acc)
+        c = acc.to(c_ptr.dtype.element_ty)
+        if USE_TMA:  # the store is clipped to the tensor's bounds by the hardware
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c)
+        else:
+            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c, mask=c_mask)
+
+
+# -----------------------------------------------------------------------------
+# Python entry points
+
+
+def _check_device(*tensors):
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in tensors]}")
+    if dev.type != "cuda" and not INTERPRET:
+        raise ValueError(f"Triton kernels need CUDA tensors (got {dev}), or TRITON_INTERPRET=1 "
+                         "set before `import kernels` to run them on CPU")
+
+
+def _num_sms(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few programs, so the persistent loop really loops
+
+
+def _scale_layout(s, rows, K, name):
+    """How an inverse-scale tensor maps onto its operand (rows, K):
+    (tensor, rows per scale, row stride, K-block stride, varies along K)."""
+    kb = triton.cdiv(K, KBLOCK)
+    if not torch.is_tensor(s) or not s.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {s!r}")
+    s = s.float().contiguous()
+    if s.numel() == 1 and s.dim() <= 2:  # one scale for the whole operand
+        return s.reshape(1), 1, 0, 0, False
+    if s.dim() == 2 and tuple(s.shape) == (rows, 1):  # row-wise
+        return s, 1, 1, 0, False
+    for rows_per_scale in (1, KBLOCK):  # 1x128 tiles, 128x128 blocks
+        if s.dim() == 2 and tuple(s.shape) == (triton.cdiv(rows, rows_per_scale), kb):
+            return s, rows_per_scale, kb, 1, kb > 1
+    raise ValueError(f"{name} has shape {tuple(s.shape)}; for an operand of shape ({rows}, {K}) "
+                     f"expected () (tensor), ({rows}, 1) (row), ({rows}, {kb}) (1x128 tiles) "
+                     f"or ({triton.cdiv(rows, KBLOCK)}, {kb}) (128x128 blocks)")
+
+
+def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None, *,
+             fast_accum=False, use_tma=None):
+    """out (M, N) = (a * a_inv_scale) @ (b * b_inv_scale)^T (+ bias), accumulated in fp32.
+
+    a: (M, K) and b: (N, K) fp8 (E4M3 or E5M2, any pair), row-major. Inverse scales (the
+    dequantization multipliers, fp32), each one of: a scalar; a row scale (M, 1) / (N, 1);
+    1x128 tiles (rows, ceil(K/128)); 128x128 blocks (ceil(rows/128), ceil(K/128)). Scales that
+    vary along K are applied to each 128-wide slice of K before it joins the fp32 sum.
+    fast_accum: let Hopper accumulate whole tiles in its reduced precision (faster).
+    use_tma: None picks TMA descriptors on Hopper when rows are 16-byte aligned; False forces
+    the pointer path; True requires TMA (ValueError if the shapes cannot use it)."""
+    for name, t in (("a", a), ("b", b)):
+        if not torch.is_tensor(t) or t.dtype not in FP8_FORMATS or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor, got "
+                             f"{getattr(t, 'dtype', type(t))} of shape {tuple(getattr(t, 'shape', ()))}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"contraction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
+                         "(b must be (N, K), i.e. B^T)")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    (M, K), N = a.shape, b.shape[0]
+    if bias is not None and (not torch.is_tensor(bias) or tuple(bias.shape) != (N,)):
+        raise ValueError(f"bias must be a tensor of shape ({N},), got {getattr(bias, 'shape', bias)}")
+    if max(M * K, N * K, M * N) >= 2**31:
+        raise ValueError(f"M, N, K = {M}, {N}, {K}: operands or output of 2^31 or more elements "
+                         "are not supported (int32 offsets)")
+    _check_device(a, b, *([bias] if bias is not None else []))
+    a, b = a.contiguous(), b.contiguous()
+    sa, a_rows, sam, sak, a_per_k = _scale_layout(a_inv_scale, M, K, "a_inv_scale")
+    sb, b_rows, sbn, sbk, b_per_k = _scale_layout(b_inv_scale, N, K, "b_inv_scale")
+    sa, sb = sa.to(a.device), sb.to(a.device)
+    if M == 0 or N == 0 or K == 0:
+        out = torch.zeros((M, N), device=a.device, dtype=torch.float32)
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+    c = torch.empty((M, N), device=a.device, dtype=out_dtype)
+    cuda = a.device.type == "cuda"
+    tma_ok = (K % 16 == 0 and (N * c.element_size()) % 16 == 0
+              and all(t.data_ptr() % 16 == 0 for t in (a, b, c))
+              and (INTERPRET or (cuda and torch.cuda.get_device_capability(a.device)[0] >= 9)))
+    if use_tma and not tma_ok:
+        raise ValueError(f"use_tma=True needs K % 16 == 0 (K={K}), 16-byte output rows (N={N}, "
+                         f"{out_dtype}) and a Hopper GPU or the interpreter")
+    use_tma = tma_ok if use_tma is None else bool(use_tma)
+    if use_tma and cuda:  # device-side descriptors live in a small global scratch buffer
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, device=a.device,
+                                                                      dtype=torch.int8))
+    num_sms = _num_sms(a.device)
+    grid = lambda META: (min(num_sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
+    _fp8_gemm_kernel[grid](
+        a, b, c, sa, sb, bias.contiguous() if bias is not None else sa, M, N, K,
+        sam, sak, sbn, sbk, A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows,
+        BLOCKWISE=a_per_k or b_per_k, FAST_ACCUM=bool(fast_accum), USE_TMA=use_tma,
+        HAS_BIAS=bias is not None, ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16,
+        NUM_SMS=num_sms)
+    return c
+
+
+def _check_quantize_args(x, fmt_dtype, granularity, block):
+    if fmt_dtype not in FP8_FORMATS:
+        raise ValueError(f"fmt_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fmt_dtype}")
+    if granularity not in ("tensor", "row", "block"):
+        raise ValueError(f"unknown granularity {granularity!r}; expected 'tensor', 'row' or 'block'")
+    if not torch.is_tensor(x) or x.dtype not in OUT_DTYPES:
+        raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1 or x.numel() == 0:
+        raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}")
+    if x.numel() >= 2**31:
+        raise ValueError(f"{x.numel()} elements: 2^31 or more are not supported (int32 offsets)")
+    br, bc = block
+    pow2 = lambda v: isinstance(v, int) and v > 0 and v & (v - 1) == 0
+    if granularity == "block" and not (pow2(br) and pow2(bc) and 16 <= bc <= 1024 and br * bc <= 16384):
+        raise ValueError(f"block {tuple(block)} is not supported: rows and columns must be powers "
+                         "of two, columns in [16, 1024], at most 16384 elements, e.g. (1, 128), (128, 128)")
+    _check_device(x)
+
+
+def _fmt_args(fmt_dtype, margin, power_of_two):
+    fp8_max, mbits, emin = FP8_FORMATS[fmt_dtype]
+    return dict(FP8_MAX=fp8_max, MBITS=mbits, EMIN=emin, MARGIN_MUL=2.0 ** -margin,
+                POW2=bool(power_of_two))
+
+
+def _quantize_tensor(x2, fmt_dtype, margin, power_of_two, transpose):
+    R, C = x2.shape
+    n = R * C
+    block = 1024 if INTERPRET else 4096
+    # number of partial maxima = pass-1 programs (few in the interpreter, so that its loop runs)
+    P = min(triton.cdiv(n, block), 64 if INTERPRET else 1024)
+    partial = torch.empty(P, device=x2.device, dtype=torch.float32)
+    _amax_partial_kernel[(P,)](x2, partial, n, BLOCK=block)
+    data = torch.empty((R, C), device=x2.device, dtype=fmt_dtype)
+    data_t = torch.empty((C, R), device=x2.device, dtype=fmt_dtype) if transpose else data
+    scale = torch.empty((), device=x2.device, dtype=torch.float32)
+    br, bc = (64, 64) if transpose else (16, 256)
+    tiles = triton.cdiv(R, br) * triton.cdiv(C, bc)
+    programs = min(tiles, 8 * _num_sms(x2.device))  # few enough that reducing P is cheap
+    _cast_tensor_kernel[(programs,)](
+        x2, data, data_t, partial, scale, R, C, P, **_fmt_args(fmt_dtype, margin, power_of_two),
+        WRITE_T=transpose, P_BLOCK=triton.next_power_of_2(P), BLOCK_R=br, BLOCK_C=bc)
+    return data, data_t, scale
+
+
+def quantize(x, fmt_dtype, granularity="tensor", block=(1, KBLOCK), margin=0, power_of_two=False):
+    """(data, scale) with data = saturate(x * scale) in fmt_dtype, bit-exact with
+    nanofp8.fp8.quantize. x is flattened to (rows, cols) = (-1, x.shape[-1]); scale is fp32 of
+    shape () for "tensor", (rows, 1) for "row", (ceil(rows/br), ceil(cols/bc)) for "block"."""
+    block = tuple(block)
+    _check_quantize_args(x, fmt_dtype, granularity, block)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    R, C = x2.shape
+    fmt = _fmt_args(fmt_dtype, margin, power_of_two)
+    if granularity == "tensor":
+        data, _, scale = _quantize_tensor(x2, fmt_dtype, margin, power_of_two, transpose=False)
+        return data, scale
+    data = torch.empty((R, C), device=x.device, dtype=fmt_dtype)
+    if granularity == "row":
+        scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
+        bc = min(triton.next_power_of_2(C), 1024)
+        br = max(1, min(4096 // bc, 64))
+        _quantize_rows_kernel[(triton.cdiv(R, br),)](x2, data, scale, R, C, **fmt,
+                                                    BLOCK_R=br, BLOCK_C=bc)
+        return data, scale
+    tr, tc = block
+    scale = torch.empty((triton.cdiv(R, tr), triton.cdiv(C, tc)), device=x.device, dtype=torch.float32)
+    rows_per_prog = tr if tr > 1 else max(1, min(4096 // tc, 32))
+    _quantize_tiles_kernel[(triton.cdiv(R, rows_per_prog), triton.cdiv(C, tc))](
+        x2, data, scale, R, C, scale.shape[1], **fmt, TILE_R=tr, TILE_C=tc, BLOCK_R=rows_per_prog,
+        num_warps=8 if rows_per_prog * tc >= 8192 else 4)  # a 128x128 tile is 16K values
+    return data, scale
+
+
+def quantize_transpose(x, fmt_dtype, margin=0, power_of_two=False):
+    """Tensor-scaled cast + transpose in one pass 2: (data (R, C), data_t (C, R), scale).
+    data_t is what the backward GEMMs need: the same FP8 values, K-major along the other dim."""
+    _check_quantize_args(x, fmt_dtype, "tensor", (1, KBLOCK))
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return _quantize_tensor(x2, fmt_dtype, margin, power_of_two, transpose=True)
+
+
+# -----------------------------------------------------------------------------
+# `python kernels.py`: correctness check everywhere, benchmark on CUDA
+
+GEMM_SHAPES = ([(f"square {s}", (s, s, s)) for s in (1024, 2048, 4096, 8192)]  # (M, N, K)
+               + [(f"GPT-2 124M {n}", (8192, N, K)) for n, (K, N) in
+                  {"qkv": (768, 2304), "proj": (768, 768), "fc": (768, 3072), "fc-proj": (3072, 768)}.items()]
+               + [(f"GPT-2 XL {n}", (8192, N, K)) for n, (K, N) in
+                  {"qkv": (1600, 4800), "proj": (1600, 1600), "fc": (1600, 6400), "fc-proj": (6400, 1600)}.items()]
+               + [(f"LLaMA-7B {n}", (8192, N, K)) for n, (K, N) in
+                  {"qkv": (4096, 12288), "o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}.items()])
+
+
+def _sqnr(ref, x):
+    noise = (ref.double() - x.double()).norm()
+    return float("inf") if noise == 0 else (20 * torch.log10(ref.double().norm() / noise)).item()
+
+
+def _self_check(device):
+    """Quantizers vs nanofp8.fp8.quantize (bytes and scales), GEMM vs dequantize-then-matmul."""
+    from nanofp8 import fp8  # the pure-torch reference this file must agree with
+    torch.manual_seed(0)
+    M, N, K = (65, 96, 200) if device == "cpu" else (1000, 1536, 2000)
+    x = torch.randn(M, K, device=device) * 4
+    x[0, :3] = torch.tensor([float("inf"), float("nan"), 1e-30])
+    ok = True
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        for gran, block in (("tensor", (1, 128)), ("row", (1, 128)), ("block", (1, 128)), ("block", (128, 128))):
+            ref = fp8.quantize(x, fmt, gran, block, margin=1)
+            data, scale = quantize(x, fmt.dtype, gran, block, margin=1)
+            same = torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale)
+            ok &= same
+            print(f"quantize {fmt.name} {gran:6s} {str(block) if gran == 'block' else '':10s} bit-exact: {same}")
+    w = torch.randn(N, K, device=device) * 0.05
+    bias = torch.randn(N, device=device)
+    for (fa, fb) in ((fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3)):
+        for gran, ba, bb in (("tensor", None, None), ("row", None, None), ("block", (1, 128), (128, 128))):
+            a = fp8.quantize(x.nan_to_num(0.0, 0.0, 0.0), fa, gran, ba or (1, 128))
+            b = fp8.quantize(w, fb, gran, bb or (1, 128))
+            ref = fp8.scaled_gemm(a, b, torch.float32, bias, backend="emulate")
+            out = fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, torch.float32, bias)
+            rel = ((out - ref).abs().max() / ref.abs().max()).item()
+            ok &= rel < 1e-5
+            print(f"fp8_gemm {fa.name}x{fb.name} {gran:6s} M,N,K={M},{N},{K}: max rel err {rel:.2e}, "
+                  f"SQNR vs fp32 reference {_sqnr(ref, out):.1f} dB, vs unquantized "
+                  f"{_sqnr(x.nan_to_num(0.0, 0.0, 0.0) @ w.t() + bias, out):.1f} dB")
+    print("correctness:", "OK" if ok else "FAILED")
+    return ok
+
+
+def _benchmark(json_path=None):
+    import datetime
+    import json
+    from triton.testing import do_bench
+    e4m3, bf16, dev = torch.float8_e4m3fn, torch.bfloat16, "cuda"
+    names = ["triton", "triton fast", "triton block", "_scaled_mm", "_scaled_mm fast", "bf16 matmul"]
+    print(f"\nGEMM TFLOPS (2*M*N*K / time) on {torch.cuda.get_device_name()}, bf16 output; "
+          "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales")
+    print(f"{'shape':22s} {'M':>5s} {'N':>6s} {'K':>6s} " + " ".join(f"{n:>15s}" for n in names))
+    results = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(),
+               "torch": torch.__version__, "triton": triton.__version__, "gemm": [], "quantize": []}
+    for label, (M, N, K) in GEMM_SHAPES:
+        x, w = torch.randn(M, K, device=dev, dtype=bf16), torch.randn(N, K, device=dev, dtype=bf16)
+        (qa, sa), (qb, sb) = quantize(x, e4m3, "tensor"), quantize(w, e4m3, "tensor")
+        (ta, tsa), (tb, tsb) = quantize(x, e4m3, "block", (1, 128)), quantize(w, e4m3, "block", (128, 128))
+        ia, ib, tia, tib = sa.reciprocal(), sb.reciprocal(), tsa.reciprocal(), tsb.reciprocal()
+        fns = [lambda: fp8_gemm(qa, qb, ia, ib, bf16),
+               lambda: fp8_gemm(qa, qb, ia, ib, bf16, fast_accum=True),
+               lambda: fp8_gemm(ta, tb, tia, tib, bf16),
+               lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16),
+               lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16, use_fast_accum=True),
+               lambda: torch.matmul(x, w.t())]
+        row = {"shape": label, "M": M, "N": N, "K": K}
+        for name, fn in zip(names, fns):
+            try:
+                row[name] = round(2 * M * N * K / do_bench(fn) * 1e-9, 1)
+            except Exception as e:  # report the failure, never a number we did not measure
+                print(f"  {name} failed on {label}: {str(e).splitlines()[0][:120]}")
+                row[name] = None
+        results["gemm"].append(row)
+        print(f"{label:22s} {M:5d} {N:6d} {K:6d} " + " ".join(
+            f"{'n/a' if row[n] is None else row[n]:>15}" for n in names))
+        del x, w, qa, qb, ta, tb
+    print("\nquantization GB/s ((bytes read once + bytes written) / time), x = 8192 x 4096 bf16")
+    x = torch.randn(8192, 4096, device=dev, dtype=bf16)
+    io = x.numel() * (x.element_size() + 1)
+    cases = [("tensor (2 passes)", lambda: quantize(x, e4m3, "tensor"), io),
+             ("row", lambda: quantize(x, e4m3, "row"), io),
+             ("block 1x128", lambda: quantize(x, e4m3, "block", (1, 128)), io),
+             ("block 128x128", lambda: quantize(x, e4m3, "block", (128, 128)), io),
+             ("tensor + transpose", lambda: quantize_transpose(x, e4m3), io + x.numel())]
+    for name, fn, nbytes in cases:
+        gbs = round(nbytes / do_bench(fn) * 1e-6, 1)
+        results["quantize"].append({"kernel": name, "shape": list(x.shape), "GB/s": gbs})
+        print(f"  {name:20s} {gbs:8.1f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--json", metavar="PATH", help="write the benchmark figures to PATH")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ok = _self_check(device)
+    if device == "cuda":
+        _benchmark(args.json)
+    else:
+        print("no CUDA GPU: kernels ran in the Triton interpreter; timings need a GPU (skipped)")
+    sys.exit(0 if ok else 1)

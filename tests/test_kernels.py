@@ -1,0 +1,281 @@
+"""Tests of kernels.py (Triton FP8 quantizers and GEMM), run on CPU in the Triton interpreter.
+
+What holds, and is checked here:
+* quantize / quantize_transpose are bit-exact (same fp8 bytes, same fp32 scales) with
+  nanofp8.fp8.quantize and with the small torch reference below, special values included.
+* fp8_gemm: products of fp8 values are exact in fp32, so with power-of-two scales and operands
+  whose partial sums are small integers the result is EXACT (any summation order), and a bf16
+  output equals the fp32 reference rounded to nearest even. With random data the only
+  difference left is fp32 summation order: relative error <= 1e-6, SQNR > 120 dB.
+"""
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+import kernels  # noqa: E402
+
+if not kernels.INTERPRET:  # imported earlier without the interpreter (by another test file)
+    kernels = importlib.reload(kernels)
+
+fp8 = pytest.importorskip("nanofp8.fp8")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FMT = {E4M3: fp8.E4M3, E5M2: fp8.E5M2}
+GRANS = [("tensor", (1, 128)), ("row", (1, 128)), ("block", (1, 128)), ("block", (128, 128))]
+
+
+def ref_quantize(x, dtype, gran, block=(1, 128), margin=0, pow2=False):
+    """The contract in plain torch: amax per tile (float64 division, 1e-12 floor, optional
+    power of two, /2^margin, non-finite amax -> 1.0), clamp, NaN for non-finite, RNE cast."""
+    fmax = FMT[dtype].max
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    R, C = x2.shape
+    br, bc = {"tensor": (R, C), "row": (1, C)}.get(gran, block)
+    pad = F.pad(x2.abs(), (0, -C % bc, 0, -R % br))
+    amax = pad.reshape(pad.shape[0] // br, br, -1, bc).amax(dim=(1, 3))
+    s = fmax / amax.double().clamp(min=1e-12)
+    if pow2:
+        s = torch.exp2(torch.floor(torch.log2(s)))
+    s = torch.where(torch.isfinite(amax), (s / 2.0**margin).float(), 1.0)
+    s_el = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:R, :C]
+    y = torch.where(torch.isfinite(x2), (x2 * s_el).clamp(-fmax, fmax), torch.nan).to(dtype)
+    return y, s.reshape(()) if gran == "tensor" else s  # row: already (R, 1)
+
+
+def assert_same_quant(got, want):
+    (d, s), (rd, rs) = got, want
+    assert d.dtype == rd.dtype and d.shape == rd.shape and s.shape == rs.shape and s.dtype == torch.float32
+    bad = (d.view(torch.uint8) != rd.view(torch.uint8)).sum().item()
+    assert bad == 0, f"{bad} fp8 bytes differ"
+    assert torch.equal(s, rs), f"scales differ: {s} vs {rs}"
+
+
+def special_input(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g).float())
+    flat = x.view(-1)
+    flat[::37] = 0.0
+    flat[5::41] = -0.0
+    flat[7::53] *= 1e6  # a few outliers per tile
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("gran,block", GRANS)
+def test_quantize_bit_exact(dtype, gran, block):
+    for i, (shape, xdt, margin, pow2) in enumerate([((65, 200), torch.float32, 0, False),
+                                                   ((300, 129), torch.bfloat16, 0, True),
+                                                   ((2, 33, 160), torch.float16, 3, False),
+                                                   ((1, 7), torch.float32, 1, True),
+                                                   ((130, 256), torch.bfloat16, 0, False)]):
+        x = special_input(shape, xdt, seed=i)
+        got = kernels.quantize(x, dtype, gran, block, margin=margin, power_of_two=pow2)
+        assert_same_quant(got, ref_quantize(x, dtype, gran, block, margin, pow2))
+        q = fp8.quantize(x, FMT[dtype], gran, block, margin=margin, power_of_two=pow2)
+        assert_same_quant(got, (q.data, q.scale))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("gran,block", GRANS)
+def test_quantize_special_values(dtype, gran, block):
+    x = special_input((40, 256), seed=7)
+    x[0, :4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0])  # row 0 tile 0: bad amax
+    x[1] = 0.0  # all-zero row: amax 0 -> scale fp8_max / 1e-12
+    x[2] = 1e-14  # amax below the 1e-12 floor
+    x[3, :128] = 3.0e38  # near fp32 max
+    x[4, 128:] = torch.nan  # a whole NaN tile
+    got = kernels.quantize(x, dtype, gran, block)
+    assert_same_quant(got, ref_quantize(x, dtype, gran, block))
+    q = fp8.quantize(x, FMT[dtype], gran, block)
+    assert_same_quant(got, (q.data, q.scale))
+    data, scale = got
+    assert torch.isnan(data[0, :3].float()).all() and torch.isfinite(scale).all()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_round_to_nearest_even_and_subnormals(dtype):
+    """amax = fp8_max makes the scale exactly 1: the kernel's rounding is then visible
+    directly. Midpoints between grid values, subnormals and values below the smallest
+    subnormal (flush to +-0, sign kept) must match torch's cast bit for bit."""
+    fmax = FMT[dtype].max
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties: round half to even
+    x = torch.cat([torch.tensor([fmax]), grid, mids, mids.nextafter(torch.tensor(float("inf"))),
+                   mids.nextafter(torch.tensor(-float("inf"))), torch.tensor([2.0**-20, -2.0**-20, -0.0])])
+    data, scale = kernels.quantize(x, dtype, "tensor")
+    assert scale.item() == 1.0
+    assert torch.equal(data.view(torch.uint8).view(-1), x.to(dtype).view(torch.uint8))
+
+
+def test_power_of_two_scale_at_binade_edges():
+    """amax = fp8_max * 2^-k and its fp32 neighbours: the power-of-two scale is 2^floor(log2).
+    Row granularity gives each candidate amax its own row, so one launch checks them all."""
+    for dtype in (E4M3, E5M2):
+        edge = torch.tensor(FMT[dtype].max) * torch.exp2(torch.arange(-40, 40).float())
+        amax = torch.cat([edge, edge.nextafter(edge * 2), edge.nextafter(edge / 2)])
+        x = torch.stack([amax, amax / 3], dim=1)
+        for margin in (0, 2):
+            got = kernels.quantize(x, dtype, "row", power_of_two=True, margin=margin)
+            assert_same_quant(got, ref_quantize(x, dtype, "row", margin=margin, pow2=True))
+
+
+def test_quantize_transpose():
+    # (300, 600): more tiles than programs in pass 2, and a looping pass 1
+    for dtype, shape in ((E4M3, (70, 200)), (E5M2, (300, 600))):
+        x = special_input(shape, torch.bfloat16, seed=3)
+        if dtype == E4M3:
+            x[5, 9] = float("inf")  # scale falls back to 1.0; the inf becomes NaN in both copies
+        data, data_t, scale = kernels.quantize_transpose(x, dtype, margin=1)
+        assert_same_quant((data, scale), ref_quantize(x, dtype, "tensor", margin=1))
+        assert data_t.shape == shape[::-1] and data_t.is_contiguous()
+        assert torch.equal(data_t.view(torch.uint8), data.t().view(torch.uint8))
+
+
+# -----------------------------------------------------------------------------
+# GEMM
+
+
+def ref_gemm(a, b, sa, sb, bias=None):
+    """Dequantize to fp32 and multiply; scales that vary along K are summed per 128-slice."""
+    def deq(d, s):
+        rows, k = d.shape
+        if s.numel() > 1 and tuple(s.shape) != (rows, 1):  # tiles: expand to one per element
+            per = 1 if s.shape[0] == rows else 128
+            s = s.repeat_interleave(per, 0)[:rows].repeat_interleave(128, 1)[:, :k]
+        return d.float() * s
+    a32, b32 = deq(a, sa), deq(b, sb)
+    out = sum(a32[:, k:k + 128] @ b32[:, k:k + 128].t() for k in range(0, a.shape[1], 128))
+    return out if bias is None else out + bias.float()
+
+
+def sqnr(ref, x):
+    noise = (ref.double() - x.double()).norm()
+    return float("inf") if noise == 0 else (20 * torch.log10(ref.double().norm() / noise)).item()
+
+
+def pow2_scales(kind, rows, K, gen):
+    kb = -(-K // 128)
+    shape = {"tensor": (), "row": (rows, 1), "tile": (rows, kb), "block": (-(-rows // 128), kb)}[kind]
+    return torch.exp2(torch.randint(-6, 3, shape, generator=gen).float())
+
+
+SCALINGS = [("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("tile", "block"), ("tile", "tile")]
+SHAPES = [(65, 96, 200), (1, 16, 128), (33, 17, 16), (200, 136, 272)]  # K=200, N=17: no TMA
+
+
+@pytest.mark.parametrize("fa,fb", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+@pytest.mark.parametrize("ka,kb", SCALINGS)
+def test_gemm_exact(fa, fb, ka, kb):
+    """Small-integer fp8 operands and power-of-two scales: every partial sum is exact in fp32,
+    so the kernel must match the reference exactly, TMA path and pointer path alike."""
+    gen = torch.Generator().manual_seed(0)
+    for i, (M, N, K) in enumerate(SHAPES):
+        a = torch.randint(-8, 9, (M, K), generator=gen).float().to(fa)
+        b = torch.randint(-8, 9, (N, K), generator=gen).float().to(fb)
+        sa, sb = pow2_scales(ka, M, K, gen), pow2_scales(kb, N, K, gen)
+        bias = torch.randint(-100, 100, (N,), generator=gen).float().to(torch.bfloat16) if i % 2 else None
+        ref = ref_gemm(a, b, sa, sb, bias)
+        # rotate through (output dtype, TMA descriptors or pointers) to keep the test quick
+        out_dtype, use_tma = [(torch.float32, None), (torch.bfloat16, False),
+                              (torch.bfloat16, None), (torch.float32, False)][(i + len(ka)) % 4]
+        out = kernels.fp8_gemm(a, b, sa, sb, out_dtype, bias, use_tma=use_tma)
+        assert out.dtype == out_dtype and out.shape == (M, N)
+        assert torch.equal(out, ref.to(out_dtype)), (M, N, K, out_dtype, use_tma)
+
+
+@pytest.mark.parametrize("fa", [E4M3, E5M2])
+@pytest.mark.parametrize("gran,ba,bb", [("tensor", None, None), ("row", None, None),
+                                        ("block", (1, 128), (128, 128)), ("block", (1, 128), (1, 128))])
+def test_gemm_random_vs_fp32(fa, gran, ba, bb, capsys):
+    """Random data quantized by nanofp8 (arbitrary, non-power-of-two scales), through
+    fp8.scaled_gemm(backend='triton') and directly: fp32 summation order is the only difference."""
+    torch.manual_seed(1)
+    for M, N, K in [(100, 160, 304)]:  # ragged tiles in M, N and K, TMA-aligned rows
+        x, w, bias = torch.randn(M, K) * 3, torch.randn(N, K) * 0.02, torch.randn(N)
+        a = fp8.quantize(x, FMT[fa], gran, ba or (1, 128))
+        b = fp8.quantize(w, fp8.E4M3, gran, bb or (1, 128))
+        ref = ref_gemm(a.data, b.data, a.inv_scale, b.inv_scale, bias)
+        for fast in (False, True) if gran == "tensor" else (False,):
+            out = kernels.fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, torch.float32, bias,
+                                   fast_accum=fast)
+            rel = ((out - ref).abs().max() / ref.abs().max()).item()
+            assert rel < 1e-6 and sqnr(ref, out) > 120, (rel, sqnr(ref, out))
+        via_fp8 = fp8.scaled_gemm(a, b, torch.bfloat16, bias, backend="triton")
+        emul = fp8.scaled_gemm(a, b, torch.bfloat16, bias, backend="emulate")
+        # bf16 output: the rounded reference, but where fp32 summation order differs (~1e-7 of
+        # the largest output) the rounding of a bf16 value can flip by one unit (<= 2^-7 relative)
+        tol = emul.float().abs() * 2**-7 + 1e-6 * emul.float().abs().max()
+        assert ((via_fp8.float() - emul.float()).abs() <= tol).all()
+        q_sqnr = sqnr(x @ w.t() + bias, out)  # the quantization error itself, for the record
+        assert q_sqnr > (24 if fa == E4M3 else 18)
+        with capsys.disabled():
+            print(f"\n  {fa} {gran} {ba} {bb} M,N,K={M},{N},{K}: rel err {rel:.1e}, SQNR vs fp32 "
+                  f"reference {sqnr(ref, out):.0f} dB, vs unquantized fp32 GEMM {q_sqnr:.1f} dB", end="")
+
+
+def test_gemm_degenerate_k():
+    a, b = torch.zeros(3, 0, dtype=E4M3), torch.zeros(5, 0, dtype=E4M3)
+    one = torch.tensor(1.0)
+    out = kernels.fp8_gemm(a, b, one, one, torch.float32, torch.arange(5.0))
+    assert torch.equal(out, torch.arange(5.0).expand(3, 5))
+
+
+def test_errors():
+    a, b, one = torch.zeros(64, 256, dtype=E4M3), torch.zeros(32, 256, dtype=E4M3), torch.tensor(1.0)
+    with pytest.raises(ValueError, match="float8"):
+        kernels.fp8_gemm(a.float(), b, one, one, torch.float32)
+    with pytest.raises(ValueError, match="contraction"):
+        kernels.fp8_gemm(a, b[:, :128], one, one, torch.float32)
+    with pytest.raises(ValueError, match="b_inv_scale has shape"):
+        kernels.fp8_gemm(a, b, one, torch.ones(7, 2), torch.float32)
+    with pytest.raises(ValueError, match="out_dtype"):
+        kernels.fp8_gemm(a, b, one, one, E4M3)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.fp8_gemm(a, b, one, one, torch.float32, bias=torch.zeros(64))
+    with pytest.raises(ValueError, match="use_tma"):
+        kernels.fp8_gemm(a[:, :200], b[:, :200], one, one, torch.float32, use_tma=True)
+    x = torch.randn(8, 128)
+    with pytest.raises(ValueError, match="granularity"):
+        kernels.quantize(x, E4M3, "channel")
+    with pytest.raises(ValueError, match="fmt_dtype"):
+        kernels.quantize(x, torch.float8_e4m3fnuz, "tensor")
+    with pytest.raises(ValueError, match="float32"):
+        kernels.quantize(x.to(torch.int32), E4M3, "tensor")
+    with pytest.raises(ValueError, match="shape"):
+        kernels.quantize(torch.zeros(0, 4), E4M3, "tensor")
+    with pytest.raises(ValueError, match="block"):
+        kernels.quantize(x, E4M3, "block", (1, 100))
+    interp, kernels.INTERPRET = kernels.INTERPRET, False
+    try:
+        with pytest.raises(ValueError, match="CUDA"):
+            kernels.quantize(x, E4M3, "tensor")
+    finally:
+        kernels.INTERPRET = interp
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+def test_fp8_linear_with_triton_backend(gran):
+    """The whole layer (forward, dgrad, wgrad) on the Triton kernels agrees with the reference."""
+    from nanofp8.fp8 import Recipe, convert_to_fp8, sqnr
+
+    outs = []
+    for backend in ("triton", "emulate"):
+        torch.manual_seed(0)
+        layer = convert_to_fp8(torch.nn.Linear(200, 144), Recipe(granularity=gran, backend=backend))
+        x = torch.randn(3, 40, 200, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.randn_like(y))
+        outs.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*outs):
+        assert sqnr(b, a) > 120  # fp32 summation order is the only difference
