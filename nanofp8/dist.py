@@ -1,0 +1,536 @@
+"""
+FP8 gradient communication, and data parallelism built on it.
+
+Like fp8.py, this file is meant to be read top to bottom.
+
+1. Why communicate in FP8
+-------------------------
+Data-parallel training sums every gradient over all W ranks once per step. A bandwidth-optimal
+all-reduce (a ring: reduce-scatter, then all-gather) makes each rank send 2(W-1)/W * N values,
+so the bytes on the wire are set by the bytes per value: 2 for BF16, 1 for FP8. Halving them
+pays where bandwidth is scarce (between nodes). Inside a node, NVLink is fast enough that the
+extra quantize/dequantize passes can cost more than they save; measure before you switch.
+
+2. The catch: nobody can add FP8 numbers for you
+------------------------------------------------
+Stock NCCL (and gloo) have no FP8 reduction, and no collective even accepts float8 dtypes. So
+FP8 payloads travel as raw bytes (tensor.view(torch.uint8)) through collectives that only move
+data, never add it: all_to_all and all_gather. The adding is done by us, in fp32:
+
+    reduce-scatter:  split the flat tensor into W chunks (chunk r belongs to rank r), quantize
+                     every chunk with ITS OWN scale, all_to_all the FP8 bytes (+ the scales), and
+                     let each rank dequantize the W versions of its chunk and sum them in fp32.
+    all-gather:      quantize this rank's piece, all_gather bytes + scales, dequantize.
+    all-reduce:      reduce-scatter, re-quantize the reduced chunk (with a scale from the amax of
+                     the actual sum), all-gather it.
+
+The scales (fp32, 4 bytes each) ride inside the same byte buffer as the payload, appended to
+each chunk, so one collective carries both: one launch latency instead of two.
+
+Because no FP8 addition ever happens, the sum cannot overflow the FP8 range, and a rank whose
+gradients are tiny is measured against its own amax, not drowned by a big rank's scale. The
+option `block` gives a chunk several scales (one per `block` elements, 4/block bytes of overhead
+per value), so one outlier only costs precision to its own block.
+
+MS-AMP takes the other road: one scale shared by all ranks (the min of their scales, i.e. from
+the largest amax) and a patched NCCL that sums FP8 values. A shared scale pushes a small-range
+rank's values into FP8's underflow, and a sum of W FP8 values can exceed the FP8 max. That is why
+the FP8-LM paper needs "automatic gradient scaling": multiply gradients by a factor that is halved
+whenever more than 0.001% of the values saturate (and slowly grown otherwise; MS-AMP's code never
+shipped it). This design does not need it, and does not implement it: scales are per rank and
+per chunk (nothing is quantized against another rank's range), the sum is fp32 (nothing
+saturates while adding), and the reduced chunk is re-quantized with the amax of the sum itself
+(so it cannot saturate either).
+
+One limit remains, and no scheme escapes it: the all-reduce's output is FP8 again, so the summed
+chunk must fit one format under one scale (per block). A chunk holding gradients 2^20 apart fits
+E5M2 (32 binades) but not E4M3 (18): its small values flush to zero there. That is one more
+reason gradients use E5M2. A reduce-scatter alone (ZeRO) keeps the fp32 sum and loses nothing.
+
+3. Counting bytes
+-----------------
+Every collective here adds to the module-level counter COMM (read and reset it with
+comm_stats()):
+    bytes_in    the bytes this rank hands to collectives: payload + scales (+ padding);
+    bytes_sent  the bytes this rank puts on the wire under the bandwidth-optimal algorithm:
+                all_to_all (W-1)/W of its input (the part addressed to others), all_gather
+                (W-1) x its input (a ring forwards every other rank's piece once), all_reduce
+                2(W-1)/W, reduce_scatter (W-1)/W, broadcast: the root sends its input once.
+                This is the number to compare: an FP8 all-reduce sends 0.5x the bytes of a
+                BF16 all-reduce, plus 4 bytes per scale (and the padding of the last chunk).
+
+4. Data parallelism (O1)
+------------------------
+Fp8DataParallel wraps a model, broadcasts rank 0's parameters, and all-reduces (averages) the
+gradients in FP8 (E5M2 by default: gradients need its range) after backward. Gradients are
+flattened into buckets of about `bucket_mb` MB, one all-reduce per bucket. With overlap=True a
+hook on each parameter notices when its gradient is final; when a whole bucket is ready, its
+reduce-scatter is launched asynchronously while backward goes on computing earlier layers.
+sync_gradients() then sums each bucket and starts all the all-gathers before waiting for any.
+`fmt=torch.bfloat16` (or float32) gives the plain all-reduce baseline, same buckets, same counter.
+
+Non-finite gradients: quantize() turns inf and NaN into NaN, the fp32 sum keeps it, the re-
+quantized chunk keeps it, and all_gather hands the very same bytes to every rank. So a NaN on any
+rank reaches every rank through the sum itself, and every rank holds bit-identical gradients;
+sync_gradients() then checks isfinite locally and all ranks get the same answer with no extra
+collective. (A reduce-scatter alone, as in ZeRO, only shows the NaN to the chunk's owner: use
+any_nonfinite(), a 1-element MAX all-reduce, there.)
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .fp8 import E4M3, E5M2, Fp8Format, quantize
+
+# torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
+# versions lack the new ones). Same semantics.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# -----------------------------------------------------------------------------
+# 1. The byte counter
+
+
+@dataclass
+class CommCounter:
+    calls: int = 0
+    bytes_in: int = 0  # handed to collectives by this rank (payload + scales + padding)
+    bytes_sent: int = 0  # put on the wire by this rank (bandwidth-optimal algorithm)
+    by_op: dict = field(default_factory=dict)  # op name -> {"calls", "bytes_in", "bytes_sent"}
+
+    def add(self, op, bytes_in, bytes_sent):
+        bytes_sent = int(round(bytes_sent))
+        self.calls += 1
+        self.bytes_in += bytes_in
+        self.bytes_sent += bytes_sent
+        entry = self.by_op.setdefault(op, {"calls": 0, "bytes_in": 0, "bytes_sent": 0})
+        entry["calls"] += 1
+        entry["bytes_in"] += bytes_in
+        entry["bytes_sent"] += bytes_sent
+
+    def reset(self):
+        self.calls = self.bytes_in = self.bytes_sent = 0
+        self.by_op = {}
+
+
+COMM = CommCounter()
+
+
+def comm_stats(reset=False):
+    """A snapshot of COMM as a dict (calls, bytes_in, bytes_sent, by_op); reset=True zeroes it."""
+    snap = {"calls": COMM.calls, "bytes_in": COMM.bytes_in, "bytes_sent": COMM.bytes_sent,
+            "by_op": {k: dict(v) for k, v in COMM.by_op.items()}}
+    if reset:
+        COMM.reset()
+    return snap
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+# -----------------------------------------------------------------------------
+# 2. FP8 rows: the unit that travels
+
+
+@dataclass
+class Fp8Rows:
+    """A flat tensor in FP8, cut in rows (one row per destination or source rank).
+
+    data  (R, C) FP8; the values of a row past `cols` are padding up to a multiple of `block`
+    scale (R, C // block) fp32, multiply-before-cast: one per `block` values of a row
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    cols: int
+
+    def dequantize(self, dtype=torch.float32):
+        """(R, cols) in `dtype`: every value times the inverse of its block's scale."""
+        rows, c = self.data.shape
+        nb = self.scale.shape[1]
+        x = self.data.float().reshape(rows, nb, c // nb) * self.scale.reciprocal().view(rows, nb, 1)
+        return x.view(rows, c)[:, : self.cols].to(dtype)
+
+
+def quantize_rows(x2, fmt, block=None):
+    """Quantize each row of x2 (R, n) with its own scale (block=None) or one scale per `block`
+    values (the row is zero-padded to a multiple of `block`). Uses fp8.quantize, so scales are
+    computed in float64, casts saturate, and inf/NaN become NaN."""
+    rows, n = x2.shape
+    b = n if block is None else block
+    c = -(-n // b) * b
+    x2 = F.pad(x2, (0, c - n))
+    q = quantize(x2.reshape(-1, b), fmt, granularity="row")
+    return Fp8Rows(q.data.view(rows, c), q.scale.view(rows, c // b), n)
+
+
+def _pack(q):
+    """Fp8Rows -> one uint8 buffer (R, C + 4 * scales per row): each row's FP8 bytes followed by
+    the raw bytes of its fp32 scales, so payload and scales travel in a single collective."""
+    return torch.cat([q.data.view(torch.uint8), q.scale.contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack(buf, c, cols, dtype):
+    """The inverse of _pack for a buffer whose rows hold c FP8 bytes, then the scales."""
+    return Fp8Rows(buf[:, :c].view(dtype), buf[:, c:].contiguous().view(torch.float32), cols)
+
+
+def shard_len(numel, world, block=None):
+    """Length of each rank's chunk when a flat tensor of `numel` values is reduce-scattered:
+    ceil(numel / world), rounded up to a multiple of `block`. The flat tensor is zero-padded
+    to world * shard_len; rank r owns values [r * shard_len, (r + 1) * shard_len)."""
+    c = -(-numel // world)
+    return c if block is None else -(-c // block) * block
+
+
+# -----------------------------------------------------------------------------
+# 3. Handles for work in flight
+
+
+class Pending:
+    """A collective in flight. wait() blocks until it is done and returns the result.
+
+    A stage is (work, finish): once `work` completes, finish() computes the result, or launches
+    the next collective and returns its Pending (an all-reduce is a reduce-scatter, then an
+    all-gather). advance() completes one stage without waiting for the next, so a caller can
+    start the all-gathers of many buckets before waiting for any of them."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+        self.done, self.result = False, None
+
+    def advance(self):
+        if not self.done:
+            if self.work is not None:
+                self.work.wait()
+            out = self.finish()
+            if isinstance(out, Pending):
+                self.work, self.finish = out.work, out.finish  # wait for it on the next call
+                self.done, self.result = out.done, out.result
+            else:
+                self.done, self.result = True, out
+        return self
+
+    def wait(self):
+        while not self.done:
+            self.advance()
+        return self.result
+
+
+def _finish(pending, async_op):
+    return pending if async_op else pending.wait()
+
+
+def _world(group):
+    return dist.get_world_size(group)
+
+
+def _check(x, op="sum"):
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', not {op!r}")
+    if x.numel() == 0:
+        raise ValueError("cannot communicate an empty tensor")
+    if x.dtype.is_floating_point and x.element_size() == 1:
+        raise ValueError("pass a high-precision tensor (or Fp8Rows): FP8 input would be re-quantized")
+
+
+# -----------------------------------------------------------------------------
+# 4. FP8 collectives
+
+
+def reduce_scatter_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=None,
+                       async_op=False):
+    """Sum (op="sum") or average (op="mean") x over the ranks of `group`; return this rank's
+    chunk of the flattened result: shard_len(x.numel(), W, block) values (the zero padding of
+    the last chunks included), in out_dtype (default x.dtype).
+
+    Each rank quantizes every destination chunk with its own scale(s), one all_to_all_single
+    moves the FP8 bytes and scales, and each rank sums the W dequantized versions of its chunk
+    in fp32. async_op=True returns a Pending.
+
+    x may already be quantized: an Fp8Rows with one row per rank (e.g. an FP8 gradient kept
+    with one tensor scale, repeated per row). Its bytes are sent as they are (fp32 result)."""
+    world = _world(group)
+    if isinstance(x, Fp8Rows):
+        if x.data.shape[0] != world or op not in ("sum", "mean"):
+            raise ValueError(f"need one row per rank ({world}) and op 'sum' or 'mean'")
+        q, c, out_dtype = x, x.data.shape[1], out_dtype or torch.float32
+    else:
+        _check(x, op)
+        n = x.numel()
+        c = shard_len(n, world, block)
+        flat = F.pad(x.detach().reshape(-1), (0, world * c - n))
+        q = quantize_rows(flat.view(world, c), fmt, block)  # row r: the chunk for rank r
+    send = _pack(q)
+    recv = torch.empty_like(send)  # row r: my chunk, as rank r quantized it
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    COMM.add("reduce_scatter_fp8", _nbytes(send), _nbytes(send) * (world - 1) / world)
+
+    def finish():
+        total = _unpack(recv, c, q.cols, q.data.dtype).dequantize().sum(0)  # the fp32 sum
+        if op == "mean":
+            total = total / world
+        return total.to(out_dtype or x.dtype)
+
+    return _finish(Pending(work, finish), async_op)
+
+
+def all_gather_fp8(x, group=None, fmt=E4M3, block=None, numel=None, shape=None, out_dtype=None,
+                   keep_fp8=False, async_op=False):
+    """Gather every rank's x (same numel everywhere) and return them concatenated, flat,
+    dequantized to out_dtype (default x.dtype, or fp32 for Fp8Rows input); cut to the first
+    `numel` values and reshaped to `shape` if given.
+
+    x may already be quantized (an Fp8Rows): its bytes are sent as they are, so a weight kept in
+    FP8 is gathered without a second rounding. keep_fp8=True returns the gathered Fp8Rows (one
+    row per rank) instead, for callers that want to use the FP8 values without dequantizing."""
+    if isinstance(x, Fp8Rows):
+        q, dtype = x, out_dtype or torch.float32
+    else:
+        _check(x)
+        q, dtype = quantize_rows(x.detach().reshape(1, -1), fmt, block), out_dtype or x.dtype
+    world = _world(group)
+    send = _pack(q)
+    recv = send.new_empty((world * send.shape[0], send.shape[1]))
+    work = _all_gather(recv, send, group=group, async_op=True)
+    COMM.add("all_gather_fp8", _nbytes(send), _nbytes(send) * (world - 1))
+
+    def finish():
+        got = _unpack(recv, q.data.shape[1], q.cols, q.data.dtype)
+        if keep_fp8:
+            return got
+        out = got.dequantize(dtype).reshape(-1)[:numel]
+        return out if shape is None else out.view(shape)
+
+    return _finish(Pending(work, finish), async_op)
+
+
+def all_reduce_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=None,
+                   async_op=False):
+    """Sum or average x over the ranks (op "sum" | "mean"), communicating in FP8: reduce-scatter,
+    re-quantize the reduced chunk, all-gather. Every rank gets the same bits, of x's shape and
+    out_dtype (default x.dtype). async_op=True returns a Pending (two stages)."""
+    rs = reduce_scatter_fp8(x, group, fmt, block, op, torch.float32, async_op=True)
+
+    def gather():
+        # All ranks, the owner included, use the dequantized gathered chunk: keeping the owner's
+        # fp32 sum would make its copy differ from everyone else's.
+        shard = quantize_rows(rs.wait().view(1, -1), fmt, block)
+        return all_gather_fp8(shard, group, numel=x.numel(), shape=x.shape,
+                              out_dtype=out_dtype or x.dtype, async_op=True)
+
+    return _finish(Pending(None, gather), async_op)
+
+
+# -----------------------------------------------------------------------------
+# 5. Plain baselines (same counter), and small helpers
+
+
+def all_reduce_plain(x, group=None, dtype=torch.bfloat16, op="sum", out_dtype=None,
+                     async_op=False):
+    """The baseline: x cast to `dtype` (bf16 or fp32) and summed by dist.all_reduce."""
+    _check(x, op)
+    world = _world(group)
+    buf = x.detach().to(dtype, copy=True)  # never reduce into the caller's tensor
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    COMM.add(f"all_reduce_{str(dtype).split('.')[-1]}", _nbytes(buf),
+             _nbytes(buf) * 2 * (world - 1) / world)
+
+    def finish():
+        out = buf.float() / world if op == "mean" else buf
+        return out.to(out_dtype or x.dtype)
+
+    return _finish(Pending(work, finish), async_op)
+
+
+def reduce_scatter_plain(x, group=None, dtype=torch.bfloat16, op="sum", out_dtype=None,
+                         async_op=False):
+    """The baseline reduce-scatter, with the chunking of reduce_scatter_fp8 (block=None)."""
+    _check(x, op)
+    world, n = _world(group), x.numel()
+    c = shard_len(n, world)
+    buf = F.pad(x.detach().reshape(-1).to(dtype), (0, world * c - n))
+    out = buf.new_empty(c)
+    work = _reduce_scatter(out, buf, group=group, async_op=True)
+    COMM.add(f"reduce_scatter_{str(dtype).split('.')[-1]}", _nbytes(buf),
+             _nbytes(buf) * (world - 1) / world)
+
+    def finish():
+        res = out.float() / world if op == "mean" else out
+        return res.to(out_dtype or x.dtype)
+
+    return _finish(Pending(work, finish), async_op)
+
+
+def all_gather_plain(x, group=None, dtype=torch.bfloat16, numel=None, shape=None, out_dtype=None,
+                     async_op=False):
+    """The baseline all-gather: x cast to `dtype`, concatenated over ranks, flat."""
+    world = _world(group)
+    buf = x.detach().reshape(-1).to(dtype)
+    out = buf.new_empty(world * buf.numel())
+    work = _all_gather(out, buf, group=group, async_op=True)
+    COMM.add(f"all_gather_{str(dtype).split('.')[-1]}", _nbytes(buf), _nbytes(buf) * (world - 1))
+
+    def finish():
+        res = out[:numel].to(out_dtype or x.dtype)
+        return res if shape is None else res.view(shape)
+
+    return _finish(Pending(work, finish), async_op)
+
+
+def any_nonfinite(tensors, group=None):
+    """True on every rank if any rank has an inf or NaN in `tensors` (one 4-byte MAX all-reduce).
+    Needed where ranks hold different data after communication (ZeRO's reduce-scatter)."""
+    tensors = list(tensors)
+    flag = torch.zeros((), device=tensors[0].device if tensors else "cpu")
+    for t in tensors:
+        flag = torch.maximum(flag, (~torch.isfinite(t)).any().float())
+    flag = flag.reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    COMM.add("any_nonfinite", 4, 4 * 2 * (_world(group) - 1) / _world(group))
+    return bool(flag.item())
+
+
+def broadcast_parameters(module, group=None, src=0):
+    """Copy the parameters and buffers of group rank `src` to every rank of the group."""
+    root = dist.get_global_rank(group or dist.group.WORLD, src)
+    me = dist.get_rank(group)
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=root, group=group)
+            COMM.add("broadcast", _nbytes(t), _nbytes(t) if me == src else 0)
+
+
+# -----------------------------------------------------------------------------
+# 6. Data parallelism with FP8 gradient all-reduce
+
+
+class _Bucket:
+    def __init__(self, params):
+        self.params = params
+        self.ready = set()  # ids of the parameters whose gradient is final for this step
+        self.pending = None  # the all-reduce in flight, once launched
+
+
+def make_buckets(params, bucket_bytes):
+    """Group parameters into lists of about bucket_bytes (of fp32 gradient) each, in the given
+    order; a parameter larger than a bucket gets one of its own."""
+    buckets, cur, size = [], [], 0
+    for p in params:
+        if cur and size + 4 * p.numel() > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += 4 * p.numel()
+    return buckets + ([cur] if cur else [])
+
+
+class Fp8DataParallel(nn.Module):
+    """Data parallelism whose gradient all-reduce runs in FP8 (per-rank, per-chunk scales).
+
+        model = Fp8DataParallel(model)            # broadcasts rank 0's parameters
+        loss = loss_fn(model(x), y); loss.backward()
+        if model.sync_gradients():                # averages gradients; False if any is inf/NaN
+            opt.step()                            # (the same answer on every rank)
+        opt.zero_grad()
+
+    fmt: E5M2 | E4M3 (FP8 all-reduce) or torch.bfloat16 | torch.float32 (plain baseline).
+    block: scales per chunk (None: one per chunk; k: one per k values).
+    overlap: launch each bucket's communication from a gradient hook as soon as its gradients
+    are final, during backward. The gradients are then read during backward: change them
+    (clipping, ...) only after sync_gradients(), or pass overlap=False. For gradient
+    accumulation, run all backwards but the last in no_sync().
+    """
+
+    def __init__(self, module, group=None, fmt=E5M2, bucket_mb=25.0, block=None, overlap=True,
+                 broadcast=True):
+        super().__init__()
+        if not isinstance(fmt, Fp8Format) and fmt not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"fmt must be E4M3, E5M2, torch.bfloat16 or torch.float32, not {fmt}")
+        self.module, self.group, self.fmt, self.block = module, group, fmt, block
+        params = [p for p in module.parameters() if p.requires_grad]
+        # Backward produces gradients roughly in reverse order of the forward pass, which is
+        # roughly reverse registration order: bucket in that order so buckets fill early.
+        self.buckets = [_Bucket(ps) for ps in make_buckets(params[::-1], bucket_mb * 2**20)]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0  # index of the next bucket to launch
+        self._sync = True
+        if overlap:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        if broadcast:
+            self.broadcast_parameters()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def broadcast_parameters(self, src=0):
+        broadcast_parameters(self.module, self.group, src)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, launching no communication."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _grad_ready(self, p):
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(p)]
+        if bucket.pending is not None:
+            raise RuntimeError("a gradient changed after its bucket was sent: call "
+                               "sync_gradients() after each backward, or accumulate in no_sync()")
+        bucket.ready.add(id(p))
+        # Launch strictly in bucket order, so every rank issues its collectives in the same
+        # order even if gradients become ready in a different order on different ranks. (A
+        # parameter without a gradient this step holds its bucket, and all later ones, back
+        # until sync_gradients().)
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if len(b.ready) < len(b.params):
+                break
+            self._launch(b)
+
+    @torch.no_grad()
+    def _launch(self, bucket):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if isinstance(self.fmt, Fp8Format):
+            bucket.pending = all_reduce_fp8(flat, self.group, self.fmt, self.block, op="mean",
+                                            async_op=True)
+        else:
+            bucket.pending = all_reduce_plain(flat, self.group, self.fmt, op="mean", async_op=True)
+        self._next += 1
+
+    @torch.no_grad()
+    def sync_gradients(self):
+        """Average the gradients over the ranks (what the hooks did not launch yet is launched
+        now). Returns True if every gradient is finite; the same on every rank (see the module
+        docstring). A parameter without a gradient counts as zero and gets the average."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for b in self.buckets:  # finish every reduce-scatter, start every all-gather...
+            b.pending.advance()
+        finite = []
+        for b in self.buckets:  # ...then wait for them
+            flat, offset = b.pending.wait(), 0
+            finite.append(torch.isfinite(flat).all())
+            for p in b.params:
+                g = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = g.to(p.dtype, copy=True)
+                else:
+                    p.grad.copy_(g)
+            b.ready, b.pending = set(), None
+        self._next = 0
+        return bool(torch.stack(finite).all())
