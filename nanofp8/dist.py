@@ -85,12 +85,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import E4M3, E5M2, Fp8Format, quantize
+from .fp8 import E4M3, E5M2, Fp8Format, Fp8Linear, compute_scale, quantize
+from .optim import Fp8AdamW, O2Linear, _loaded, _stored, to_fp16_scaled
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
 # versions lack the new ones). Same semantics.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # -----------------------------------------------------------------------------
 # 1. The byte counter
@@ -403,7 +406,8 @@ def broadcast_parameters(module, group=None, src=0):
     me = dist.get_rank(group)
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=root, group=group)
+            data = t.data.view(torch.uint8) if t.dtype in FP8_DTYPES else t.data  # (no FP8 in c10d)
+            dist.broadcast(data, src=root, group=group)
             COMM.add("broadcast", _nbytes(t), _nbytes(t) if me == src else 0)
 
 
@@ -449,12 +453,14 @@ class Fp8DataParallel(nn.Module):
     """
 
     def __init__(self, module, group=None, fmt=E5M2, bucket_mb=25.0, block=None, overlap=True,
-                 broadcast=True):
+                 broadcast=True, params=None):
         super().__init__()
         if not isinstance(fmt, Fp8Format) and fmt not in (torch.bfloat16, torch.float32):
             raise ValueError(f"fmt must be E4M3, E5M2, torch.bfloat16 or torch.float32, not {fmt}")
         self.module, self.group, self.fmt, self.block = module, group, fmt, block
-        params = [p for p in module.parameters() if p.requires_grad]
+        # params: the parameters whose .grad this wrapper averages (default: all that need a
+        # gradient). O2/O3 weights keep their gradient in FP8 outside .grad and are excluded.
+        params = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
         # Backward produces gradients roughly in reverse order of the forward pass, which is
         # roughly reverse registration order: bucket in that order so buckets fill early.
         self.buckets = [_Bucket(ps) for ps in make_buckets(params[::-1], bucket_mb * 2**20)]
@@ -534,3 +540,156 @@ class Fp8DataParallel(nn.Module):
             b.ready, b.pending = set(), None
         self._next = 0
         return bool(torch.stack(finite).all())
+
+
+# -----------------------------------------------------------------------------
+# 7. ZeRO in FP8 (level O3)
+#
+# O2 (nanofp8/optim.py) still keeps every optimizer state on every data-parallel rank. O3 shards
+# the part that is only needed by the update, and keeps only what the GEMMs need everywhere:
+#
+#   per block-Linear parameter, per rank      bytes
+#   FP8 weight (E4M3 + one tensor scale)      1        replicated: forward and backward read it
+#   FP8 weight gradient                       1        full until reduce-scattered
+#   fp16 master weight (+ scale)              2 / N    sharded: only the update reads it
+#   Adam m (E4M3 + scale)                     1 / N    sharded
+#   Adam v (fp16 + scale)                     2 / N    sharded
+#                                    total:   2 + 5/N
+#
+# One step: reduce-scatter the FP8 gradients (their bytes go out as they are: 1 B per parameter
+# on the wire, and the receiver sums in fp32), run AdamW on the local shard in fp32, then
+# all-gather the updated shards in FP8 (1 B per parameter). For the gathered bytes to form one
+# valid per-tensor FP8 weight, every rank must quantize its shard with the same scale: the ranks
+# agree on it with one small MAX all-reduce of the shard amaxes (4 bytes per weight tensor).
+#
+# Shards are cut from each weight flattened: rank r owns values [r*C, (r+1)*C) with
+# C = shard_len(numel, N), the tail zero-padded. Checkpoints hold each rank's own shard, so a run
+# resumes at the same world size; at another size the shards do not line up and loading stops
+# with an error (re-shard by gathering the fp16 masters, which is not done here).
+
+
+class O3Linear(O2Linear):
+    """Fp8Linear whose `.weight` is the full FP8 (E4M3) weight with its tensor scale in
+    `.weight_scale`; the fp16 master lives, sharded, in ZeroFp8AdamW. The gradient is kept in
+    FP8 in `.wgrad`, as for O2."""
+
+    @classmethod
+    def from_fp8_linear(cls, lin):
+        new = super().from_fp8_linear(lin)
+        q = quantize(lin.weight.detach(), E4M3)
+        new.weight = nn.Parameter(q.data.view(lin.weight.shape))
+        new.weight_scale.copy_(q.scale)
+        new.init_master = lin.weight.detach().float()  # taken (and dropped) by the optimizer
+        return new
+
+    @torch.no_grad()
+    def set_fp8_weight(self, data, scale):
+        self.weight.copy_(data.view(self.weight.shape))
+        self.weight_scale.copy_(scale)
+        self.free_weight_cache()
+
+
+def convert_to_o3(model):
+    """Swap every Fp8Linear of the model for an O3Linear."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is Fp8Linear:
+                setattr(parent, name, O3Linear.from_fp8_linear(child))
+    return model
+
+
+def _fp8_rows(q, world, c):
+    """An FP8 gradient (one tensor scale) as Fp8Rows with one row of C values per rank, without
+    re-quantizing: its bytes, zero-padded, and its scale repeated per row."""
+    flat = q.data.reshape(-1).view(torch.uint8)
+    flat = F.pad(flat, (0, world * c - flat.numel())).view(q.data.dtype)
+    return Fp8Rows(flat.view(world, c), q.scale.reshape(1, 1).expand(world, 1).contiguous(), c)
+
+
+class ZeroFp8AdamW(Fp8AdamW):
+    """AdamW for level O3 over a model converted with convert_to_o3: O3Linear weights sharded as
+    above, every other parameter replicated with fp32 AdamW state (average their .grad first,
+    e.g. with Fp8DataParallel(model, params=other_params(model))).
+
+        loss.backward()
+        ok = dp.sync_gradients()          # the replicated parameters
+        opt.step(grads_finite=ok)         # reduce-scatter, update shards, all-gather FP8 weights
+        opt.zero_grad()
+    """
+
+    def __init__(self, params, model, group=None, v_format="fp16", **kw):
+        self.group, self.world = group, _world(group)
+        self.rank = dist.get_rank(group)
+        super().__init__(params, model, v_format=v_format, **kw)
+        self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O3Linear)}
+        for p, m in self.o2.items():  # each rank builds its master shard from the fp32 weight
+            c = shard_len(p.numel(), self.world)
+            full = F.pad(m.__dict__.pop("init_master").reshape(-1), (0, self.world * c - p.numel()))
+            st = self.state[p]
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["master"], st["master_scale"] = to_fp16_scaled(full[self.rank * c : (self.rank + 1) * c])
+            zeros = torch.zeros(c, device=p.device)
+            st["exp_avg"], st["exp_avg_scale"] = _stored(zeros, "fp8")
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(zeros, self.v_format)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["zero"] = {"world_size": self.world, "rank": self.rank}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        zero = state_dict.get("zero", {})
+        if zero.get("world_size") != self.world or zero.get("rank") != self.rank:
+            raise ValueError(f"this optimizer state is the shard of rank {zero.get('rank')} of "
+                             f"{zero.get('world_size')}; this is rank {self.rank} of {self.world}. "
+                             "O3 state resumes only at the world size it was saved with.")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
+
+    @torch.no_grad()
+    def step(self, closure=None, grads_finite=True):
+        mods = list(self.o2.items())
+        # 1. reduce-scatter the FP8 gradients, all launched before any is waited for
+        pending = []
+        for p, m in mods:
+            c = shard_len(p.numel(), self.world)
+            q = m.wgrad if m.wgrad is not None else quantize(torch.zeros_like(p, dtype=torch.float32), E4M3)
+            pending.append(reduce_scatter_fp8(_fp8_rows(q, self.world, c), self.group, op="mean",
+                                              out_dtype=torch.float32, async_op=True))
+        shards = [pd.wait() for pd in pending]
+        index = {p: i for i, (p, _) in enumerate(mods)}
+        # A reduce-scatter shows a NaN only to the shard's owner: ask every rank (one flag).
+        others = [p.grad for g in self.param_groups for p in g["params"] if p not in self.o2 and p.grad is not None]
+        if not grads_finite or any_nonfinite(shards + others, self.group):
+            self.skipped_steps += 1
+            return False
+        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v)
+        new = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.o2:
+                    st = self.state[p]
+                    g = shards[index[p]]
+                    w = _loaded(st["master"], st["master_scale"])
+                    w = self._decoupled_update(st, w, g, group)
+                    st["master"], st["master_scale"] = to_fp16_scaled(w)
+                    new.append((p, w))
+                elif p.grad is not None:
+                    if not self.state[p]:
+                        self._init_state(p)
+                    self._fp32_update(p, p.grad, group)
+        # 3. agree on one scale per weight (MAX of the shard amaxes), then all-gather FP8 bytes
+        amax = torch.stack([w.abs().amax() for _, w in new]) if new else None
+        if amax is not None:
+            if self.world > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+                COMM.add("all_reduce_amax", _nbytes(amax), _nbytes(amax) * 2 * (self.world - 1) / self.world)
+            scales = compute_scale(amax, E4M3)
+            gathers = []
+            for (p, w), s in zip(new, scales):
+                q = quantize(w, E4M3, scale=s)
+                rows = Fp8Rows(q.data.view(1, -1), s.reshape(1, 1), w.numel())
+                gathers.append(all_gather_fp8(rows, self.group, keep_fp8=True, async_op=True))
+            for (p, _), s, pd in zip(new, scales, gathers):
+                got = pd.wait()
+                self.o2[p].set_fp8_weight(got.data.reshape(-1)[: p.numel()], s)
+        return True

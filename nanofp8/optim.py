@@ -185,52 +185,66 @@ class Fp8AdamW(torch.optim.Optimizer):
                     flags.append(torch.isfinite(p.grad).all())
         return bool(torch.stack(flags).all()) if flags else True
 
+    def _init_state(self, p):
+        """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight."""
+        st = self.state[p]
+        st["step"] = torch.zeros((), dtype=torch.float32)
+        zeros = torch.zeros_like(p, dtype=torch.float32)
+        if p in self.o2:
+            st["exp_avg"], st["exp_avg_scale"] = _stored(zeros, "fp8")
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(zeros, self.v_format)
+        else:
+            st["exp_avg"], st["exp_avg_sq"] = zeros, zeros.clone()
+
+    def _decoupled_update(self, st, w, g, group):
+        """One AdamW step of an fp32 weight w from FP8 m and fp16 (or FP8 sqrt) v held in st;
+        stores the new moments back into st and returns the new w."""
+        m = _loaded(st["exp_avg"], st["exp_avg_scale"])
+        v = _loaded(st["exp_avg_sq"], st["exp_avg_sq_scale"])
+        if self.v_format == "fp8":
+            v = v.square()  # stored as sqrt(v)
+        st["step"] += 1
+        w = adamw_math(w, g, m, v, st["step"].item(), group)
+        st["exp_avg"], st["exp_avg_scale"] = _stored(m, "fp8")
+        vs = v.sqrt() if self.v_format == "fp8" else v
+        st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(vs, self.v_format)
+        return w
+
+    def _fp32_update(self, p, g, group):
+        st = self.state[p]
+        st["step"] += 1
+        p.copy_(adamw_math(p.float(), g, st["exp_avg"], st["exp_avg_sq"], st["step"].item(), group))
+
     @torch.no_grad()
     def step(self, closure=None):
         if not self.grads_finite():
             self.skipped_steps += 1
             return False
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 g = self._grad(p)
                 if g is None:
                     continue
-                st = self.state[p]
-                o2 = p in self.o2
-                if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
-                    zeros = torch.zeros_like(p, dtype=torch.float32)
-                    if o2:
-                        st["exp_avg"], st["exp_avg_scale"] = _stored(zeros, "fp8")
-                        st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(zeros, self.v_format)
-                    else:
-                        st["exp_avg"], st["exp_avg_sq"] = zeros, zeros.clone()
-                st["step"] += 1
-                t = st["step"].item()
-                if o2:
-                    m = _loaded(st["exp_avg"], st["exp_avg_scale"])
-                    v = _loaded(st["exp_avg_sq"], st["exp_avg_sq_scale"])
-                    if self.v_format == "fp8":
-                        v = v.square()  # stored as sqrt(v)
-                    w = self.o2[p].hp_weight()
+                if not self.state[p]:
+                    self._init_state(p)
+                if p in self.o2:
+                    mod = self.o2[p]
+                    mod.set_weight(self._decoupled_update(self.state[p], mod.hp_weight(), g, group))
                 else:
-                    m, v, w = st["exp_avg"], st["exp_avg_sq"], p.float()
-                # the operations and their order are torch.optim.AdamW's (single-tensor path),
-                # so fp32 parameters come out bit-identical to it
-                w = w * (1 - lr * wd)
-                m.lerp_(g, 1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-                w = w.addcdiv(m, denom, value=-lr / (1 - b1**t))
-                if o2:
-                    st["exp_avg"], st["exp_avg_scale"] = _stored(m, "fp8")
-                    vs = v.sqrt() if self.v_format == "fp8" else v
-                    st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(vs, self.v_format)
-                    self.o2[p].set_weight(w)
-                else:
-                    p.copy_(w)
+                    self._fp32_update(p, g, group)
         return True
+
+
+def adamw_math(w, g, m, v, t, group):
+    """AdamW on fp32 tensors: updates m and v in place, returns the new w. The operations and
+    their order are torch.optim.AdamW's (single-tensor path), so fp32 parameters come out
+    bit-identical to it."""
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    w = w * (1 - lr * wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+    return w.addcdiv(m, denom, value=-lr / (1 - b1**t))
 
 
 # -----------------------------------------------------------------------------
