@@ -85,7 +85,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import E4M3, E5M2, Fp8Format, Fp8Linear, compute_scale, quantize
+from .fp8 import E4M3, E5M2, Fp8Format, Fp8Linear, Fp8Tensor, compute_scale, quantize
 from .optim import Fp8AdamW, O2Linear, _loaded, _stored, to_fp16_scaled
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
@@ -677,19 +677,50 @@ class ZeroFp8AdamW(Fp8AdamW):
                     if not self.state[p]:
                         self._init_state(p)
                     self._fp32_update(p, p.grad, group)
-        # 3. agree on one scale per weight (MAX of the shard amaxes), then all-gather FP8 bytes
-        amax = torch.stack([w.abs().amax() for _, w in new]) if new else None
-        if amax is not None:
-            if self.world > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-                COMM.add("all_reduce_amax", _nbytes(amax), _nbytes(amax) * 2 * (self.world - 1) / self.world)
-            scales = compute_scale(amax, E4M3)
-            gathers = []
-            for (p, w), s in zip(new, scales):
-                q = quantize(w, E4M3, scale=s)
-                rows = Fp8Rows(q.data.view(1, -1), s.reshape(1, 1), w.numel())
-                gathers.append(all_gather_fp8(rows, self.group, keep_fp8=True, async_op=True))
-            for (p, _), s, pd in zip(new, scales, gathers):
-                got = pd.wait()
-                self.o2[p].set_fp8_weight(got.data.reshape(-1)[: p.numel()], s)
+        # 3. all-gather the new weights in FP8, under one scale per weight
+        for (p, _), (data, s) in zip(new, gather_shared_scale([w for _, w in new], self.group)):
+            self.o2[p].set_fp8_weight(data[: p.numel()], s)
         return True
+
+
+def gather_shared_scale(shards, group=None, fmt=E4M3):
+    """All-gather flat fp32 shards (one per tensor, this rank's part) as FP8 under one scale per
+    tensor that every rank agrees on: one MAX all-reduce of the shard amaxes (4 B per tensor),
+    then each rank quantizes its shard with the common scale and the bytes are gathered. The
+    result is a valid per-tensor FP8 tensor on every rank, bit-identical everywhere.
+    Returns [(flat FP8 data of world * shard length, fp32 scale)]."""
+    if not shards:
+        return []
+    amax = torch.stack([w.abs().amax() for w in shards]).float()
+    world = _world(group)
+    if world > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        COMM.add("all_reduce_amax", _nbytes(amax), _nbytes(amax) * 2 * (world - 1) / world)
+    scales = compute_scale(amax, fmt)
+    pending = []
+    for w, s in zip(shards, scales):
+        q = quantize(w, fmt, scale=s)
+        pending.append(all_gather_fp8(Fp8Rows(q.data.view(1, -1), s.reshape(1, 1), w.numel()),
+                                      group, keep_fp8=True, async_op=True))
+    return [(pd.wait().data.reshape(-1), s) for pd, s in zip(pending, scales)]
+
+
+@torch.no_grad()
+def sync_fp8_wgrads(modules, group=None):
+    """Data parallelism for O2: average the FP8 weight gradients that O2Linear keeps outside
+    autograd (Fp8DataParallel(params=...) handles the rest). Reduce-scatter the FP8 bytes as
+    they are (1 B per parameter out), sum in fp32, all-gather the averaged shards in FP8 under a
+    shared scale (1 B per parameter back): each module's .wgrad becomes the same FP8 tensor on
+    every rank. A NaN anywhere reaches every rank through the sum and the gather."""
+    world = _world(group)
+    mods = [m for m in modules if m.wgrad is not None]
+    pending = []
+    for m in mods:
+        c = shard_len(m.weight.numel(), world)
+        pending.append(reduce_scatter_fp8(_fp8_rows(m.wgrad, world, c), group, op="mean",
+                                          out_dtype=torch.float32, async_op=True))
+    shards = [pd.wait() for pd in pending]
+    for m, (data, s) in zip(mods, gather_shared_scale(shards, group)):
+        data = data[: m.weight.numel()].view(m.weight.shape)
+        amax = data.float().abs().amax() / s  # NaN exactly when a NaN came through
+        m.wgrad = Fp8Tensor(data, s, E4M3, "tensor", (1, data.shape[1]), data.shape, torch.float32, amax)

@@ -161,3 +161,55 @@ def test_o3_refuses_state_of_another_world_size():
 
     with pytest.raises(ValueError, match="resumes only at the world size it was saved with"):
         Fake().load_state_dict(sd)
+
+
+def o2_dp_worker(rank, world, port, outdir):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    from nanofp8.dist import sync_fp8_wgrads
+    from nanofp8.optim import O2Linear
+
+    torch.manual_seed(100 + rank)
+    model = convert_to_o2(convert_to_fp8(base_model(), Recipe(), module_filter=fp8_filter))
+    o2 = [m for m in model.modules() if isinstance(m, O2Linear)]
+    dp = Fp8DataParallel(model, params=[p for p in model.parameters() if p not in {m.weight for m in o2}],
+                         overlap=False)
+    opt = Fp8AdamW(model.parameters(), model, lr=LR, weight_decay=0.1)
+    x, y = data()
+    n = BATCH // world
+    losses, same = [], []
+    for i in range(STEPS):
+        loss = nn.functional.mse_loss(model(x[i][rank * n : (rank + 1) * n]), y[i][rank * n : (rank + 1) * n])
+        loss.backward()
+        ok = dp.sync_gradients()
+        sync_fp8_wgrads(o2)
+        assert opt.step() and ok
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        flat = torch.cat([v.detach().float().reshape(-1) for v in model.state_dict().values()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        same.append(all(torch.equal(gathered[0], g) for g in gathered))
+    # a NaN on the last rank: the sync carries it everywhere and every rank skips
+    xb = x[0][rank * n : (rank + 1) * n].clone()
+    if rank == world - 1:
+        xb[:, 1] = float("nan")
+    nn.functional.mse_loss(model(xb), y[0][:n]).backward()
+    dp.sync_gradients()
+    sync_fp8_wgrads(o2)
+    skipped = opt.step() is False
+    if rank == 0:
+        torch.save(dict(losses=losses, same=same, skipped=skipped), os.path.join(outdir, "o2dp.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_o2_data_parallel_matches_single_process(reference, tmp_path):
+    mp.spawn(o2_dp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = torch.load(tmp_path / "o2dp.pt", weights_only=False)
+    gaps = [abs(a - b) / b for a, b in zip(r["losses"], reference)]
+    print(f"O2 data-parallel x2: max loss gap {max(gaps):.4f}")
+    assert max(gaps) < 0.02 and gaps[-1] < 0.01, gaps
+    assert all(r["same"]) and r["skipped"]
