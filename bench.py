@@ -1,0 +1,239 @@
+"""
+Evidence for nanofp8, from one script. Each subcommand prints a table and, with --json, writes
+the same figures (plus machine, date and versions) as JSON.
+
+    python bench.py memory      bytes per parameter of the training state, and activation bytes
+                                per token, for bf16 / O1 / O2 / O2 with FP8 v, measured by walking
+                                the real tensors (nanofp8/optim.py: training_state_bytes)
+    python bench.py comm        bytes each rank puts on the wire per parameter per step, for the
+                                bf16 baseline (fp32 gradient all-reduce, as nanoGPT's DDP), O1,
+                                O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/dist.py)
+    python bench.py parity      BF16 vs every FP8 level and recipe variant on shakespeare_char at
+                                equal steps and seeds: loss curves (CSV + PNG), final val losses
+    python bench.py throughput  tokens/s and peak memory, BF16 vs O1/O2
+    python bench.py gemm        the kernels benchmark (python kernels.py)
+
+Nothing here is typed in by hand: every figure is measured when the command runs.
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.nn as nn
+
+from nanofp8.fp8 import Recipe
+from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
+from nanofp8.optim import Fp8AdamW, activation_bytes, convert_to_o2, training_state_bytes
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+def environment():
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device": dev, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
+
+
+def emit(name, rows, columns, args, extra=None):
+    """Print rows (list of dicts) as a table; write {"env", name: rows} as JSON if asked."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+    if args.json:
+        out = {"env": environment(), name: rows, **(extra or {})}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+def _fmt(v):
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+# -----------------------------------------------------------------------------
+# memory
+
+MODELS = {
+    # GPT-2 124M (config/gpt2_*.py)
+    "gpt2-124M": GPTConfig(arch="gpt2", n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
+    # the LLaMA-style config (config/llama_*.py: 16 layers, width 2048). Bytes per parameter do not
+    # depend on the depth, so --llama_layers (default 2) keeps this within a laptop's memory; the
+    # "model" column is then for that depth (embeddings weigh more in a shallower model).
+    "llama": GPTConfig(arch="llama", n_layer=16, n_head=16, n_embd=2048, vocab_size=50304,
+                       block_size=2048, bias=False, tie_embeddings=False),
+    # for the tests: runs in seconds
+    "tiny": GPTConfig(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=128, block_size=64),
+}
+LEVELS = ("bf16", "O1", "O2", "O2-fp8v")
+
+
+def build(cfg, level, recipe=None):
+    """A model and its optimizer at a precision level (as train.py builds them)."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if level != "bf16":
+        apply_fp8(model, recipe or Recipe())
+    if level.startswith("O2"):
+        convert_to_o2(model)
+        opt = Fp8AdamW(model.parameters(), model, lr=1e-4, v_format="fp8" if level == "O2-fp8v" else "fp16")
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def measure_memory(cfg, level, tokens):
+    model, opt = build(cfg, level)
+    idx = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    ac = torch.autocast("cpu", dtype=torch.bfloat16)
+    with ac:
+        loss = model(idx, idx)[1]
+    loss.backward()
+    opt.step()  # creates the optimizer state
+    opt.zero_grad()
+    # Activation memory per token: the saved tensors also hold weights (and their bf16 casts),
+    # which do not grow with the sequence, so take the slope between two lengths.
+    with ac:
+        short = idx[:, : tokens // 2]
+        act_short = activation_bytes(lambda: model(short, short))[0]
+        act, (_, loss) = activation_bytes(lambda: model(idx, idx))
+    loss.backward()  # gradients present, as they are at the peak of a step
+    acc = training_state_bytes(model, opt, is_block_linear=fp8_module_filter())
+    lin, tot = acc["linear"], acc["model"]
+    return {"level": level, "params": tot["params"],
+            "linear_B_per_param": lin["per_param"],
+            "linear_weight": lin["weight"] / lin["params"], "linear_grad": lin["grad"] / lin["params"],
+            "linear_optim": lin["optimizer"] / lin["params"],
+            "gemm_weight_B_per_param": lin["gemm_weight"] / lin["params"],
+            "model_B_per_param": tot["per_param"],
+            "activation_B_per_token": (act - act_short) / (tokens - tokens // 2)}
+
+
+def cmd_memory(args):
+    rows = []
+    for name in args.models:
+        cfg = MODELS[name]
+        if name == "llama":
+            cfg = GPTConfig(**{**cfg.__dict__, "n_layer": args.llama_layers})
+        for level in LEVELS:
+            r = measure_memory(cfg, level, args.tokens)
+            rows.append({"model": name if name != "llama" else f"llama-{cfg.n_layer}L", **r})
+            print(f"  measured {rows[-1]['model']} {level}", file=sys.stderr)
+    cols = ["model", "level", "params", "linear_B_per_param", "linear_weight", "linear_grad",
+            "linear_optim", "gemm_weight_B_per_param", "model_B_per_param", "activation_B_per_token"]
+    print("Training state in bytes per parameter (block Linears, then whole model), measured by "
+          "walking the tensors after a backward; gemm_weight = FP8 copies held from forward to step.")
+    emit("memory", rows, cols, args, {"tokens": args.tokens})
+
+
+# -----------------------------------------------------------------------------
+# comm
+
+COMM_CFG = GPTConfig(arch="gpt2", n_layer=2, n_head=4, n_embd=128, vocab_size=256, block_size=64)
+
+
+def _comm_worker(rank, world, port, level, out):
+    import torch.distributed as dist
+    from nanofp8 import dist as fdist
+    from nanofp8.fp8 import E5M2
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPT(COMM_CFG)
+    if level != "bf16":
+        apply_fp8(model, Recipe())
+    if level == "O2":
+        convert_to_o2(model)
+    elif level == "O3":
+        fdist.convert_to_o3(model)
+    fp8_mods = [m for m in model.modules() if isinstance(m, fdist.O2Linear)]
+    fp8_weights = {m.weight for m in fp8_mods}
+    others = [p for p in model.parameters() if p not in fp8_weights]
+    fmt = torch.float32 if level == "bf16" else E5M2
+    dp = fdist.Fp8DataParallel(model, fmt=fmt, params=others, overlap=False)
+    if level == "O3":
+        opt = fdist.ZeroFp8AdamW(model.parameters(), model, lr=1e-4)
+    elif level == "O2":
+        opt = Fp8AdamW(model.parameters(), model, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, COMM_CFG.vocab_size, (4, COMM_CFG.block_size), generator=torch.Generator().manual_seed(rank))
+    steps = 3
+    fdist.comm_stats(reset=True)
+    for _ in range(steps):
+        model(idx, idx)[1].backward()
+        ok = dp.sync_gradients()
+        if level == "O2":
+            fdist.sync_fp8_wgrads(fp8_mods)
+        opt.step(grads_finite=ok) if level == "O3" else opt.step()
+        opt.zero_grad()
+        for m in fp8_mods:
+            m.wgrad = None
+    s = fdist.comm_stats()
+    n = sum(p.numel() for p in model.parameters())
+    n_lin = sum(m.weight.numel() for m in fp8_mods) or sum(
+        m.weight.numel() for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and fp8_module_filter()(fqn, m))
+    if rank == 0:
+        torch.save({"sent_per_param": s["bytes_sent"] / steps / n, "params": n, "linear_params": n_lin,
+                    "by_op": {k: v for k, v in s["by_op"].items()}}, out)
+    dist.destroy_process_group()
+
+
+def cmd_comm(args):
+    import torch.multiprocessing as mp
+
+    rows = []
+    for world in args.worlds:
+        base = None
+        for level in ("bf16", "O1", "O2", "O3"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            out = os.path.join(tempfile.mkdtemp(), "comm.pt")
+            mp.spawn(_comm_worker, args=(world, port, level, out), nprocs=world, join=True)
+            r = torch.load(out, weights_only=False)
+            base = base or r["sent_per_param"]
+            rows.append({"world": world, "level": level, "bytes_per_param_per_step": r["sent_per_param"],
+                         "vs_fp32_allreduce": r["sent_per_param"] / base,
+                         "vs_bf16_allreduce": r["sent_per_param"] / (base / 2)})
+    print("Bytes each rank puts on the wire per parameter per step (gradients + weights + scales), "
+          f"gloo, {COMM_CFG.n_layer}-layer GPT of width {COMM_CFG.n_embd}; baseline = fp32 gradient all-reduce")
+    emit("comm", rows, ["world", "level", "bytes_per_param_per_step", "vs_fp32_allreduce",
+                        "vs_bf16_allreduce"], args)
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("memory")
+    p.add_argument("--tokens", type=int, default=64, help="sequence length of the measured step")
+    p.add_argument("--llama_layers", type=int, default=2)
+    p.add_argument("--models", nargs="+", default=["gpt2-124M", "llama"], choices=list(MODELS))
+    p = sub.add_parser("comm")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    for p in sub.choices.values():
+        p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    {"memory": cmd_memory, "comm": cmd_comm}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
