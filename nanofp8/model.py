@@ -1,0 +1,409 @@
+"""
+The model: one decoder-only transformer, in two dialects chosen by GPTConfig.arch.
+
+    arch="gpt2"   LayerNorm, learned position embeddings, GELU MLP, biases (GPT-2, 2019)
+    arch="llama"  RMSNorm, rotary position embeddings (RoPE), SwiGLU MLP, no biases (LLaMA, 2023)
+
+Both are the same pre-norm residual stack,
+
+    x = embed(tokens)
+    for each block:  x = x + attn(norm(x));  x = x + mlp(norm(x))
+    logits = lm_head(norm(x))
+
+and both keep the residual stream x in fp32 (the embeddings are fp32 parameters and every
+block output is added to it), while the matmuls run in bf16 under autocast, or in FP8 once
+apply_fp8() has swapped the block Linears for nanofp8.fp8.Fp8Linear.
+
+Which Linears go FP8 (apply_fp8): only the four inside each block (fused q/k/v, attention
+output, MLP in, MLP out; in LLaMA the MLP-in GEMM computes gate and up together). At scale they
+hold nearly all of the FLOPs. The embedding is a lookup, not a GEMM; the norms are elementwise;
+and the LM head turns the last hidden state into a softmax over the vocabulary, where rounding
+errors land directly on the loss, so FP8 recipes (Transformer Engine, DeepSeek-V3, torchao's
+defaults) leave it in high precision. fp8_lm_head=True is there to measure that choice rather
+than take it on faith.
+
+The file ends with the checkpoint format, so that train.py and sample.py read and write the same
+thing.
+"""
+
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class GPTConfig:
+    arch: str = "gpt2"  # "gpt2" | "llama"
+    block_size: int = 1024  # longest sequence the model sees (context length)
+    vocab_size: int = 50304  # GPT-2's 50257 BPE tokens, padded to a multiple of 64 for fast GEMMs
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms (gpt2 only; llama never has them)
+    tie_embeddings: bool = True  # lm_head shares the token embedding matrix
+    mlp_hidden: int = 0  # 0 = the dialect's default: 4*n_embd (gpt2), ~8/3*n_embd (llama)
+    rope_theta: float = 10000.0  # llama: base of the rotary frequencies
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.arch not in ("gpt2", "llama"):
+            raise ValueError(f"GPTConfig.arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
+            raise ValueError("RoPE rotates pairs of channels: the head dim must be even")
+
+    @property
+    def hidden(self):
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.arch == "gpt2":
+            return 4 * self.n_embd
+        # SwiGLU has three matrices instead of two; 2/3 of 4*d keeps the parameter count of the
+        # GELU MLP. Rounded up to a multiple of 256 so the GEMMs tile well (and FP8 needs %16).
+        return 256 * math.ceil(8 * self.n_embd / 3 / 256)
+
+    @property
+    def has_bias(self):
+        return self.bias and self.arch == "gpt2"
+
+
+# -----------------------------------------------------------------------------
+# Building blocks
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (nn.LayerNorm cannot drop only the bias)."""
+
+    def __init__(self, dim, bias, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """Scale by 1/rms(x), no centering and no bias: cheaper than LayerNorm and just as good."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Computed in fp32 whatever autocast says: the mean of squares is a long reduction.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).type_as(x)
+
+
+def make_norm(config):
+    if config.arch == "gpt2":
+        return LayerNorm(config.n_embd, config.has_bias, config.norm_eps)
+    return RMSNorm(config.n_embd, config.norm_eps)
+
+
+def rope_tables(head_dim, length, theta):
+    """cos and sin of the rotation angles, (length, head_dim/2), fp32.
+
+    Channel pair i of the vector at position p is rotated by angle p * theta^(-2i/head_dim):
+    fast rotations for the first pairs, slow ones for the last. The dot product of a rotated
+    query and a rotated key then depends only on their distance, which is how RoPE encodes
+    relative position without any learned parameter."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x (B, H, T, head_dim). The pairs are (channel i, channel i + head_dim/2), the
+    "rotate half" layout: two contiguous halves instead of interleaved even/odd channels."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, b = config.n_embd, config.has_bias
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(d, 3 * d, bias=b)  # q, k, v in one GEMM: bigger is faster
+        self.c_proj = nn.Linear(d, d, bias=b)  # back into the residual stream
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope=None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # The fused kernel (flash / memory-efficient attention) never materializes the T x T
+        # matrix. Attention itself stays in bf16: it is a small share of the FLOPs at these sizes
+        # and its softmax inputs are exactly the kind of values FP8 would hurt.
+        dtype, on_cpu = q.dtype, q.device.type == "cpu"
+        if on_cpu:
+            # PyTorch's CPU flash-attention kernel is ~5x slower in bf16 than in fp32 (its
+            # backward especially), so on a CPU attention runs in fp32, autocast or not.
+            q, k, v = q.float(), k.float(), v.float()
+        with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        y = y.to(dtype).transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, h, b = config.n_embd, config.hidden, config.has_bias
+        self.swiglu = config.arch == "llama"
+        # SwiGLU needs two input projections (gate and up); like q/k/v they share one GEMM.
+        self.c_fc = nn.Linear(d, 2 * h if self.swiglu else h, bias=b)
+        self.c_proj = nn.Linear(h, d, bias=b)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")  # GPT-2's GELU
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.norm_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.norm_1(x), rope)
+        return x + self.mlp(self.norm_2(x))
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.arch == "gpt2" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            # One matrix both reads tokens in and scores them out. Saves V*d parameters (a third
+            # of GPT-2 small) and, at small scale, trains a little better.
+            self.lm_head.weight = self.tok_emb.weight
+        if config.arch == "llama":
+            # Not persistent: recomputed from the config, so never stored in checkpoints.
+            cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: every block adds two outputs (attention, MLP) to the residual
+        # stream, so after L blocks its variance has grown by ~2L times the per-add variance.
+        # Shrinking the std of the projections that write into the stream by 1/sqrt(2L) keeps
+        # the stream's scale independent of depth at initialization.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding=True):
+        """Parameter count. non_embedding leaves out the position table (a lookup, no FLOPs) and,
+        when untied, the token table; the tied token table does count: it is also the LM head."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.tok_emb.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        x = self.drop(x)
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.pos_emb is None else None
+        for block in self.blocks:
+            x = block(x, rope)
+        x = self.norm_f(x)
+        if targets is None:  # generation: only the last position's logits are needed
+            return self.lm_head(x[:, -1:, :]), None
+        logits = self.lm_head(x)
+        # fp32 for the softmax: log-probabilities of rare tokens are large negative numbers whose
+        # differences bf16 (8 bits of mantissa) would blur.
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Extend idx (B, T) by max_new_tokens sampled tokens. temperature=0 means greedy;
+        top_k keeps only the k most likely tokens before sampling. No KV cache: each new token
+        reruns the (cropped) context, which is simple and fast enough for a baby model."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+    # ---- throughput accounting
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward).
+
+        A matmul with a (K, N) weight costs 2KN FLOPs per token in the forward pass (a multiply
+        and an add per weight) and twice that in the backward pass (dgrad and wgrad): 6 per
+        weight. Attention adds its two T-long matmuls, QK^T and AV, per layer: 2 * 2 * T * d
+        forward, times 3 with the backward pass. (Causal masking would halve that in principle;
+        like everyone else we count the full square, which is what the kernels mostly compute.)"""
+        # Every Linear, LM head included (a tied table is counted once: as the head, the only
+        # place it is a GEMM). Embedding lookups and norms are not matmuls and cost ~nothing.
+        n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        c = self.config
+        return 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
+
+    def estimate_mfu(self, tokens_per_second, peak_flops):
+        """Model FLOPs utilization: achieved model FLOP/s over the hardware's peak (of the
+        precision in use: an FP8 run is held to the FP8 peak, twice the bf16 one on H100)."""
+        return self.flops_per_token() * tokens_per_second / peak_flops
+
+
+# -----------------------------------------------------------------------------
+# FP8
+
+
+def fp8_module_filter(fp8_lm_head=False):
+    """The filter for convert_to_fp8: the Linears inside the blocks (and optionally the LM head).
+
+    Also skipped: Linears whose dims are not multiples of 16, which FP8 tensor cores cannot take
+    (a char-level vocabulary of 84 as LM head, for instance). They would fall back to a slow
+    emulated GEMM, so they are better left in bf16."""
+
+    def keep(fqn, linear):
+        if not (fqn.startswith("blocks.") or (fp8_lm_head and fqn == "lm_head")):
+            return False
+        return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+    return keep
+
+
+def apply_fp8(model, recipe, fp8_lm_head=False):
+    """Run the chosen Linears of `model` in FP8 (in place). Returns the names converted."""
+    from nanofp8.fp8 import Fp8Linear, convert_to_fp8
+
+    convert_to_fp8(model, recipe, module_filter=fp8_module_filter(fp8_lm_head))
+    return [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+
+
+# The buffers Fp8Linear adds to a Linear: FP8 scaling state, not weights. A bf16 model can ignore
+# them in an FP8 checkpoint, and an FP8 model starts them fresh when loading a bf16 checkpoint.
+FP8_STATE_KEYS = ("amax_history", "history_count", "scale", "nonfinite")
+
+
+def load_model_state(model, state, source="checkpoint"):
+    """model.load_state_dict that tolerates exactly one difference: FP8 scaling state present in
+    one of (model, state) and not the other. Anything else missing or extra is an error."""
+    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a compiled model
+    own = model.state_dict()
+    is_fp8_state = lambda k: k.rsplit(".", 1)[-1] in FP8_STATE_KEYS  # noqa: E731
+    state = {k: v for k, v in state.items() if k in own or not is_fp8_state(k)}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches: a different model size or fp8_history_len
+        raise CheckpointError(f"{source} does not fit this model: {e}") from None
+    missing = [k for k in missing if not is_fp8_state(k)]
+    if missing or unexpected:
+        raise CheckpointError(f"{source} does not fit this model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+#
+# A checkpoint is a dict of tensors, plain Python values and nested dicts/lists of those, so it
+# loads with torch.load(weights_only=True): unpickling an arbitrary object can run arbitrary
+# code, a tensor cannot. Keys: format, model (state_dict, FP8 scaling state included), optimizer,
+# model_args (GPTConfig fields), config (the run's settings), iter_num, best_val_loss, rng.
+
+CKPT_FORMAT = "nanofp8-ckpt-1"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_checkpoint(ckpt, path):
+    """Write atomically: to a temp file in the same directory, flushed to disk, then renamed over
+    the target. A crash mid-write leaves the previous checkpoint intact, never half a file."""
+    ckpt = {"format": CKPT_FORMAT, **ckpt}
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX and Windows
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Load and sanity-check a checkpoint; every failure is a CheckpointError naming the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, a pickle with forbidden objects, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read checkpoint {path} (truncated, corrupt or not a "
+                              f"nanofp8 checkpoint): {msg}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(f"{path} is not a nanofp8 checkpoint (expected format "
+                              f"{CKPT_FORMAT!r}, found {found!r})")
+    for key in ("model", "model_args", "config", "iter_num"):
+        if key not in ckpt:
+            raise CheckpointError(f"checkpoint {path} has no '{key}' entry")
+    return ckpt

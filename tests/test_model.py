@@ -1,0 +1,125 @@
+"""Tests of nanofp8/model.py: both architectures, their initialization, RoPE, generation, which
+Linears go FP8, FLOP accounting, and loading state across precisions."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nanofp8.fp8 import Recipe
+from nanofp8.model import (GPT, CheckpointError, GPTConfig, LayerNorm, RMSNorm, apply_fp8,
+                           apply_rope, load_model_state, rope_tables)
+
+
+def tiny(**kw):
+    args = dict(n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=96)
+    args.update(kw)
+    return GPTConfig(**args)
+
+
+def test_gpt2_architecture_and_init():
+    torch.manual_seed(0)
+    cfg = tiny(n_layer=8, n_embd=256, vocab_size=512)
+    m = GPT(cfg)
+    assert m.lm_head.weight is m.tok_emb.weight  # tied
+    assert isinstance(m.norm_f, LayerNorm) and m.pos_emb is not None
+    # GPT-2 init: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), biases zero
+    assert m.blocks[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    want = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for block in m.blocks:
+        for proj in (block.attn.c_proj, block.mlp.c_proj):
+            assert proj.weight.std().item() == pytest.approx(want, rel=0.05)
+            assert torch.all(proj.bias == 0)
+    x, y = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
+    logits, loss = m(x, y)
+    assert logits.shape == (2, 32, 512)
+    assert loss.item() == pytest.approx(math.log(512), rel=0.05)  # ~uniform at init
+
+
+def test_llama_architecture():
+    cfg = tiny(arch="llama", tie_embeddings=False)
+    m = GPT(cfg)
+    assert m.pos_emb is None and isinstance(m.norm_f, RMSNorm)
+    assert all(mod.bias is None for mod in m.modules() if isinstance(mod, nn.Linear))
+    assert cfg.hidden % 256 == 0 and m.blocks[0].mlp.c_fc.out_features == 2 * cfg.hidden
+    assert m.lm_head.weight is not m.tok_emb.weight
+    assert "rope_cos" not in m.state_dict()  # recomputed, never stored
+    _, loss = m(torch.randint(0, 96, (2, 32)), torch.randint(0, 96, (2, 32)))
+    loss.backward()
+    with pytest.raises(ValueError, match="arch"):
+        GPTConfig(arch="mamba")
+
+
+def test_rope_depends_only_on_distance():
+    cos, sin = rope_tables(16, 64, 10000.0)
+    q, k = torch.randn(16), torch.randn(16)
+
+    def rot(v, pos):
+        return apply_rope(v.view(1, 1, 1, 16).expand(1, 1, 64, 16).contiguous(), cos, sin)[0, 0, pos]
+
+    d1 = rot(q, 10) @ rot(k, 7)
+    d2 = rot(q, 40) @ rot(k, 37)
+    assert d1.item() == pytest.approx(d2.item(), rel=1e-4, abs=1e-5)
+    assert rot(q, 0).allclose(q)  # position 0 is not rotated
+
+
+def test_generate():
+    torch.manual_seed(0)
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 96, (2, 5))
+    greedy = m.generate(idx, 40, temperature=0)  # longer than block_size: the context is cropped
+    assert greedy.shape == (2, 45) and torch.equal(greedy[:, :5], idx)
+    assert torch.equal(m.generate(idx, 10, top_k=1), greedy[:, :15])  # top-1 sampling is greedy
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(m.generate(idx, 10, generator=g1), m.generate(idx, 10, generator=g2))
+
+
+def test_fp8_goes_only_into_the_blocks():
+    m = GPT(tiny(vocab_size=128))
+    names = apply_fp8(m, Recipe(backend="emulate"))
+    assert len(names) == 4 * 3 and all(n.startswith("blocks.") for n in names)
+    assert type(m.lm_head) is nn.Linear and type(m.tok_emb) is nn.Embedding
+    m2 = GPT(tiny(vocab_size=128))
+    assert "lm_head" in apply_fp8(m2, Recipe(backend="emulate"), fp8_lm_head=True)
+    assert m2.lm_head.weight is m2.tok_emb.weight  # still tied after the swap
+    m3 = GPT(tiny(vocab_size=84))  # 84 is not a multiple of 16: FP8 tensor cores cannot take it
+    assert "lm_head" not in apply_fp8(m3, Recipe(backend="emulate"), fp8_lm_head=True)
+
+
+def test_fp8_model_trains_close_to_bf16():
+    torch.manual_seed(0)
+    ref = GPT(tiny())
+    fp8 = GPT(tiny())
+    fp8.load_state_dict(ref.state_dict())
+    apply_fp8(fp8, Recipe(backend="emulate"))
+    x = torch.randint(0, 96, (4, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, l_ref = ref(x, x)
+        _, l_fp8 = fp8(x, x)
+    l_ref.backward()
+    l_fp8.backward()
+    assert l_fp8.item() == pytest.approx(l_ref.item(), rel=0.01)
+    g_ref, g_fp8 = ref.blocks[1].mlp.c_fc.weight.grad, fp8.blocks[1].mlp.c_fc.weight.grad
+    assert torch.nn.functional.cosine_similarity(g_ref.flatten(), g_fp8.flatten(), dim=0) > 0.95
+
+
+def test_flops_per_token():
+    m = GPT(tiny())
+    c = m.config
+    n_linear = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, nn.Linear))
+    assert m.flops_per_token() == 6 * n_linear + 12 * c.n_layer * c.n_embd * c.block_size
+    assert m.estimate_mfu(1000.0, m.flops_per_token() * 2000.0) == pytest.approx(0.5)
+
+
+def test_load_state_across_precisions():
+    bf16 = GPT(tiny())
+    fp8 = GPT(tiny())
+    apply_fp8(fp8, Recipe(backend="emulate", scaling="delayed"))
+    load_model_state(fp8, bf16.state_dict())  # FP8 scaling state starts fresh
+    assert torch.equal(fp8.blocks[0].attn.c_attn.weight, bf16.blocks[0].attn.c_attn.weight)
+    load_model_state(GPT(tiny()), fp8.state_dict())  # FP8 scaling state is ignored
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_model_state(GPT(tiny(n_embd=128)), bf16.state_dict())
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_model_state(GPT(tiny(n_layer=2)), bf16.state_dict())

@@ -1,0 +1,492 @@
+"""
+Train a GPT in bf16 or in FP8 (level O1), on a CPU, one GPU, or many GPUs with torchrun.
+
+    python train.py config/shakespeare_char_fp8.py                    # the baby model, minutes on a CPU
+    python train.py config/shakespeare_char_fp8.py --max_iters=100    # key=value overrides the file
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_fp8.py
+
+Precision levels (`precision=...`):
+
+    bf16  fp32 master weights and optimizer state, every matmul in bf16 under autocast.
+    O1    as bf16, but the Linears inside the transformer blocks run their three GEMMs (forward,
+          dgrad, wgrad) in FP8 and keep FP8 copies of their input and weight for the backward
+          pass (nanofp8/fp8.py). Embeddings, norms, attention and the LM head stay bf16/fp32.
+
+Where the precision level touches the training loop there is one small function each:
+setup_precision (what the model's layers compute in), build_optimizer (what holds the master
+weights and moments), optimizer_step (how gradients become an update) and wrap_data_parallel (how
+gradients are summed across ranks). Levels O2 (FP8 optimizer state) and O3 (sharded state) are
+meant to replace exactly these functions and nothing else.
+
+The loop itself is flat and runs top to bottom: evaluate every eval_interval iterations (and
+checkpoint), then forward/backward over gradient_accumulation_steps micro-batches, clip, step.
+
+Reproducibility: the batch of iteration i is drawn with a generator seeded from (seed, i, micro
+step, rank), never from a global RNG. The data "position" is then simply the iteration number, so
+a run that is stopped and resumed from its checkpoint (init_from='resume') sees the same batches
+as one that never stopped, and on CPU it reproduces the same losses bit for bit.
+"""
+
+import math
+import os
+import pickle
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import fields
+
+import numpy as np
+import torch
+
+from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
+from nanofp8.model import (GPT, CheckpointError, GPTConfig, apply_fp8, load_checkpoint,
+                           load_model_state, save_checkpoint)
+
+# -----------------------------------------------------------------------------
+# Defaults: GPT-2 small (124M) on OpenWebText. Config files and key=value override them.
+# I/O
+out_dir = "out"
+eval_interval = 2000  # evaluate (and checkpoint) every this many iterations, and at the end
+log_interval = 10
+eval_iters = 200  # batches per split per evaluation
+eval_only = False  # evaluate once and exit
+always_save_checkpoint = True  # else only when the validation loss improves
+init_from = "scratch"  # "scratch" | "resume" (from out_dir/ckpt.pt)
+# data
+dataset = "openwebtext"
+gradient_accumulation_steps = 40  # micro-batches per optimizer step, summed over all ranks
+batch_size = 12  # sequences per micro-batch
+block_size = 1024
+# model (see nanofp8/model.py: GPTConfig)
+arch = "gpt2"  # "gpt2" | "llama"
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0
+bias = True
+tie_embeddings = True
+mlp_hidden = 0  # 0 = the architecture's default width
+rope_theta = 10000.0
+norm_eps = 1e-5
+vocab_size = 50304  # used when the dataset has no meta.pkl (GPT-2 BPE: 50257, padded)
+# AdamW
+learning_rate = 6e-4
+max_iters = 600000
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip the global gradient norm to this (0 = no clipping)
+# learning rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000
+min_lr = 6e-5
+# precision
+precision = "bf16"  # "bf16" | "O1"
+fp8_scaling = "current"  # "current" | "delayed"
+fp8_granularity = "tensor"  # "tensor" | "row" | "block"
+fp8_formats = "hybrid"  # "hybrid" (E4M3 forward, E5M2 gradients) | "e4m3"
+fp8_backend = None  # "torch" | "emulate" | "triton"; None = torch._scaled_mm on CUDA, emulate on CPU
+fp8_history_len = 16  # delayed scaling: amax history length
+fp8_amax_algo = "max"  # delayed scaling: "max" | "most_recent"
+fp8_margin = 0  # scales are divided by 2^margin
+fp8_lm_head = False  # also run the LM head in FP8
+# system
+device = "auto"  # "auto" (cuda if available, else cpu) | "cpu" | "cuda" | "cuda:1" ...
+compile = None  # torch.compile the model; None = on for CUDA, off for CPU
+peak_flops = 0.0  # hardware peak for MFU; 0 = look the GPU up (no MFU when unknown, e.g. CPU)
+seed = 1337
+DEFAULTS = defaults_of(globals())
+# -----------------------------------------------------------------------------
+
+PRECISIONS = ("bf16", "O1")  # the later levels: "O2" (FP8 optimizer state), "O3" (+ sharding)
+MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+REPO = os.path.dirname(os.path.abspath(__file__))
+PREPARED_ON_DEMAND = ("shakespeare_char",)  # small enough to prepare inside train.py
+# Dense tensor-core peak per GPU (SXM parts), bf16 and FP8, for MFU. FP8 runs are measured against
+# the FP8 peak: "50% MFU" then means the same thing, half of what the hardware could do.
+PEAK_FLOPS = {"H100": (989e12, 1979e12), "H200": (989e12, 1979e12), "H800": (989e12, 1979e12),
+              "A100": (312e12, None)}
+
+
+def load_config(argv):
+    """Defaults + config files + key=value -> a dict, validated. Raises ConfigError."""
+    cfg = configure(DEFAULTS, argv)
+    if cfg["precision"] in ("O2", "O3"):
+        raise ConfigError(f"precision={cfg['precision']} is not implemented in this version; "
+                          f"choose one of {list(PRECISIONS)}")
+    check_choice(cfg, "precision", PRECISIONS)
+    check_choice(cfg, "init_from", ("scratch", "resume"))
+    check_choice(cfg, "arch", ("gpt2", "llama"))
+    check_choice(cfg, "fp8_scaling", ("current", "delayed"))
+    check_choice(cfg, "fp8_granularity", ("tensor", "row", "block"))
+    check_choice(cfg, "fp8_formats", ("hybrid", "e4m3"))
+    check_choice(cfg, "fp8_backend", (None, "torch", "emulate", "triton"))
+    check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))
+    check_choice(cfg, "compile", (None, True, False))
+    for key in ("max_iters", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
+                "eval_interval", "log_interval"):
+        if cfg[key] < (0 if key == "max_iters" else 1):
+            raise ConfigError(f"config key '{key}' must be positive, got {cfg[key]}")
+    if not (cfg["device"] == "auto" or cfg["device"].split(":")[0] in ("cpu", "cuda", "mps")):
+        raise ConfigError(f"config key 'device' must be 'auto', 'cpu' or 'cuda[:N]', got {cfg['device']!r}")
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+
+def ensure_dataset(dataset):
+    """The dataset's directory, preparing it first if it is small enough to do so here."""
+    data_dir = os.path.join(REPO, "data", dataset)
+    wanted = [os.path.join(data_dir, f) for f in ("train.bin", "val.bin")]
+    if all(os.path.exists(p) for p in wanted):
+        return data_dir
+    script = os.path.join(data_dir, "prepare.py")
+    shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else script
+    if not os.path.exists(script):
+        sys.exit(f"error: unknown dataset '{dataset}': no {shown}")
+    if dataset not in PREPARED_ON_DEMAND:
+        sys.exit(f"error: dataset '{dataset}' is not prepared ({wanted[0]} is missing). "
+                 f"Prepare it first with:\n    python {shown}")
+    print(f"dataset '{dataset}' is not prepared yet: running {shown}")
+    if subprocess.run([sys.executable, script]).returncode != 0:
+        sys.exit(f"error: preparing dataset '{dataset}' failed (see above)")
+    return data_dir
+
+
+TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
+
+
+def batch_generator(seed, stream, i, j, rank):
+    """A fresh generator for one batch: training batch (i=iteration, j=micro step) or evaluation
+    batch (j=index), seeded by the tuple. Python's hash of a tuple of non-negative ints is the
+    same in every process and every run (only str/bytes hashing is salted), so a restarted run
+    draws exactly the batches the uninterrupted one would have."""
+    return torch.Generator().manual_seed(hash((seed, stream, i, j, rank)) & (2**63 - 1))
+
+
+def get_batch(data, batch_size, block_size, gen, device):
+    """batch_size random windows of block_size + 1 tokens: inputs, and the same shifted by one."""
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=gen).tolist()
+    window = np.stack([data[i : i + block_size + 1] for i in ix]).astype(np.int64)
+    xy = torch.from_numpy(window)
+    if device.startswith("cuda"):
+        xy = xy.pin_memory().to(device, non_blocking=True)  # the copy overlaps the GPU's work
+    else:
+        xy = xy.to(device)
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+
+# -----------------------------------------------------------------------------
+# The precision level: the four functions that O2/O3 will replace
+
+
+def fp8_recipe(cfg, device_type):
+    from nanofp8.fp8 import Recipe
+
+    backend = cfg["fp8_backend"] or ("torch" if device_type == "cuda" else "emulate")
+    return Recipe(scaling=cfg["fp8_scaling"], granularity=cfg["fp8_granularity"],
+                  formats=cfg["fp8_formats"], history_len=cfg["fp8_history_len"],
+                  amax_algo=cfg["fp8_amax_algo"], margin=cfg["fp8_margin"], backend=backend)
+
+
+def setup_precision(model, cfg, device_type):
+    """What the layers compute in. Returns a description for the log.
+
+    bf16: nothing to change in the model; the fp32 parameters are the master weights and the
+    autocast context around forward casts matmul inputs to bf16 on the fly.
+    O1:   swap the block Linears for Fp8Linear (same parameters, plus FP8 scaling buffers)."""
+    if cfg["precision"] == "bf16":
+        return "bf16 autocast, fp32 master weights"
+    recipe = fp8_recipe(cfg, device_type)
+    names = apply_fp8(model, recipe, cfg["fp8_lm_head"])
+    desc = (f"O1: {len(names)} Linears in FP8 ({recipe.scaling} scaling, {recipe.granularity}, "
+            f"{recipe.formats}, backend={recipe.backend}), the rest bf16 autocast")
+    if cfg["fp8_lm_head"] and "lm_head" not in names:
+        desc += f" (LM head kept bf16: vocab_size={model.config.vocab_size} is not a multiple of 16)"
+    return desc
+
+
+def build_optimizer(model, cfg, device_type):
+    """AdamW on fp32 master weights. Matrices (Linear weights, embeddings) get weight decay;
+    biases and norm gains do not: shrinking them towards 0 only fights the normalization."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # The fused CUDA kernel updates all parameters in a few launches instead of several per tensor.
+    extra = {"fused": True} if device_type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), **extra)
+
+
+def optimizer_step(model, optimizer, cfg):
+    """Clip, step, clear. Returns (gradient norm, whether the step was taken).
+
+    A non-finite gradient norm means some gradient overflowed or a NaN came through (FP8 casts
+    turn non-finite inputs into NaN on purpose, so they are seen here and not hidden): skip the
+    step rather than write NaN into every weight. The cost is one device sync per step."""
+    max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    stepped = bool(torch.isfinite(norm))
+    if stepped:
+        optimizer.step()
+        drop_fp8_weight_caches(model)
+    optimizer.zero_grad(set_to_none=True)
+    return norm.item(), stepped
+
+
+def drop_fp8_weight_caches(model):
+    """Fp8Linear casts its weight to FP8 once and reuses the cast over the micro-batches of a
+    step, until the weight's version counter moves. The fused AdamW kernel updates weights in
+    place *without* moving that counter, so after every step we say it explicitly."""
+    for m in model.modules():
+        if hasattr(m, "free_weight_cache"):
+            m.free_weight_cache()
+
+
+def wrap_data_parallel(model, device):
+    """Plain DDP: gradients all-reduced in their own precision (fp32), bucketed and overlapped
+    with the backward pass. DDP also broadcasts rank 0's buffers before every forward, which for
+    Fp8Linear means all ranks scale with rank 0's amax history (delayed scaling): one set of
+    scales everywhere, at the price of the other ranks' amaxes being ignored."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+
+
+# -----------------------------------------------------------------------------
+# Helpers
+
+
+def lr_at(it, cfg):
+    """Linear warmup from ~0 to learning_rate, cosine decay to min_lr at lr_decay_iters, flat after."""
+    lr, warmup, decay_end = cfg["learning_rate"], cfg["warmup_iters"], cfg["lr_decay_iters"]
+    if not cfg["decay_lr"]:
+        return lr
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it >= decay_end:
+        return cfg["min_lr"]
+    progress = (it - warmup) / max(1, decay_end - warmup)
+    return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - cfg["min_lr"])
+
+
+def peak_flops_for(cfg, device_type):
+    if cfg["peak_flops"] > 0:
+        return cfg["peak_flops"]
+    if device_type != "cuda":
+        return None  # no meaningful single peak for a CPU
+    name = torch.cuda.get_device_name()
+    for key, (bf16_peak, fp8_peak) in PEAK_FLOPS.items():
+        if key in name:
+            return fp8_peak if cfg["precision"] != "bf16" else bf16_peak
+    return None
+
+
+@torch.no_grad()
+def estimate_loss(model, data, cfg, autocast, device, rank, world_size, show_progress):
+    """Mean loss over eval_iters batches per split. The batches are the same at every evaluation
+    (seeded by split and index only), so the curve measures the model, not the sampling noise,
+    and a bf16 and an FP8 run are compared on exactly the same text."""
+    from tqdm import tqdm
+
+    model.eval()
+    out = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=device)
+        # A progress bar that erases itself (leave=False), and only on a terminal (disable=None):
+        # logs redirected to a file stay clean.
+        batches = tqdm(range(cfg["eval_iters"]), desc=f"eval {split}", leave=False,
+                       disable=None if show_progress else True, file=sys.stdout)
+        for k in batches:
+            gen = batch_generator(cfg["seed"], EVAL_STREAMS[split], 0, k, rank)
+            x, y = get_batch(data[split], cfg["batch_size"], cfg["block_size"], gen, device)
+            with autocast:
+                _, loss = model(x, y)
+            total += loss.float()
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
+        out[split] = total.item() / (cfg["eval_iters"] * world_size)
+    model.train()
+    return out
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    """Train; returns {'losses': [(iter, loss)], 'evals': [(iter, train, val)]} (for tests)."""
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+
+    # ---- processes and devices
+    ddp = int(os.environ.get("RANK", -1)) != -1  # launched by torchrun?
+    if cfg["device"] == "auto":
+        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if ddp:
+        rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        if cfg["device"].startswith("cuda"):
+            cfg["device"] = f"cuda:{local_rank}"
+            torch.cuda.set_device(cfg["device"])
+        torch.distributed.init_process_group(backend="nccl" if cfg["device"].startswith("cuda") else "gloo")
+    else:
+        rank, local_rank, world_size = 0, 0, 1
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    device = cfg["device"]
+    device_type = device.split(":")[0]
+    if cfg["compile"] is None:
+        cfg["compile"] = device_type == "cuda"
+    if cfg["gradient_accumulation_steps"] % world_size:
+        raise ConfigError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be "
+                          f"divisible by the number of processes ({world_size})")
+    accum = cfg["gradient_accumulation_steps"] // world_size  # micro-steps per rank
+    tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: use TF32
+        torch.backends.cudnn.allow_tf32 = True
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16)
+
+    # ---- data
+    if master:
+        ensure_dataset(cfg["dataset"])
+    if ddp:
+        torch.distributed.barrier()  # the others wait until rank 0 has prepared the data
+    data_dir = os.path.join(REPO, "data", cfg["dataset"])
+    data = {s: np.memmap(os.path.join(data_dir, f"{s}.bin"), dtype=np.uint16, mode="r") for s in ("train", "val")}
+    meta_path = os.path.join(data_dir, "meta.pkl")
+    if os.path.exists(meta_path):
+        with open(meta_path, "rb") as f:
+            cfg["vocab_size"] = pickle.load(f)["vocab_size"]
+
+    # ---- model, from scratch or from the checkpoint
+    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    ckpt = None
+    if cfg["init_from"] == "resume":
+        ckpt = load_checkpoint(ckpt_path, map_location=device)
+        for k in MODEL_KEYS:  # the architecture is the checkpoint's, whatever the config says
+            if cfg[k] != ckpt["model_args"][k]:
+                log(f"note: {k}={ckpt['model_args'][k]} from the checkpoint overrides {cfg[k]!r}")
+            cfg[k] = ckpt["model_args"][k]
+    model_args = {k: cfg[k] for k in MODEL_KEYS}
+    torch.manual_seed(cfg["seed"])  # same initial weights on every rank
+    model = GPT(GPTConfig(**model_args))
+    precision_desc = setup_precision(model, cfg, device_type)
+    if ckpt is not None:
+        load_model_state(model, ckpt["model"], ckpt_path)
+    model.to(device)
+    optimizer = build_optimizer(model, cfg, device_type)
+    iter_num, best_val_loss = 0, float("inf")
+    # The global RNG now only drives dropout. Each rank gets its own stream; a resumed run
+    # continues the saved one (rank 0's: only rank 0 writes checkpoints; other ranks reseed).
+    torch.manual_seed(hash((cfg["seed"], rank)) & (2**63 - 1))
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        if master and "rng" in ckpt:
+            torch.set_rng_state(ckpt["rng"]["cpu"].cpu())
+            if device_type == "cuda" and "cuda" in ckpt["rng"]:
+                torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu())
+        elif not master:
+            torch.manual_seed(hash((cfg["seed"], rank, iter_num)) & (2**63 - 1))
+        ckpt = None  # free the loaded tensors
+    start_iter = iter_num
+    raw_model = model  # the module whose state_dict is saved (no compile or DDP wrappers)
+    if cfg["compile"]:
+        log("compiling the model (takes a minute) ...")
+        model = torch.compile(model)
+    if ddp:
+        model = wrap_data_parallel(model, device)
+    peak = peak_flops_for(cfg, device_type)
+
+    log(f"{raw_model.num_params() / 1e6:.2f}M parameters ({cfg['arch']}, {cfg['n_layer']} layers, "
+        f"d={cfg['n_embd']}), {precision_desc}")
+    log(f"device {device} x {world_size}, compile={cfg['compile']}, {tokens_per_iter:,} tokens per iteration, "
+        f"{'resuming at iter ' + str(iter_num) if start_iter else 'from scratch'}")
+    if master:
+        os.makedirs(cfg["out_dir"], exist_ok=True)
+
+    # ---- the training loop
+    history = {"losses": [], "evals": []}
+    t_last, step_time, step_count = time.time(), 0.0, 0
+    while True:
+        lr = lr_at(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # Evaluate and checkpoint. A resumed run skips the evaluation at its first iteration: the
+        # run that wrote the checkpoint did it just before saving.
+        due = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
+        just_resumed = start_iter > 0 and iter_num == start_iter
+        if cfg["eval_only"] or (due and not just_resumed):
+            losses = estimate_loss(model, data, cfg, autocast, device, rank, world_size, master)
+            # A weight cast made in eval mode recorded no amax (evaluation never writes scaling
+            # state); drop it, so the next training step casts and records as it would have
+            # without the evaluation (and as a resumed run, which skips this evaluation, does).
+            drop_fp8_weight_caches(raw_model)
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            history["evals"].append((iter_num, losses["train"], losses["val"]))
+            improved = losses["val"] < best_val_loss
+            best_val_loss = min(best_val_loss, losses["val"])
+            if master and iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
+                rng = {"cpu": torch.get_rng_state()}
+                if device_type == "cuda":
+                    rng["cuda"] = torch.cuda.get_rng_state()
+                save_checkpoint({
+                    "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
+                    "optimizer": optimizer.state_dict(),
+                    "model_args": model_args,
+                    "config": dict(cfg),
+                    "iter_num": iter_num,
+                    "best_val_loss": best_val_loss,
+                    "rng": rng,
+                    # Batches are a function of (seed, iteration): the iteration is the position.
+                    "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
+                             "tokens_seen": iter_num * tokens_per_iter},
+                }, ckpt_path)
+                log(f"saved checkpoint to {ckpt_path}")
+            t_last = time.time()  # do not bill the evaluation to the next iteration
+        if cfg["eval_only"] or iter_num >= cfg["max_iters"]:
+            break
+
+        # Forward and backward over the micro-batches; gradients add up in .grad. Under DDP only
+        # the last micro-batch all-reduces (no_sync on the others).
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            gen = batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, micro, rank)
+            x, y = get_batch(data["train"], cfg["batch_size"], cfg["block_size"], gen, device)
+            sync = nullcontext() if not ddp or micro == accum - 1 else model.no_sync()
+            with sync:
+                with autocast:
+                    _, loss = model(x, y)
+                (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        grad_norm, stepped = optimizer_step(model, optimizer, cfg)
+
+        loss_value = loss_sum.item() / accum  # .item() waits for the GPU: time is honest
+        history["losses"].append((iter_num, loss_value))
+        now = time.time()
+        step_time, step_count, t_last = step_time + now - t_last, step_count + 1, now
+        if iter_num % cfg["log_interval"] == 0:
+            dt, step_time, step_count = step_time / step_count, 0.0, 0  # mean since the last log line
+            tok_per_s = tokens_per_iter / dt
+            line = f"iter {iter_num}: loss {loss_value:.4f}, time {dt * 1000:.2f}ms, {tok_per_s:,.0f} tok/s"
+            if peak and iter_num > start_iter + 2:  # the first iterations include compilation
+                line += f", mfu {100 * raw_model.estimate_mfu(tok_per_s, peak):.2f}%"
+            if not stepped:
+                line += f", SKIPPED (grad norm {grad_norm})"
+            log(line)
+        iter_num += 1
+
+    if ddp:
+        torch.distributed.destroy_process_group()
+    return history
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
