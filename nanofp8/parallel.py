@@ -1,0 +1,748 @@
+"""
+Model parallelism in FP8: tensor (TP), sequence (SP) and pipeline (PP) parallelism.
+
+Meant to be read top to bottom, after fp8.py (the FP8 GEMMs used here) and dist.py (the uint8
+collectives used here, and the byte counter COMM that every collective below feeds).
+
+1. Tensor parallelism: cut the matrices, not the batch
+------------------------------------------------------
+A block is two pairs of GEMMs: (qkv, attention output) and (MLP in, MLP out). Cut the first of a
+pair by output features ("column-parallel") and the second by input features ("row-parallel"):
+the first reads the full input and writes a slice of the features (whole heads, a slice of the
+MLP units), the second reads that slice and writes a *partial sum* of the full output. One
+collective per pair, mirrored in backward:
+
+    column-parallel  forward: x replicated, nothing to do    backward: all-reduce partial dx
+    row-parallel     forward: all-reduce partial y           backward: dy replicated, nothing to do
+
+The fused qkv weight has rows [q | k | v]: a rank takes its heads from each of the three, not a
+contiguous third. LLaMA's fused [gate | up] is cut the same way, so gate i and up i share a rank.
+
+2. Which FP8 scales must the ranks agree on?
+--------------------------------------------
+Each rank runs fp8.py's GEMMs on its shard, with the recipe's formats and granularity. A scale
+covers some values; the ranks only need to agree on it if those values live on several ranks.
+  * A replicated operand (column-parallel x, row-parallel dy) has the same bits everywhere, and
+    current scaling is a deterministic function of the bits (delayed scaling: of identical
+    histories): identical scales, no communication. This keeps the replicated residual stream
+    bit-identical across ranks.
+  * A sharded operand (W, column-parallel dy, row-parallel x) is only contracted inside its own
+    rank's GEMM; the partial results are dequantized and summed in fp32 afterwards. So a per-rank
+    scale is valid: it never multiplies another rank's values.
+  * "tensor" granularity means one scale for the logical tensor, so for a sharded tensor the
+    ranks agree on it with a MAX all-reduce of the amax (4 bytes; current scaling only, delayed
+    scaling keeps one history per rank). That is the very scale of the
+    single-device layer, and a TP layer then reproduces its single-device twin up to fp32
+    summation order. Row and block scales are per row / tile of the shard: finer than the twin's
+    (row scales along a cut dimension) or equal to them (block scales of 128-aligned shards).
+
+3. Sequence parallelism: shard what TP leaves replicated
+--------------------------------------------------------
+Between a row-parallel output and the next column-parallel input, TP leaves norms, dropout and
+residual adds replicated. SP gives each rank 1/W of the sequence there: the all-reduce becomes a
+reduce-scatter (each rank keeps the sum for its own tokens) and the column-parallel layer starts
+with an all-gather of the token slices; in backward each becomes the other. Same bytes as the
+all-reduce (itself a reduce-scatter plus an all-gather), W times less activation memory.
+
+The FP8 all-gather has a property worth exploiting: with row or block scales each token carries
+its own scales, which do not depend on who quantized it. The gathered bytes and scales therefore
+*are* the quantized full input, bit for bit, and go into the GEMM as they arrive. With tensor
+scaling the ranks agree on the scale first (the max of the slices' amaxes is the whole's amax),
+and the same holds. (The wgrad GEMM contracts over tokens and needs x^T re-quantized along them;
+with row/block scales it is re-quantized from the gathered FP8 values: one extra rounding, or
+none with power-of-two scales, since an FP8 value times 2^k is again an FP8 value (subnormals
+aside).)
+
+The reduce-scatter sends each rank's partial sums in FP8 with one scale per token (an outlier
+token does not squeeze the others) and sums the W dequantized copies in fp32 (dist.py). FP8-LM
+keeps this one in BF16; here it is FP8 as well, at the price of one FP8 rounding of the partial
+sums, which tests/test_parallel.py measures. comm="bf16" is the baseline. Only the block stack is
+sequence-parallel: the first block slices its input, the last gathers its output (in fp32, so
+embedding and LM head see exact, replicated values).
+
+4. Pipeline parallelism
+-----------------------
+The blocks are cut into P consecutive stages; the embedding goes with the first, final norm,
+LM head and loss with the last. pipeline_step runs GPipe: all micro-batch forwards, then all
+backwards. Activations travel as E4M3 with one scale per token, gradients as E5M2 (uint8 payload
+with the fp32 scales appended: one send each). Tied embeddings: the last stage holds a copy of
+the embedding matrix as its LM head; the two gradients are summed between first and last stage,
+so both copies take the same optimizer step and stay equal.
+
+5. Call contract for train.py
+-----------------------------
+    groups = make_groups(tp=T, pp=P)                 # after init_process_group; dp = world/(T*P)
+    torch.manual_seed(seed)                          # SAME initial weights on every rank
+    model = GPT(cfg); apply_fp8(model, recipe)       # a single-device checkpoint loads here
+    parallelize(model, groups.tp_group, sp=SP)       # no-op if T == 1
+    stage = PipelineStage(model, groups).to(device)  # also for P == 1; then drop `model`
+    torch.manual_seed(hash((seed, groups.dp_rank, groups.pp_rank)))  # dropout: the same RNG on
+                                                     # a TP group (replicated regions must match)
+    dp = TPDataParallel(stage, groups)               # if groups.dp > 1 (broadcasts dp rank 0)
+    opt = AdamW(stage.parameters(), ...)
+    each iteration (no torch.compile, no autocast around the call):
+        loss = pipeline_step(stage, micro_batches, groups, autocast=autocast)
+            # micro_batches: [(x, y)] * gradient-accumulation steps of this DP rank, the same on
+            # every rank of the pipeline; loss: their mean, on every rank (this DP replica's)
+        sync_model_parallel_grads(stage, groups)     # SP-partial and tied grads: before DP ...
+        finite = dp.sync_gradients()                 # ... then the DP average
+        norm = clip_grad_norm_(stage, max_norm, groups)   # global norm, identical everywhere
+        if finite and torch.isfinite(norm): opt.step()
+        opt.zero_grad()
+    evaluation: pipeline_step(stage, batches, groups, train=False); average over dp_group only;
+    then free_weight_cache() on every rank, as train.py does.
+    checkpoints: ranks with dp_rank == 0 save stage.state_dict() (the GPT's keys, this rank's
+    shards) and the optimizer state under checkpoint_suffix(groups); a resumed run builds the
+    same layout and loads its own file after PipelineStage(). merge_tp_state_dicts() rebuilds
+    full tensors from a stage's TP shards (stages' dicts union) for a single-device GPT.
+    MFU: use the unsharded model's flops_per_token (a shard's parameter count is smaller).
+
+Limits: SP needs the sequence length divisible by tp (sample from a merged checkpoint on one
+device); TP layers always run FP8 GEMMs (a bf16 run passes recipe= to get them). Not done:
+vocabulary-parallel embedding / LM head (replicated under TP), 1F1B or interleaved schedules,
+torch.compile of the parallel layers, O2 (fp16 master) TP layers.
+"""
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import dist as D
+from .dist import COMM, Fp8Rows
+from .fp8 import (BLOCK, E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8Tensor,
+                  _pack, _requantize_t, _unpack, compute_scale, dequantize, quantize, scaled_gemm)
+from .model import apply_rope
+
+PLAIN = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the baseline communication dtypes
+ACT = (1, BLOCK)  # tile of activation / gradient block scales (fp8.py's convention)
+
+# -----------------------------------------------------------------------------
+# 1. Process groups
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's place in the dp x tp x pp arrangement, and the groups it belongs to."""
+
+    dp: int
+    tp: int
+    pp: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_group: object
+    tp_group: object
+    pp_group: object
+    pp_ranks: list  # global ranks of this rank's pipeline, stage by stage (send/recv take these)
+    embed_group: object = None  # {first stage, last stage} of this pipeline (tied embeddings)
+
+
+def make_groups(tp=1, pp=1):
+    """Arrange the world as pp x dp x tp (tp varies fastest: TP ranks are neighbours, which puts
+    the chattiest collectives on the fastest links, NVLink inside a node). Global rank =
+    (pp_rank * dp + dp_rank) * tp + tp_rank. Every rank creates every group (new_group requires
+    it, in the same order everywhere) and keeps the ones it belongs to."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    dp = world // (tp * pp)
+    rank = lambda d, t, p: (p * dp + d) * tp + t  # noqa: E731
+    t0, d0, p0 = me % tp, (me // tp) % dp, me // (tp * dp)
+    mine = {}
+    for kind, members in (
+            ("tp", [[rank(d, t, p) for t in range(tp)] for p in range(pp) for d in range(dp)]),
+            ("dp", [[rank(d, t, p) for d in range(dp)] for p in range(pp) for t in range(tp)]),
+            ("pp", [[rank(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)])):
+        for ranks in members:
+            g = dist.new_group(ranks)
+            if me in ranks:
+                mine[kind], mine[kind + "_ranks"] = g, ranks
+    embed = None
+    if pp > 1:
+        for d in range(dp):
+            for t in range(tp):
+                ends = [rank(d, t, 0), rank(d, t, pp - 1)]
+                g = dist.new_group(ends)
+                if me in ends:
+                    embed = g
+    return ParallelGroups(dp, tp, pp, d0, t0, p0, mine["dp"], mine["tp"], mine["pp"],
+                          mine["pp_ranks"], embed)
+
+
+# -----------------------------------------------------------------------------
+# 2. The collectives of TP and SP, on (batch, sequence, features) activations
+#
+# Under SP rank r holds tokens [r*Tl, (r+1)*Tl) of every sequence. A gather concatenates whole
+# buffers rank after rank, i.e. in (rank, batch, token) order; the model wants (batch, rank,
+# token). _slices_to_seq / _seq_to_slices convert between the two (a copy of 1-byte values for
+# the FP8 gathers). Summed payloads carry one scale per token (block = row length): they are
+# dequantized before use, so their scales are free to choose, and per token is what keeps an
+# outlier token from flushing its neighbours.
+
+
+def _slices_to_seq(t, W, B, Tl):
+    return t.reshape(W, B, Tl, -1).transpose(0, 1).reshape(B * W * Tl, -1)
+
+
+def _seq_to_slices(y, W):
+    B, T, N = y.shape
+    return y.reshape(B, W, T // W, N).transpose(0, 1).contiguous()
+
+
+def _shared_scale(x2, mod, fmt):
+    """The scale of a tensor sharded over the TP group: from the max of the ranks' amaxes."""
+    amax = x2.detach().abs().amax().float().reshape(1)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mod.group)
+    COMM.add("amax_max", 4, 8 * (mod.tp - 1) / mod.tp)
+    return compute_scale(amax[0], fmt, mod.recipe.margin, mod.recipe.power_of_two)
+
+
+def _gather_operand(x, mod, fmt, role):
+    """All-gather the sequence slices x (B, Tl, K) into the GEMM operand for the whole sequence,
+    (B*T, K) quantized along K. Returns (Fp8Tensor, high-precision copy or None)."""
+    W, (B, Tl, K) = mod.tp, x.shape
+    x2 = x.reshape(-1, K)
+    if mod.comm != "fp8":  # baseline: gather in bf16/fp32, then quantize the (replicated) whole
+        flat = D.all_gather_plain(x2, mod.group, dtype=PLAIN[mod.comm], out_dtype=torch.float32)
+        full = _slices_to_seq(flat, W, B, Tl)
+        return mod.quantize_operand(role, full, fmt, shared=False), full
+    r = mod.recipe
+    if r.granularity == "tensor":  # one agreed scale; the slice travels as one row
+        q = quantize(x2, fmt, "tensor", scale=_shared_scale(x2, mod, fmt))
+        rows = Fp8Rows(q.data.view(1, -1), q.scale.view(1, 1), x2.numel())
+    else:  # row / block: each token's own scales, computed exactly as on one device
+        q = quantize(x2, fmt, r.granularity, ACT, margin=r.margin, power_of_two=r.power_of_two)
+        rows = Fp8Rows(q.data, q.scale.view(B * Tl, -1), K)
+    got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
+    data = _slices_to_seq(got.data, W, B, Tl)
+    scale = got.scale[0, 0] if r.granularity == "tensor" else _slices_to_seq(got.scale, W, B, Tl)
+    return Fp8Tensor(data, scale, fmt, q.granularity, q.block, data.shape, x.dtype), None
+
+
+def _reduce_scatter_seq(y, mod, fmt):
+    """Sum the ranks' partial y (B, T, N) and keep this rank's sequence slice (B, T/W, N), fp32."""
+    B, T, N = y.shape
+    chunks = _seq_to_slices(y, mod.tp)  # chunk r: the tokens rank r keeps
+    if mod.comm == "fp8":
+        out = D.reduce_scatter_fp8(chunks, mod.group, fmt, block=N, out_dtype=torch.float32)
+    else:
+        out = D.reduce_scatter_plain(chunks, mod.group, PLAIN[mod.comm], out_dtype=torch.float32)
+    return out.view(B, T // mod.tp, N)
+
+
+def _all_reduce(y, mod, fmt):
+    """Sum the ranks' partial y over the TP group; every rank gets the same bits, fp32."""
+    if mod.comm == "fp8":
+        return D.all_reduce_fp8(y, mod.group, fmt, block=y.shape[-1], out_dtype=torch.float32)
+    return D.all_reduce_plain(y, mod.group, PLAIN[mod.comm], out_dtype=torch.float32)
+
+
+# -----------------------------------------------------------------------------
+# 3. The tensor-parallel FP8 linear layer
+
+
+class _TPLinearFunction(torch.autograd.Function):
+    """The three GEMMs of fp8.py's _Fp8LinearFunction, on a shard, with TP/SP communication.
+
+    column: y_r = x @ W_r^T (+ b_r)     row: y = sum_r x_r @ W_r^T
+    The row-parallel bias is added by the module, after the sum (it must be added once)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mod, out_dtype):
+        r, col, sp = mod.recipe, mod.parallel == "column", mod.sp
+        if col and sp:  # gather the sequence in FP8, straight into the GEMM
+            qx, src = _gather_operand(x, mod, r.fwd_fmt, INPUT)
+            lead = (x.shape[0], x.shape[1] * mod.tp)
+        else:  # column: x is replicated (same scale everywhere); row: x is this rank's features
+            src = x.reshape(-1, x.shape[-1])
+            qx, lead = mod.quantize_operand(INPUT, src, r.fwd_fmt, shared=not col), x.shape[:-1]
+        qw, qw_t = mod.weight_operands()
+        b = bias.to(out_dtype) if col and bias is not None else None
+        y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
+        y = y.view(*lead, -1)
+        if not col:  # the partial sums meet
+            fmt = mod.comm_fmts[0]
+            y = _reduce_scatter_seq(y, mod, fmt) if sp else _all_reduce(y, mod, fmt)
+            y = y.to(out_dtype)
+        # Save the FP8 operands of the backward GEMMs, as fp8.py does. x^T for wgrad comes from
+        # the gathered FP8 values when no high-precision copy of the whole sequence exists (SP,
+        # row/block scales): one more rounding of x for wgrad; tensor scales just transpose.
+        if src is None and r.granularity != "tensor":
+            src = dequantize(qx, torch.float32)
+        qx_t = _requantize_t(mod, INPUT, src, r.fwd_fmt, qx, ACT)
+        (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
+        ctx.save_for_backward(*tx, *tw)
+        ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        mod, r = ctx.mod, ctx.mod.recipe
+        col, sp = mod.parallel == "column", mod.sp
+        saved = ctx.saved_tensors
+        qx_t, qw_t = _unpack(saved[:2], ctx.meta[0]), _unpack(saved[2:], ctx.meta[1])
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if not col and sp:  # backward of the reduce-scatter: gather dy, FP8 into the GEMM
+                qdy, src = _gather_operand(dy, mod, r.bwd_fmt, GRAD_OUTPUT)
+            else:  # column: dy is this rank's features; row: dy is replicated
+                src = dy.reshape(-1, dy.shape[-1])
+                qdy = mod.quantize_operand(GRAD_OUTPUT, src, r.bwd_fmt, shared=col)
+            if ctx.needs_input_grad[0]:
+                dx = scaled_gemm(qdy, qw_t, torch.float32, backend=r.backend, name=mod.fqn)
+                dx = dx.view(*ctx.lead, -1)
+                if col:  # backward of "x is replicated": the ranks' partial dx are summed
+                    fmt = mod.comm_fmts[1]
+                    dx = _reduce_scatter_seq(dx, mod, fmt) if sp else _all_reduce(dx, mod, fmt)
+                dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                if src is None and r.granularity != "tensor":
+                    src = dequantize(qdy, torch.float32)
+                qdy_t = _requantize_t(mod, GRAD_OUTPUT, src, r.bwd_fmt, qdy, ACT)
+                dw = mod.take_wgrad(scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend,
+                                                name=mod.fqn))
+            if col and ctx.has_bias and ctx.needs_input_grad[2]:  # (column: src is dy itself)
+                db = src.float().sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None
+
+
+class TPLinear(Fp8Linear):
+    """One rank's shard of a Linear, parallel="column" (weight rows = output features) or "row"
+    (weight columns = input features). An Fp8Linear in everything else: the same recipe knobs,
+    delayed-scaling buffers and hooks. Delayed scaling keeps one history per rank (valid by
+    section 2; tensor scales of shards then differ from the twin's), except for an input that
+    SP gathers in FP8: it is quantized before it exists whole, so it gets current scaling.
+
+    Parameters are tagged for the gradient utilities of section 5: `tp_sharded` (a different
+    tensor on every TP rank) and `sp_partial` (replicated, but under SP each rank only sees the
+    gradient from its own tokens: must be summed over the TP group)."""
+
+    def __init__(self, weight, bias, parallel, group, sp=False, recipe=None, comm="fp8", fqn="",
+                 comm_fmts=None):
+        out_f, in_f = weight.shape
+        super().__init__(in_f, out_f, bias is not None, device="meta", recipe=recipe, fqn=fqn)
+        if parallel not in ("column", "row") or comm not in ("fp8", *PLAIN):
+            raise ValueError(f"parallel={parallel!r} / comm={comm!r}")
+        # contiguous copies: a column slice is strided, and the FP8 GEMMs want row-major operands
+        self.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self._init_scaling_state(weight.device)
+        self.parallel, self.group, self.sp, self.comm = parallel, group, sp, comm
+        self.comm_fmts = comm_fmts or (self.recipe.fwd_fmt, self.recipe.bwd_fmt)
+        self.tp = dist.get_world_size(group)
+        self.weight.tp_sharded = True
+        if self.bias is not None:
+            self.bias.tp_sharded = parallel == "column"
+            self.bias.sp_partial = parallel == "row" and sp
+
+    def quantize_operand(self, role, x2, fmt, shared):
+        """fp8.py's quantization for a tensor role, plus the agreed tensor scale when the
+        operand is sharded (shared=True). Delayed scaling keeps each rank's own history."""
+        r = self.recipe
+        if r.scaling == "delayed":
+            return self.delayed_quantize(role, x2, fmt)
+        scale = None
+        if shared and r.granularity == "tensor" and self.tp > 1:
+            scale = _shared_scale(x2, self, fmt)
+        block = (BLOCK, BLOCK) if role == WEIGHT else ACT
+        return quantize(x2, fmt, r.granularity, block, scale=scale, margin=r.margin,
+                        power_of_two=r.power_of_two)
+
+    def weight_operands(self):
+        r = self.recipe
+        if r.scaling == "delayed" or r.granularity != "tensor" or self.tp == 1:
+            return super().weight_operands()  # rows and tiles of a shard are its own
+        # Cached until the weight changes, as in Fp8Linear. All ranks step together, so they all
+        # miss the cache together: the amax all-reduce inside stays matched across ranks.
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._w_cache is None or self._w_cache[0] != key:
+            qw = self.quantize_operand(WEIGHT, self.hp_weight().detach(), r.fwd_fmt, shared=True)
+            self._w_cache = (key, (qw, qw.t()))
+        return self._w_cache[1]
+
+    def forward(self, x):
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            y = _TPLinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+            if self.parallel == "row" and self.bias is not None:
+                y = y + self.bias.to(out_dtype)
+        return y
+
+    def extra_repr(self):
+        return (f"{super().extra_repr()}, {self.parallel}-parallel x{self.tp}, sp={self.sp}, "
+                f"comm={self.comm}")
+
+
+# -----------------------------------------------------------------------------
+# 4. Converting a GPT (nanofp8.model) in place
+
+
+def _shard_rows(t, pieces, rank, tp):
+    """Rows of the fused matrix t = [piece_0 | piece_1 | ...]: this rank's share of each piece."""
+    return torch.cat([p.chunk(tp, dim=0)[rank] for p in t.chunk(pieces, dim=0)], dim=0)
+
+
+class TPAttention(nn.Module):
+    """CausalSelfAttention over this rank's n_head / tp heads (the same math as model.py)."""
+
+    def __init__(self, attn, rank, tp, make):
+        super().__init__()
+        C = attn.c_attn.in_features
+        self.n_head, self.head_dim = attn.n_head // tp, C // attn.n_head
+        a, p = attn.c_attn, attn.c_proj  # q, k, v each cut by heads
+        self.c_attn = make(_shard_rows(a.weight, 3, rank, tp),
+                           None if a.bias is None else _shard_rows(a.bias, 3, rank, tp), "column")
+        self.c_proj = make(p.weight.chunk(tp, dim=1)[rank], p.bias, "row")
+        self.dropout, self.resid_dropout = attn.dropout, attn.resid_dropout
+
+    def forward(self, x, rope=None):
+        qkv = self.c_attn(x)  # (B, T, 3 * local width): the whole sequence, also under SP
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        dtype = q.dtype
+        if q.device.type == "cpu":  # as in model.py: CPU attention is faster in fp32
+            q, k, v = q.float(), k.float(), v.float()
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.to(dtype).transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class TPMLP(nn.Module):
+    """The MLP with the hidden units cut across ranks (gate and up alike, for SwiGLU)."""
+
+    def __init__(self, mlp, rank, tp, make):
+        super().__init__()
+        self.swiglu = mlp.swiglu
+        fc, pr, pieces = mlp.c_fc, mlp.c_proj, 2 if mlp.swiglu else 1
+        self.c_fc = make(_shard_rows(fc.weight, pieces, rank, tp),
+                         None if fc.bias is None else _shard_rows(fc.bias, pieces, rank, tp), "column")
+        self.c_proj = make(pr.weight.chunk(tp, dim=1)[rank], pr.bias, "row")
+        self.dropout = mlp.dropout
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.c_proj(h))
+
+
+class _SeqScatter(torch.autograd.Function):
+    """Enter the SP region: keep this rank's slice of the (replicated) sequence."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        if x.shape[1] % W:
+            raise ValueError(f"sequence parallelism: length {x.shape[1]} not divisible by {W}")
+        ctx.group, Tl = group, x.shape[1] // W
+        return x[:, r * Tl : (r + 1) * Tl].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq_plain(g, ctx.group), None
+
+
+class _SeqGather(torch.autograd.Function):
+    """Leave the SP region: gather the whole sequence (replicated again)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.Tl = group, x.shape[1]
+        return _gather_seq_plain(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        r = dist.get_rank(ctx.group)
+        return g[:, r * ctx.Tl : (r + 1) * ctx.Tl].contiguous(), None
+
+
+def _gather_seq_plain(x, group):
+    # At the edges of the SP region the residual stream (and its gradient) is gathered in its own
+    # precision: once per forward, not per layer, and what leaves it feeds the LM head / embedding.
+    W, (B, Tl, C) = dist.get_world_size(group), x.shape
+    flat = D.all_gather_plain(x, group, dtype=x.dtype)
+    return _slices_to_seq(flat, W, B, Tl).view(B, W * Tl, C)
+
+
+def parallelize(model, tp_group, sp=False, recipe=None, comm="fp8", comm_fmts=None):
+    """Convert a nanofp8.model.GPT in place to tensor parallelism over tp_group (and sequence
+    parallelism if sp). Every rank must hold the same weights when it is called. The four block
+    Linears become TPLinear shards (recipe: the given one, else the one apply_fp8 already put on
+    them); embeddings, norms and LM head stay replicated. Returns the model.
+
+    comm: "fp8" | "bf16" | "fp32": how partial sums and SP gathers travel.
+    comm_fmts: (forward, backward) FP8 formats of the *summed* payloads (the all-reduce /
+    reduce-scatter of partial sums); default the recipe's (E4M3, E5M2 for "hybrid"). They carry
+    one scale per token, which is fine-grained enough for (E4M3, E4M3): +6 dB on the gradient.
+    (The FP8 gathers feed the GEMMs and always use the recipe's formats.)"""
+    tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    if tp == 1:
+        return model
+    cfg = model.config
+    if cfg.n_head % tp or cfg.hidden % tp:
+        raise ValueError(f"n_head={cfg.n_head} and MLP width {cfg.hidden} must divide by tp={tp}")
+    for i, blk in enumerate(model.blocks):
+        rec = recipe or getattr(blk.attn.c_attn, "recipe", None)
+        if rec is None:
+            raise ValueError("parallelize needs an FP8 recipe: pass recipe= or apply_fp8 first")
+        make = lambda w, b, kind, i=i: TPLinear(w, b, kind, tp_group, sp, rec, comm,  # noqa: E731
+                                                f"blocks.{i}.{kind}", comm_fmts)
+        blk.attn = TPAttention(blk.attn, rank, tp, make)
+        blk.mlp = TPMLP(blk.mlp, rank, tp, make)
+        if sp:  # the norms see only this rank's tokens: their gradients are partial
+            for p in list(blk.norm_1.parameters()) + list(blk.norm_2.parameters()):
+                p.sp_partial = True
+    if sp:  # hooks, not wrappers: the state_dict keys stay those of the single-device model
+        model.blocks[0].register_forward_pre_hook(
+            lambda m, args: (_SeqScatter.apply(args[0], tp_group), *args[1:]))
+        model.blocks[-1].register_forward_hook(lambda m, args, out: _SeqGather.apply(out, tp_group))
+    model.tp_group, model.sp, model.tp = tp_group, sp, tp
+    return model
+
+
+# -----------------------------------------------------------------------------
+# 5. Gradients across model-parallel ranks
+
+
+@torch.no_grad()
+def sync_model_parallel_grads(module, groups):
+    """Call after backward, before DP averaging and clipping. Sums (1) the SP-partial
+    gradients (norm gains, row-parallel biases) over the TP group and (2) the gradients of the two
+    copies of a tied embedding between the first and last pipeline stage. fp32, one collective
+    each; the sums come back identical on every rank, so the replicas take identical steps."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    for flags, group, n in (("sp_partial", groups.tp_group, groups.tp),
+                            ("pp_tied", groups.embed_group, 2 if groups.pp > 1 else 1)):
+        ps = [p for p in params if getattr(p, flags, False)]
+        if n == 1 or not ps:
+            continue
+        flat = D.all_reduce_plain(torch.cat([p.grad.reshape(-1).float() for p in ps]), group,
+                                  torch.float32)
+        for p, g in zip(ps, flat.split([p.numel() for p in ps])):
+            p.grad.copy_(g.view_as(p))
+
+
+class _Params(nn.Module):
+    def __init__(self, params):
+        super().__init__()
+        self.params = nn.ParameterList(params)  # registers the same Parameter objects
+
+
+class TPDataParallel:
+    """Data parallelism (dist.py's Fp8DataParallel over groups.dp_group) for a TP/PP model.
+
+    Why not Fp8DataParallel(stage): it quantizes chunks of a flat gradient bucket with one scale
+    each. A chunk holding a TP shard has a different amax on each TP rank, so the replicated
+    gradients sharing it would be rounded differently there and the replicas would drift apart
+    (the same for the two tied-embedding copies, in differently filled buckets on the first and
+    last stage). Separate wrappers for shards, tied copies and the rest keep every replicated
+    bucket bit-identical wherever it exists. Call after sync_model_parallel_grads. overlap is off:
+    with micro-batches a gradient accumulates several times per step, and hooks would fire early."""
+
+    def __init__(self, module, groups, **kwargs):
+        parts = {}
+        for p in module.parameters():
+            if p.requires_grad:
+                key = (getattr(p, "tp_sharded", False), getattr(p, "pp_tied", False))
+                parts.setdefault(key, []).append(p)
+        self.wrappers = [D.Fp8DataParallel(_Params(ps), groups.dp_group, overlap=False, **kwargs)
+                         for _, ps in sorted(parts.items())]
+
+    def sync_gradients(self):
+        """Average the gradients over the DP group; True if all are finite (same on all ranks)."""
+        return all([w.sync_gradients() for w in self.wrappers])  # a list: every wrapper runs
+
+
+@torch.no_grad()
+def clip_grad_norm_(module, max_norm, groups):
+    """Clip by the norm of the whole model's gradient, which no single rank holds: a shard counts
+    on every TP rank, a replicated parameter on TP rank 0 only, stages add up, the tied copy on
+    the last stage is left out. Returns the norm (the same on every rank: the clip factor, and a
+    skip decision taken on isfinite(norm), agree everywhere)."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    dev = params[0].grad.device if params else "cpu"
+    sq = torch.zeros(1, device=dev, dtype=torch.float64)
+    for p in params:
+        if getattr(p, "pp_tied", False) and groups.pp_rank > 0:
+            continue
+        if getattr(p, "tp_sharded", False) or groups.tp_rank == 0:
+            sq += p.grad.double().pow(2).sum()
+    for group, n in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp)):
+        if n > 1:
+            dist.all_reduce(sq, group=group)
+            COMM.add("grad_norm", 8, 16 * (n - 1) / n)
+    norm = sq.sqrt().float()[0]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+# -----------------------------------------------------------------------------
+# 6. Pipeline parallelism
+
+
+def stage_layers(n_layer, pp, stage):
+    """Blocks [lo, hi) of a stage: as even as possible, the first stages taking the remainder."""
+    if n_layer < pp:
+        raise ValueError(f"{n_layer} layers cannot fill {pp} pipeline stages")
+    sizes = [n_layer // pp + (s < n_layer % pp) for s in range(pp)]
+    return sum(sizes[:stage]), sum(sizes[: stage + 1])
+
+
+class PipelineStage(nn.Module):
+    """One pipeline stage of a GPT, sharing (not copying) its modules. state_dict keys are those
+    of the GPT (blocks keep their global index), so stages' dicts union into a full one.
+
+    forward(inp, targets, seq_len): the first stage takes token ids, the others the previous
+    stage's output; the last stage returns the loss, the others their output activation."""
+
+    def __init__(self, model, groups):
+        super().__init__()
+        cfg, s, P = model.config, groups.pp_rank, groups.pp
+        self.config, self.first, self.last = cfg, s == 0, s == P - 1
+        self.seq_div = model.tp if getattr(model, "sp", False) else 1  # SP: slices between stages
+        if self.first:
+            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        lo, hi = stage_layers(cfg.n_layer, P, s)
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        if self.last:
+            self.norm_f, self.lm_head = model.norm_f, model.lm_head
+        if cfg.tie_embeddings and P > 1 and (self.first or self.last):
+            if self.last:  # untie: the last stage gets its own copy, kept equal by summed grads
+                self.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
+            (self.tok_emb if self.first else self.lm_head).weight.pp_tied = True
+        if cfg.arch == "llama":
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def act_shape(self, B, T):
+        return (B, T // self.seq_div, self.config.n_embd)
+
+    def forward(self, inp, targets=None, seq_len=None):
+        T = seq_len or inp.shape[1]
+        x = inp
+        if self.first:
+            x = self.tok_emb(inp)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(T, device=inp.device))
+            x = self.drop(x)
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.config.arch == "llama" else None
+        for blk in self.blocks.values():
+            x = blk(x, rope)
+        if not self.last:
+            return x
+        logits = self.lm_head(self.norm_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1)
+
+
+def _send(x, dst, group, fmt):
+    """Send an activation or gradient: FP8 with one fp32 scale per token appended to its row
+    (one message), or plainly in a baseline dtype."""
+    if isinstance(fmt, Fp8Format):
+        buf = D._pack(D.quantize_rows(x.detach().reshape(-1, x.shape[-1]), fmt))
+    else:
+        buf = x.detach().to(fmt).contiguous()
+    dist.send(buf, dst, group=group)
+    n = buf.numel() * buf.element_size()
+    COMM.add(f"pp_send_{fmt.name if isinstance(fmt, Fp8Format) else str(fmt).split('.')[-1]}", n, n)
+
+
+def _recv(shape, src, group, fmt, device):
+    rows, C = math.prod(shape[:-1]), shape[-1]
+    if isinstance(fmt, Fp8Format):
+        buf = torch.empty(rows, C + 4, dtype=torch.uint8, device=device)
+        dist.recv(buf, src, group=group)
+        return D._unpack(buf, C, C, fmt.dtype).dequantize(torch.float32).view(shape)
+    buf = torch.empty(shape, dtype=fmt, device=device)
+    dist.recv(buf, src, group=group)
+    return buf.float()
+
+
+def pipeline_step(stage, micro_batches, groups, autocast=None, act_fmt=E4M3, grad_fmt=E5M2,
+                  train=True):
+    """GPipe over the pipeline group: the forwards of all micro-batches, then their backwards
+    (gradients accumulate in .grad, each micro-batch's loss weighted 1/n). Every rank of the
+    pipeline passes the same list of (tokens, targets) (only the first stage reads the tokens and
+    only the last the targets). Returns the mean loss over the micro-batches, on every rank.
+
+    act_fmt / grad_fmt: E4M3 / E5M2 (FP8 between stages), or torch.bfloat16 / float32.
+    train=False: forwards only, without autograd (evaluation)."""
+    s, n = groups.pp_rank, len(micro_batches)
+    prev = groups.pp_ranks[s - 1] if s > 0 else None
+    nxt = groups.pp_ranks[s + 1] if s < groups.pp - 1 else None
+    device = next(stage.parameters()).device
+    ins, outs, losses = [], [], []
+    with torch.set_grad_enabled(train):
+        for idx, targets in micro_batches:
+            B, T = idx.shape
+            inp = idx if stage.first else _recv(stage.act_shape(B, T), prev, groups.pp_group,
+                                                act_fmt, device)
+            if train and not stage.first:
+                inp.requires_grad_()
+            with autocast or nullcontext():
+                out = stage(inp, targets if stage.last else None, T)
+            if stage.last:
+                losses.append(out.detach().float())
+            else:
+                _send(out, nxt, groups.pp_group, act_fmt)
+            ins.append(inp)
+            outs.append(out)
+    if train:  # backwards in the order of the forwards: every send meets the recv waiting for it
+        for m in range(n):
+            if stage.last:
+                (outs[m] / n).backward()
+            else:
+                outs[m].backward(_recv(outs[m].shape, nxt, groups.pp_group, grad_fmt, device))
+            if not stage.first:
+                _send(ins[m].grad, prev, groups.pp_group, grad_fmt)
+            ins[m] = outs[m] = None  # free this micro-batch's activations
+    loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
+    if groups.pp > 1:
+        dist.broadcast(loss, groups.pp_ranks[-1], group=groups.pp_group)
+        COMM.add("loss_broadcast", 4, 4 if stage.last else 0)
+    return loss
+
+
+# -----------------------------------------------------------------------------
+# 7. Checkpoints
+
+
+def checkpoint_suffix(groups):
+    """Per-rank file tag: ranks that differ only in dp_rank hold the same tensors."""
+    return f"tp{groups.tp_rank}-pp{groups.pp_rank}"
+
+
+def merge_tp_state_dicts(states, config):
+    """The TP ranks' state_dicts of one model (or stage) -> one state_dict with full tensors.
+    FP8 scaling buffers (per shard) are taken from rank 0: a single-device model starts from them
+    as from any other estimate."""
+    out = {}
+    for k, v in states[0].items():
+        shards = [s[k] for s in states]
+        if not k.endswith((".weight", ".bias")) or ".c_" not in k:
+            out[k] = v  # replicated
+        elif ".c_proj.weight" in k:
+            out[k] = torch.cat(shards, dim=1)
+        elif ".c_proj.bias" in k:
+            out[k] = v
+        else:  # column-parallel rows: undo _shard_rows
+            pieces = 3 if ".c_attn." in k else 2 if config.arch == "llama" else 1
+            cut = [s.chunk(pieces, dim=0) for s in shards]
+            out[k] = torch.cat([torch.cat([c[i] for c in cut], dim=0) for i in range(pieces)], dim=0)
+    return out
