@@ -218,6 +218,77 @@ def cmd_comm(args):
 
 
 # -----------------------------------------------------------------------------
+# parity
+
+# Every variant differs from the bf16 run in its precision settings only: same model, data order,
+# seed, steps and hyper-parameters.
+VARIANTS = {
+    "bf16": {"precision": "bf16"},
+    "O1": {"precision": "O1"},
+    "O1-delayed": {"precision": "O1", "fp8_scaling": "delayed"},
+    "O1-row": {"precision": "O1", "fp8_granularity": "row"},
+    "O1-block": {"precision": "O1", "fp8_granularity": "block", "fp8_formats": "e4m3"},
+    "O2": {"precision": "O2"},
+    "O2-fp8v": {"precision": "O2", "o2_v_format": "fp8"},
+}
+
+
+def cmd_parity(args):
+    import train
+
+    runs = {}
+    for name in args.variants:
+        over = [f"--{k}={v}" for k, v in {**VARIANTS[name], **dict(a.split("=", 1) for a in args.set)}.items()]
+        argv = [args.config, f"--out_dir={tempfile.mkdtemp(prefix='parity-')}", "--always_save_checkpoint=False",
+                f"--max_iters={args.iters}", f"--lr_decay_iters={args.iters}", f"--eval_interval={args.eval_interval}",
+                "--device=cpu" if args.cpu else "--device=auto"] + over
+        print(f"== {name}: python train.py {' '.join(argv)}", file=sys.stderr)
+        t0 = time.time()
+        runs[name] = train.main(argv)
+        runs[name]["seconds"] = time.time() - t0
+    base = runs["bf16"]["evals"][-1][2] if "bf16" in runs else None
+    rows = []
+    for name, r in runs.items():
+        val = r["evals"][-1][2]
+        rows.append({"variant": name, "final_val_loss": val, "final_train_loss": r["evals"][-1][1],
+                     "gap_vs_bf16": None if base is None else (val - base) / base,
+                     "seconds": r["seconds"]})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "parity.csv"), "w") as f:
+        f.write("variant,kind,iter,loss\n")
+        for name, r in runs.items():
+            f.writelines(f"{name},train,{i},{l:.5f}\n" for i, l in r["losses"])
+            f.writelines(f"{name},val,{i},{v:.5f}\n" for i, _, v in r["evals"])
+    _plot(runs, os.path.join(args.out, "parity.png"), args)
+    print(f"Final val loss at {args.iters} steps ({args.config}), relative gap to bf16; "
+          f"curves in {args.out}/parity.csv and parity.png")
+    emit("parity", rows, ["variant", "final_val_loss", "final_train_loss", "gap_vs_bf16", "seconds"], args,
+         {"config": args.config, "iters": args.iters, "curves": {n: r for n, r in runs.items()}})
+
+
+def _plot(runs, path, args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in runs.items():
+        it, loss = zip(*r["losses"])
+        k = max(1, len(loss) // 50)  # smooth the noisy per-step loss a little
+        sm = [sum(loss[max(0, i - k): i + 1]) / len(loss[max(0, i - k): i + 1]) for i in range(len(loss))]
+        a.plot(it, sm, label=name, lw=1)
+        ev = r["evals"]
+        b.plot([e[0] for e in ev], [e[2] for e in ev], marker="o", label=name, lw=1)
+    a.set(title="train loss (smoothed)", xlabel="iteration")
+    b.set(title="val loss", xlabel="iteration")
+    b.legend()
+    fig.suptitle(f"FP8 vs BF16 at equal steps: {os.path.basename(args.config)}, {environment()['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -229,10 +300,18 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=["gpt2-124M", "llama"], choices=list(MODELS))
     p = sub.add_parser("comm")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p = sub.add_parser("parity")
+    p.add_argument("--config", default=os.path.join(REPO, "config", "shakespeare_char_bf16.py"))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--eval_interval", type=int, default=250)
+    p.add_argument("--out", default=os.path.join(REPO, "results"))
+    p.add_argument("--cpu", action="store_true", help="force the CPU even if a GPU is present")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
     for p in sub.choices.values():
         p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args(argv)
-    {"memory": cmd_memory, "comm": cmd_comm}[args.cmd](args)
+    {"memory": cmd_memory, "comm": cmd_comm, "parity": cmd_parity}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -484,17 +484,23 @@ class Fp8Linear(nn.Linear):
         """Receives the fp32 weight gradient; returns what autograd accumulates into .grad."""
         return dw.to(self.weight.dtype)
 
+    # Cast the weight to FP8 once per optimizer step and reuse it across micro-steps? Only where
+    # the optimizer says when the weight changed (O2/O3 call free_weight_cache() in their step):
+    # an optimizer that updates in place without bumping the version counter (fused AdamW) would
+    # otherwise leave a stale FP8 weight in use.
+    cache_weight = False
+
     def weight_operands(self):
-        """FP8 W (N, K) and W^T (K, N), cast once per optimizer step: with gradient accumulation
-        the weight is unchanged across micro-steps, so the cast (and, with delayed scaling, the
-        weight's history) is reused until the weight's version counter moves."""
-        key = (self.weight._version, self.weight.data_ptr())
-        if self._w_cache is not None and self._w_cache[0] == key and not torch.compiler.is_compiling():
-            return self._w_cache[1]
+        """FP8 W (N, K) and W^T (K, N) for the forward and dgrad GEMMs."""
+        use_cache = self.cache_weight and not torch.compiler.is_compiling()
+        if use_cache:
+            key = (self.weight._version, self.weight.data_ptr(), self.training)
+            if self._w_cache is not None and self._w_cache[0] == key:
+                return self._w_cache[1]
         w, r, blk = self.hp_weight().detach(), self.recipe, (BLOCK, BLOCK)
         qw = _quantize_role(self, WEIGHT, w, r.fwd_fmt, blk)
         ops = (qw, _requantize_t(self, WEIGHT, w, r.fwd_fmt, qw, blk))
-        self._w_cache = None if torch.compiler.is_compiling() else (key, ops)
+        self._w_cache = (key, ops) if use_cache else None
         return ops
 
     def free_weight_cache(self):

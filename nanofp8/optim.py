@@ -76,6 +76,8 @@ class O2Linear(Fp8Linear):
 
     `.weight` is the fp16 storage; `hp_weight()` gives the true fp32 weight."""
 
+    cache_weight = True  # cast once per step: the optimizer's set_weight() frees the cast
+
     @classmethod
     def from_fp8_linear(cls, lin):
         new = cls(lin.in_features, lin.out_features, lin.bias is not None, device="meta",
