@@ -11,6 +11,14 @@ Precision levels (`precision=...`):
     O1    as bf16, but the Linears inside the transformer blocks run their three GEMMs (forward,
           dgrad, wgrad) in FP8 and keep FP8 copies of their input and weight for the backward
           pass (nanofp8/fp8.py). Embeddings, norms, attention and the LM head stay bf16/fp32.
+    O2    as O1, plus precision decoupling for those Linears (nanofp8/optim.py): fp16 master
+          weights with a scale, FP8 weight gradients, FP8 Adam m, fp16 Adam v: 6 instead of 16
+          bytes per parameter (o2_v_format='fp8': 5).
+    O3    as O2, with the master weights and moments sharded over the data-parallel ranks
+          (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
+
+Under torchrun, bf16 all-reduces fp32 gradients with torch's DDP (nanoGPT's baseline); the FP8
+levels send gradients in FP8 (grad_comm: E5M2 by default) with nanofp8.dist.Fp8DataParallel.
 
 Where the precision level touches the training loop there is one small function each:
 setup_precision (what the model's layers compute in), build_optimizer (what holds the master
@@ -27,6 +35,7 @@ a run that is stopped and resumed from its checkpoint (init_from='resume') sees 
 as one that never stopped, and on CPU it reproduces the same losses bit for bit.
 """
 
+import io
 import math
 import os
 import pickle
@@ -40,8 +49,11 @@ import numpy as np
 import torch
 
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
+from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3, sync_fp8_wgrads
+from nanofp8.fp8 import E4M3, E5M2
 from nanofp8.model import (GPT, CheckpointError, GPTConfig, apply_fp8, load_checkpoint,
                            load_model_state, save_checkpoint)
+from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2
 
 # -----------------------------------------------------------------------------
 # Defaults: GPT-2 small (124M) on OpenWebText. Config files and key=value override them.
@@ -83,7 +95,10 @@ warmup_iters = 2000
 lr_decay_iters = 600000
 min_lr = 6e-5
 # precision
-precision = "bf16"  # "bf16" | "O1"
+precision = "bf16"  # "bf16" | "O1" | "O2" | "O3"
+o2_v_format = "fp16"  # O2/O3: Adam v in "fp16" (FP8-LM) or "fp8" (sqrt(v) in E4M3)
+grad_comm = "auto"  # data-parallel gradients: "auto" (fp32 DDP for bf16, e5m2 for FP8 levels),
+#                     "fp32" | "bf16" | "e5m2" | "e4m3"
 fp8_scaling = "current"  # "current" | "delayed"
 fp8_granularity = "tensor"  # "tensor" | "row" | "block"
 fp8_formats = "hybrid"  # "hybrid" (E4M3 forward, E5M2 gradients) | "e4m3"
@@ -100,7 +115,7 @@ seed = 1337
 DEFAULTS = defaults_of(globals())
 # -----------------------------------------------------------------------------
 
-PRECISIONS = ("bf16", "O1")  # the later levels: "O2" (FP8 optimizer state), "O3" (+ sharding)
+PRECISIONS = ("bf16", "O1", "O2", "O3")
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 REPO = os.path.dirname(os.path.abspath(__file__))
 PREPARED_ON_DEMAND = ("shakespeare_char",)  # small enough to prepare inside train.py
@@ -113,10 +128,9 @@ PEAK_FLOPS = {"H100": (989e12, 1979e12), "H200": (989e12, 1979e12), "H800": (989
 def load_config(argv):
     """Defaults + config files + key=value -> a dict, validated. Raises ConfigError."""
     cfg = configure(DEFAULTS, argv)
-    if cfg["precision"] in ("O2", "O3"):
-        raise ConfigError(f"precision={cfg['precision']} is not implemented in this version; "
-                          f"choose one of {list(PRECISIONS)}")
     check_choice(cfg, "precision", PRECISIONS)
+    check_choice(cfg, "o2_v_format", ("fp16", "fp8"))
+    check_choice(cfg, "grad_comm", ("auto", "fp32", "bf16", "e5m2", "e4m3"))
     check_choice(cfg, "init_from", ("scratch", "resume"))
     check_choice(cfg, "arch", ("gpt2", "llama"))
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
@@ -198,13 +212,22 @@ def setup_precision(model, cfg, device_type):
 
     bf16: nothing to change in the model; the fp32 parameters are the master weights and the
     autocast context around forward casts matmul inputs to bf16 on the fly.
-    O1:   swap the block Linears for Fp8Linear (same parameters, plus FP8 scaling buffers)."""
+    O1:   swap the block Linears for Fp8Linear (same parameters, plus FP8 scaling buffers).
+    O2:   then make them O2Linear: fp16 master weight + scale, FP8 gradient kept outside .grad.
+    O3:   or O3Linear: the full weight in FP8; its fp16 master lives sharded in the optimizer."""
     if cfg["precision"] == "bf16":
         return "bf16 autocast, fp32 master weights"
     recipe = fp8_recipe(cfg, device_type)
     names = apply_fp8(model, recipe, cfg["fp8_lm_head"])
-    desc = (f"O1: {len(names)} Linears in FP8 ({recipe.scaling} scaling, {recipe.granularity}, "
-            f"{recipe.formats}, backend={recipe.backend}), the rest bf16 autocast")
+    level = cfg["precision"]
+    if level == "O2":
+        convert_to_o2(model)
+    elif level == "O3":
+        convert_to_o3(model)
+    state = {"O1": "fp32 master, fp32 Adam", "O2": f"fp16 master, FP8 grads, FP8 m, {cfg['o2_v_format']} v",
+             "O3": f"FP8 weights, FP8 grads, sharded fp16 master / FP8 m / {cfg['o2_v_format']} v"}[level]
+    desc = (f"{level}: {len(names)} Linears in FP8 ({recipe.scaling} scaling, {recipe.granularity}, "
+            f"{recipe.formats}, backend={recipe.backend}; {state}), the rest bf16 autocast")
     if cfg["fp8_lm_head"] and "lm_head" not in names:
         desc += f" (LM head kept bf16: vocab_size={model.config.vocab_size} is not a multiple of 16)"
     return desc
@@ -216,9 +239,14 @@ def build_optimizer(model, cfg, device_type):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    kw = dict(lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]))
+    if cfg["precision"] == "O2":
+        return Fp8AdamW(groups, model, v_format=cfg["o2_v_format"], **kw)
+    if cfg["precision"] == "O3":
+        return ZeroFp8AdamW(groups, model, v_format=cfg["o2_v_format"], **kw)
     # The fused CUDA kernel updates all parameters in a few launches instead of several per tensor.
     extra = {"fused": True} if device_type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), **extra)
+    return torch.optim.AdamW(groups, **kw, **extra)
 
 
 def optimizer_step(model, optimizer, cfg):
@@ -228,10 +256,20 @@ def optimizer_step(model, optimizer, cfg):
     turn non-finite inputs into NaN on purpose, so they are seen here and not hidden): skip the
     step rather than write NaN into every weight. The cost is one device sync per step."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    stepped = bool(torch.isfinite(norm))
+    finite = True
+    if isinstance(model, Fp8DataParallel):  # FP8 gradient communication (see wrap_data_parallel)
+        finite = model.sync_gradients()  # the same verdict on every rank
+        if cfg["precision"] == "O2":
+            sync_fp8_wgrads([m for m in model.modules() if isinstance(m, O2Linear)], model.group)
+    if cfg["precision"] == "O3":  # reduce-scatter, clip by the global norm, step the shards
+        stepped = optimizer.step(grads_finite=finite, max_norm=max_norm)
+        norm = optimizer.grad_norm
+    else:
+        norm = clip_grad_norm(model, max_norm)  # sees O2's FP8 gradients too
+        stepped = finite and bool(torch.isfinite(norm))
+        if stepped:
+            optimizer.step()
     if stepped:
-        optimizer.step()
         drop_fp8_weight_caches(model)
     optimizer.zero_grad(set_to_none=True)
     return norm.item(), stepped
@@ -246,14 +284,59 @@ def drop_fp8_weight_caches(model):
             m.free_weight_cache()
 
 
-def wrap_data_parallel(model, device):
-    """Plain DDP: gradients all-reduced in their own precision (fp32), bucketed and overlapped
-    with the backward pass. DDP also broadcasts rank 0's buffers before every forward, which for
-    Fp8Linear means all ranks scale with rank 0's amax history (delayed scaling): one set of
-    scales everywhere, at the price of the other ranks' amaxes being ignored."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def wrap_data_parallel(model, device, cfg):
+    """bf16 (grad_comm auto/fp32): plain DDP, gradients all-reduced in fp32, bucketed and
+    overlapped with backward; DDP also broadcasts rank 0's buffers before every forward.
+    FP8 levels: Fp8DataParallel, whose all-reduce sends each rank's gradient chunks in FP8 with
+    their own scales and sums in fp32 (nanofp8/dist.py), overlapped with backward by hooks. The
+    FP8 gradients of O2/O3 weights live outside .grad: O2 averages them in optimizer_step, O3
+    reduce-scatters them in its optimizer step; the wrapper handles every other parameter."""
+    comm = cfg["grad_comm"]
+    if comm == "auto":
+        comm = "fp32" if cfg["precision"] == "bf16" else "e5m2"
+    if cfg["precision"] == "bf16" and comm == "fp32":
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+        return DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+    fmt = {"fp32": torch.float32, "bf16": torch.bfloat16, "e5m2": E5M2, "e4m3": E4M3}[comm]
+    fp8_held = {m.weight for m in model.modules() if isinstance(m, O2Linear)}
+    # overlap=False: clipping reads the gradients after the sync, and the sync happens once per
+    # step (gradient accumulation runs the other micro-steps in no_sync()).
+    return Fp8DataParallel(model, fmt=fmt, params=[p for p in model.parameters() if p not in fp8_held],
+                           overlap=False)
+
+
+def optimizer_state_for_checkpoint(optimizer, cfg, master):
+    """The optimizer state to save. O3: every rank holds its own shard; they are gathered to rank
+    0 (called on every rank) and saved side by side in the one checkpoint file."""
+    state = optimizer.state_dict()
+    if cfg["precision"] != "O3":
+        return state
+    # Pickling collectives cannot carry FP8 tensors: serialize each shard with torch.save and
+    # gather the bytes (padded to the longest) as uint8.
+    dev = next(iter(optimizer.o2)).device
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(dev)
+    world = torch.distributed.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(world)]
+    torch.distributed.all_gather(sizes, torch.tensor([mine.numel()], device=dev))
+    longest = max(int(n) for n in sizes)
+    got = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
+    torch.distributed.all_gather(got, torch.nn.functional.pad(mine, (0, longest - mine.numel())))
+    if not master:
+        return None
+    return {"zero_shards": [torch.load(io.BytesIO(g[: int(n)].cpu().numpy().tobytes()), map_location="cpu",
+                                       weights_only=True) for g, n in zip(got, sizes)]}
+
+
+def load_optimizer_state(optimizer, state, path, rank, world_size):
+    if "zero_shards" in state:
+        if len(state["zero_shards"]) != world_size:
+            raise CheckpointError(f"{path} holds O3 optimizer shards for {len(state['zero_shards'])} "
+                                  f"ranks; resume it with the same number of processes, not {world_size}")
+        state = state["zero_shards"][rank]
+    optimizer.load_state_dict(state)
 
 
 # -----------------------------------------------------------------------------
@@ -333,6 +416,9 @@ def main(argv=None):
     else:
         rank, local_rank, world_size = 0, 0, 1
     master = rank == 0
+    if cfg["precision"] == "O3" and not ddp:
+        raise ConfigError("precision=O3 shards the optimizer state over data-parallel ranks: launch "
+                          "it with torchrun (torchrun --nproc_per_node=N train.py ..., N >= 1)")
     log = print if master else (lambda *a, **k: None)
     device = cfg["device"]
     device_type = device.split(":")[0]
@@ -382,7 +468,7 @@ def main(argv=None):
     # continues the saved one (rank 0's: only rank 0 writes checkpoints; other ranks reseed).
     torch.manual_seed(hash((cfg["seed"], rank)) & (2**63 - 1))
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"], ckpt_path, rank, world_size)
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         if master and "rng" in ckpt:
             torch.set_rng_state(ckpt["rng"]["cpu"].cpu())
@@ -397,7 +483,7 @@ def main(argv=None):
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
     if ddp:
-        model = wrap_data_parallel(model, device)
+        model = wrap_data_parallel(model, device, cfg)
     peak = peak_flops_for(cfg, device_type)
 
     log(f"{raw_model.num_params() / 1e6:.2f}M parameters ({cfg['arch']}, {cfg['n_layer']} layers, "
@@ -429,13 +515,15 @@ def main(argv=None):
             history["evals"].append((iter_num, losses["train"], losses["val"]))
             improved = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])
-            if master and iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
+            save = iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"])
+            opt_state = optimizer_state_for_checkpoint(optimizer, cfg, master) if save else None
+            if master and save:
                 rng = {"cpu": torch.get_rng_state()}
                 if device_type == "cuda":
                     rng["cuda"] = torch.cuda.get_rng_state()
                 save_checkpoint({
                     "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
-                    "optimizer": optimizer.state_dict(),
+                    "optimizer": opt_state,
                     "model_args": model_args,
                     "config": dict(cfg),
                     "iter_num": iter_num,

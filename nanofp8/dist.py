@@ -624,7 +624,7 @@ class ZeroFp8AdamW(Fp8AdamW):
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O3Linear)}
         for p, m in self.o2.items():  # each rank builds its master shard from the fp32 weight
             c = shard_len(p.numel(), self.world)
-            full = F.pad(m.__dict__.pop("init_master").reshape(-1), (0, self.world * c - p.numel()))
+            full = F.pad(m.__dict__.pop("init_master").to(p.device).reshape(-1), (0, self.world * c - p.numel()))
             st = self.state[p]
             st["step"] = torch.zeros((), dtype=torch.float32)
             st["master"], st["master_scale"] = to_fp16_scaled(full[self.rank * c : (self.rank + 1) * c])
@@ -646,7 +646,10 @@ class ZeroFp8AdamW(Fp8AdamW):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
 
     @torch.no_grad()
-    def step(self, closure=None, grads_finite=True):
+    def step(self, closure=None, grads_finite=True, max_norm=float("inf")):
+        """One O3 step; returns whether it was taken. grads_finite: the verdict on the replicated
+        parameters' gradients (from Fp8DataParallel.sync_gradients). max_norm: clip the global
+        gradient norm (kept in self.grad_norm), computed from the reduced shards."""
         mods = list(self.o2.items())
         # 1. reduce-scatter the FP8 gradients, all launched before any is waited for
         pending = []
@@ -659,9 +662,20 @@ class ZeroFp8AdamW(Fp8AdamW):
         index = {p: i for i, (p, _) in enumerate(mods)}
         # A reduce-scatter shows a NaN only to the shard's owner: ask every rank (one flag).
         others = [p.grad for g in self.param_groups for p in g["params"] if p not in self.o2 and p.grad is not None]
-        if not grads_finite or any_nonfinite(shards + others, self.group):
+        # The global norm: the shards' squares summed over the ranks (one all-reduce), plus the
+        # replicated gradients (already averaged, the same on every rank: counted once).
+        sq = torch.stack([s.square().sum() for s in shards] + [torch.zeros((), device=shards[0].device if shards else None)]).sum()
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.group)
+            COMM.add("grad_norm", _nbytes(sq), _nbytes(sq) * 2 * (self.world - 1) / self.world)
+        sq = sq + sum((g.float().square().sum() for g in others), torch.zeros((), device=sq.device))
+        self.grad_norm = sq.sqrt()
+        if not grads_finite or not torch.isfinite(self.grad_norm) or any_nonfinite(shards + others, self.group):
             self.skipped_steps += 1
             return False
+        coef = torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0)
+        for t in shards + others:
+            t.mul_(coef.to(t.dtype))
         # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v)
         new = []
         for group in self.param_groups:

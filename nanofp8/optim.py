@@ -249,6 +249,27 @@ def adamw_math(w, g, m, v, t, group):
     return w.addcdiv(m, denom, value=-lr / (1 - b1**t))
 
 
+@torch.no_grad()
+def clip_grad_norm(model, max_norm):
+    """torch.nn.utils.clip_grad_norm_ that also sees the FP8 gradients of O2Linear. The total
+    norm is over every .grad and every dequantized FP8 gradient; clipping multiplies the .grads
+    and divides the FP8 gradients' scales (exact: the FP8 bytes stay as they are). Returns the
+    norm before clipping (non-finite if any gradient is)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    fp8 = [m.wgrad for m in model.modules() if isinstance(m, O2Linear) and m.wgrad is not None]
+    sq = [g.float().square().sum() for g in grads] + [dequantize(q, torch.float32).square().sum() for q in fp8]
+    if not sq:
+        return torch.zeros(())
+    norm = torch.stack(sq).sum().sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    for q in fp8:
+        q.scale = q.scale / coef
+        q.amax = q.amax * coef
+    return norm
+
+
 # -----------------------------------------------------------------------------
 # Memory accounting: real storage bytes, walked, not computed from a formula
 

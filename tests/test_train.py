@@ -81,8 +81,10 @@ def test_config_errors(tmp_path):
         train.load_config(["--compile=1"])  # bools are strict: 1 is not True
     with pytest.raises(ConfigError, match="'precision'"):
         train.load_config(["precision=fp4"])
-    with pytest.raises(ConfigError, match="precision=O2 is not implemented"):
-        train.load_config(["precision=O2"])
+    with pytest.raises(ConfigError, match="'o2_v_format'"):
+        train.load_config(["precision=O2", "o2_v_format=fp4"])
+    with pytest.raises(ConfigError, match="precision=O3 shards the optimizer state"):
+        train.main(TINY + ["precision=O3", f"out_dir={tmp_path}"])  # needs torchrun
     with pytest.raises(ConfigError, match="'fp8_granularity'"):
         train.load_config(["fp8_granularity=tile"])
     bad = tmp_path / "bad.py"
@@ -149,11 +151,13 @@ def test_checkpoint_atomic_and_damaged(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- resume
 
 
-def test_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("precision", ["O1", "O2"])
+def test_resume_is_exact(tmp_path, precision):
     """Stopping at a checkpoint and resuming gives bit-identical losses to never stopping.
     Uses what has state beyond the weights: FP8 delayed scaling (amax histories in buffers),
-    dropout (the RNG), AdamW moments, gradient accumulation and the LR schedule."""
-    common = TINY + ["precision=O1", "fp8_scaling=delayed", "dropout=0.1", "gradient_accumulation_steps=2",
+    dropout (the RNG), AdamW moments (O2: FP8 m, fp16 v, fp16 master with scales), gradient
+    accumulation and the LR schedule."""
+    common = TINY + [f"precision={precision}", "fp8_scaling=delayed", "dropout=0.1", "gradient_accumulation_steps=2",
                      "eval_interval=4", "lr_decay_iters=12", "log_interval=100"]
     full = train.main(common + ["max_iters=12", f"out_dir={tmp_path / 'full'}"])
     first = train.main(common + ["max_iters=4", f"out_dir={tmp_path / 'stopped'}"])
@@ -200,3 +204,29 @@ def test_optimizer_step_refreshes_fp8_weights():
     err_new = (y - torch.nn.functional.linear(h, lin.weight, lin.bias)).norm()
     err_old = (y - torch.nn.functional.linear(h, old, lin.bias)).norm()
     assert err_new < err_old / 4, "Fp8Linear computed with the weights from before the step"
+
+
+# ---------------------------------------------------------------- torchrun (gloo, 2 ranks)
+
+
+def torchrun(*args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "train.py"), *TINY, "log_interval=1", "eval_iters=2", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [float(line.split("loss ")[1].split(",")[0]) for line in out.stdout.splitlines()
+            if line.startswith("iter ")]
+
+
+@pytest.mark.parametrize("precision", ["O1", "O3"])
+def test_torchrun_fp8_data_parallel_and_o3_resume(tmp_path, precision):
+    """FP8 gradient communication (O1) and ZeRO-sharded O3 under torchrun on CPU (gloo). O3:
+    stop at a checkpoint, resume at the same world size: the same losses as never stopping."""
+    common = [f"precision={precision}", "gradient_accumulation_steps=2", "eval_interval=3",
+              "lr_decay_iters=6", "max_iters=6"]
+    full = torchrun(*common, f"out_dir={tmp_path / 'full'}")
+    assert len(full) == 6 and full[-1] < full[0]
+    if precision == "O3":
+        first = torchrun(*common, "max_iters=3", f"out_dir={tmp_path / 'stopped'}")
+        rest = torchrun(*common, f"out_dir={tmp_path / 'stopped'}", "init_from=resume")
+        assert first + rest == full
