@@ -289,6 +289,143 @@ def _plot(runs, path, args):
 
 
 # -----------------------------------------------------------------------------
+# throughput
+
+THROUGHPUT_MODELS = {
+    "gpt2-124M": (MODELS["gpt2-124M"], 8, 1024),  # (config, batch, sequence)
+    "gpt2-xl": (GPTConfig(arch="gpt2", n_layer=48, n_head=25, n_embd=1600, vocab_size=50304, block_size=1024), 4, 1024),
+    "llama-1B": (MODELS["llama"], 4, 2048),
+    # what a CPU can run in seconds
+    "cpu-small": (GPTConfig(arch="gpt2", n_layer=4, n_head=4, n_embd=256, vocab_size=256, block_size=128), 8, 128),
+}
+
+
+def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
+    model, opt = build(cfg, level, Recipe(backend="torch"))
+    model.to(device)
+    if level == "O2":  # the optimizer state follows the weights to the device
+        opt = Fp8AdamW(model.parameters(), model, lr=1e-4)
+    elif level != "O2-fp8v":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    fwd = torch.compile(model) if compile_model else model
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    ac = torch.autocast(device, dtype=torch.bfloat16)
+
+    def step():
+        with ac:
+            loss = fwd(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for m in model.modules():
+            if hasattr(m, "free_weight_cache"):
+                m.free_weight_cache()
+
+    for _ in range(2):  # warm-up (and compilation)
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return batch * seq / dt, peak
+
+
+def cmd_throughput(args):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = args.models or (["gpt2-124M", "gpt2-xl", "llama-1B"] if device == "cuda" else ["cpu-small"])
+    compiles = [False, True] if (device == "cuda" and not args.no_compile) else [False]
+    rows = []
+    for name in names:
+        cfg, batch, seq = THROUGHPUT_MODELS[name]
+        base = {}
+        for comp in compiles:
+            for level in ("bf16", "O1", "O2"):
+                tps, peak = measure_throughput(cfg, level, batch, seq, args.steps, comp, device)
+                base.setdefault(comp, tps)
+                rows.append({"model": name, "level": level, "compile": comp, "tokens_per_s": tps,
+                             "vs_bf16": tps / base[comp], "peak_GiB": peak,
+                             "device_kind": "GPU" if device == "cuda" else "CPU (FP8 emulated: not a speed figure)"})
+                print(f"  {name} {level} compile={comp}: {tps:,.0f} tok/s", file=sys.stderr)
+    print(f"Training throughput, {environment()['device']}")
+    emit("throughput", rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "peak_GiB", "device_kind"], args)
+
+
+# -----------------------------------------------------------------------------
+# gemm: the kernels benchmark lives next to the kernels
+
+
+def cmd_gemm(args):
+    import subprocess
+
+    cmd = [sys.executable, os.path.join(REPO, "kernels.py")] + (["--json", args.json] if args.json else [])
+    sys.exit(subprocess.run(cmd).returncode)
+
+
+# -----------------------------------------------------------------------------
+# report: the README's results section, regenerated from results/*.json
+
+
+def _md_table(rows, cols, fmt=None):
+    fmt = fmt or {}
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(fmt.get(c, _fmt)(r.get(c)) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def _env_line(env):
+    return f"*{env['device']}, {env['date'][:10]}, torch {env['torch']}, triton {env['triton']}*"
+
+
+def cmd_report(args):
+    res, parts = args.results, []
+
+    def load(name):
+        path = os.path.join(res, name)
+        return json.load(open(path)) if os.path.exists(path) else None
+
+    pct = lambda v: "" if v is None else f"{100 * v:+.2f}%"  # noqa: E731
+    if (d := load("parity_cpu.json")):
+        parts += [f"### Loss parity: FP8 vs BF16 at equal steps ({os.path.basename(d['config'])}, {d['iters']} steps)",
+                  _env_line(d["env"]), "",
+                  _md_table(d["parity"], ["variant", "final_val_loss", "gap_vs_bf16", "seconds"],
+                            {"gap_vs_bf16": pct, "seconds": lambda v: f"{v:.0f}"}),
+                  "", "![parity](results/parity.png)", ""]
+    if (d := load("memory_cpu.json")):
+        parts += ["### Training state, bytes per parameter (`bench.py memory`)", _env_line(d["env"]), "",
+                  _md_table(d["memory"], ["model", "level", "linear_B_per_param", "model_B_per_param",
+                                          "gemm_weight_B_per_param", "activation_B_per_token"],
+                            {"activation_B_per_token": lambda v: f"{v:,.0f}"}),
+                  "", "`linear` = the block Linears; `gemm_weight` = FP8 copies held from forward to the "
+                  "optimizer step (not in the total); activation bytes per token saved for backward.", ""]
+    if (d := load("comm_cpu.json")):
+        parts += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
+                  _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), ""]
+    if (d := load("throughput_cpu.json")):
+        parts += ["### Throughput (`bench.py throughput`)", _env_line(d["env"]), "",
+                  _md_table(d["throughput"], ["model", "level", "compile", "tokens_per_s", "vs_bf16", "device_kind"],
+                            {"tokens_per_s": lambda v: f"{v:,.0f}"}), ""]
+    gpu = [f for f in sorted(os.listdir(res)) if f.startswith(("kernels_", "throughput_gpu", "parity_gpu"))] if os.path.isdir(res) else []
+    if not gpu:
+        parts += ["### GPU figures", "No GPU figures are published yet: none has been measured on a Hopper GPU "
+                  "for this repository. `python bench.py gemm --json results/kernels_h100.json` and "
+                  "`python bench.py throughput --json results/throughput_gpu.json` produce them.", ""]
+    readme = args.readme
+    text = open(readme).read()
+    a, b = text.index("<!-- results:start -->"), text.index("<!-- results:end -->")
+    text = text[: a] + "<!-- results:start -->\n" + "\n".join(parts) + "\n" + text[b:]
+    with open(readme, "w") as f:
+        f.write(text)
+    print(f"{readme}: results section rewritten from {res}/*.json")
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -308,10 +445,19 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--cpu", action="store_true", help="force the CPU even if a GPU is present")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
+    p = sub.add_parser("throughput")
+    p.add_argument("--models", nargs="+", choices=list(THROUGHPUT_MODELS))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no_compile", action="store_true")
+    sub.add_parser("gemm")
     for p in sub.choices.values():
         p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p = sub.add_parser("report")
+    p.add_argument("--results", default=os.path.join(REPO, "results"))
+    p.add_argument("--readme", default=os.path.join(REPO, "README.md"))
     args = ap.parse_args(argv)
-    {"memory": cmd_memory, "comm": cmd_comm, "parity": cmd_parity}[args.cmd](args)
+    {"memory": cmd_memory, "comm": cmd_comm, "parity": cmd_parity, "throughput": cmd_throughput,
+     "gemm": cmd_gemm, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -31,3 +31,29 @@ def test_comm_two_ranks(tmp_path):
     # gradient synchronization at or below 0.5x a BF16 all-reduce (0.25x fp32), scales included
     for level in ("O1", "O2", "O3"):
         assert rows[level]["vs_bf16_allreduce"] <= 0.505, rows[level]
+
+
+TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
+        "batch_size=4", "eval_iters=2", "log_interval=100", "warmup_iters=2"]
+
+
+def test_parity_throughput_and_report(tmp_path):
+    bench.main(["parity", "--variants", "bf16", "O1", "O2", "--iters", "6", "--eval_interval", "3",
+                "--cpu", "--out", str(tmp_path), "--json", str(tmp_path / "parity_cpu.json"), "--set", *TINY])
+    parity = json.loads((tmp_path / "parity_cpu.json").read_text())
+    rows = {r["variant"]: r for r in parity["parity"]}
+    assert set(rows) == {"bf16", "O1", "O2"} and rows["bf16"]["gap_vs_bf16"] == 0
+    assert all(abs(r["gap_vs_bf16"]) < 0.05 for r in rows.values())  # 6 steps: barely trained
+    assert (tmp_path / "parity.csv").read_text().startswith("variant,kind,iter,loss")
+    assert (tmp_path / "parity.png").stat().st_size > 10000
+    bench.main(["throughput", "--models", "cpu-small", "--steps", "1",
+                "--json", str(tmp_path / "throughput_cpu.json")])
+    tp = json.loads((tmp_path / "throughput_cpu.json").read_text())["throughput"]
+    assert {r["level"] for r in tp} == {"bf16", "O1", "O2"} and all(r["tokens_per_s"] > 0 for r in tp)
+    assert all(r["device_kind"].startswith("CPU") for r in tp)  # labelled as CPU figures
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\n")
+    bench.main(["report", "--results", str(tmp_path), "--readme", str(readme)])
+    text = readme.read_text()
+    assert "Loss parity" in text and "Throughput" in text and "old" not in text
+    assert "No GPU figures" in text
