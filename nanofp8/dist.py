@@ -85,8 +85,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import E4M3, E5M2, Fp8Format, Fp8Linear, Fp8Tensor, compute_scale, quantize
-from .optim import Fp8AdamW, O2Linear, _loaded, _stored, to_fp16_scaled
+from .fp8 import E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, quantize
+from .optim import Fp8AdamW, O2Linear, _loaded, _stored, convert_to_o2, to_fp16_scaled
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
 # versions lack the new ones). Same semantics.
@@ -591,11 +591,7 @@ class O3Linear(O2Linear):
 
 def convert_to_o3(model):
     """Swap every Fp8Linear of the model for an O3Linear."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is Fp8Linear:
-                setattr(parent, name, O3Linear.from_fp8_linear(child))
-    return model
+    return convert_to_o2(model, O3Linear)
 
 
 def _fp8_rows(q, world, c):

@@ -112,12 +112,14 @@ class O2Linear(Fp8Linear):
         self.free_weight_cache()
 
 
-def convert_to_o2(model):
-    """Swap every Fp8Linear of the model for an O2Linear (fp16 master, FP8 gradient)."""
+def convert_to_o2(model, cls=None):
+    """Swap every Fp8Linear of the model for an O2Linear (fp16 master, FP8 gradient), or for
+    another subclass `cls` built by cls.from_fp8_linear (O3Linear, nanofp8/dist.py)."""
+    cls = cls or O2Linear
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is Fp8Linear:
-                setattr(parent, name, O2Linear.from_fp8_linear(child))
+                setattr(parent, name, cls.from_fp8_linear(child))
     return model
 
 
