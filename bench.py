@@ -194,6 +194,83 @@ def _comm_worker(rank, world, port, level, out):
     dist.destroy_process_group()
 
 
+# Model parallelism: what the cut model sends per token, FP8 against BF16 (2 gloo ranks).
+COMM_MP = {  # name: (tensor_parallel, sequence_parallel, pipeline_parallel, what travels)
+    "tensor": (2, False, 1, "all-reduce of row-parallel outputs; bwd: of column-parallel input grads"),
+    "tensor+sequence": (2, True, 1, "all-gather before column-parallel, reduce-scatter after "
+                                    "row-parallel; bwd: mirrored"),
+    "pipeline": (1, False, 2, "activations across the stage boundary; bwd: their gradients"),
+}
+
+
+def _comm_mp_worker(rank, world, port, out):
+    """One forward and one training step of COMM_CFG, cut as in COMM_MP, with FP8 layers and FP8
+    communication, then with the BF16 layers of the same cut (bf16 GEMMs and collectives);
+    bytes from nanofp8/dist.py's COMM counter."""
+    import torch.distributed as dist
+    from nanofp8 import dist as fdist
+    from nanofp8 import parallel as P
+    from nanofp8.fp8 import E4M3, E5M2
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    batch = torch.randint(0, COMM_CFG.vocab_size, (4, COMM_CFG.block_size + 1),
+                          generator=torch.Generator().manual_seed(0))  # the same on every rank
+    micro = [(batch[:, :-1], batch[:, 1:])]
+    res = {}
+    for name, (tp, sp, pp, _) in COMM_MP.items():
+        groups = P.make_groups(tp=tp, pp=pp)
+        for comm in ("fp8", "bf16"):
+            for train in (False, True):
+                torch.manual_seed(0)
+                model = GPT(COMM_CFG)
+                if comm == "fp8":
+                    apply_fp8(model, Recipe(backend="emulate"))
+                P.parallelize(model, groups.tp_group, sp=sp, comm=comm)
+                stage = P.PipelineStage(model, groups)
+                fmts = (E4M3, E5M2) if comm == "fp8" else (torch.bfloat16, torch.bfloat16)
+                fdist.comm_stats(reset=True)
+                P.pipeline_step(stage, micro, groups, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
+                                act_fmt=fmts[0], grad_fmt=fmts[1], train=train)
+                by_op = fdist.comm_stats(reset=True)["by_op"]
+                # Per layer, only the layers' traffic: not the SP region's edges (the fp32 residual
+                # stream gathered once per forward) nor the loss broadcast.
+                ops = {k: v["bytes_sent"] for k, v in by_op.items()
+                       if (k.startswith("pp_send") if pp > 1 else k != "all_gather_float32")}
+                sent = torch.tensor([float(sum(ops.values()))])
+                names = [None] * world
+                dist.all_gather_object(names, sorted(ops))
+                if pp > 1:  # activations go one way, gradients the other: count both ranks
+                    dist.all_reduce(sent)
+                res[name, comm, train] = {"bytes": sent.item(), "ops": sorted(set(sum(names, [])))}
+    if rank == 0:
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
+def comm_model_parallel():
+    """Rows of bytes per token (per block for TP, per stage boundary for PP), FP8 vs BF16."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "comm_mp.pt")
+    mp.spawn(_comm_mp_worker, args=(2, port, out), nprocs=2, join=True)
+    res = torch.load(out, weights_only=False)
+    tokens = 4 * COMM_CFG.block_size
+    rows = []
+    for name, (tp, sp, pp, what) in COMM_MP.items():
+        per = tokens if pp > 1 else tokens * COMM_CFG.n_layer
+        for train in (False, True):
+            fp8, bf16 = (res[name, c, train]["bytes"] / per for c in ("fp8", "bf16"))
+            rows.append({"parallel": name, "pass": "fwd+bwd" if train else "fwd",
+                         "unit": "both ranks, per boundary" if pp > 1 else "one rank, per block",
+                         "fp8_B_per_token": fp8, "bf16_B_per_token": bf16, "fp8_vs_bf16": fp8 / bf16,
+                         "fp8_ops": " ".join(res[name, "fp8", train]["ops"]), "what": what})
+    return rows
+
+
 def cmd_comm(args):
     import torch.multiprocessing as mp
 
@@ -214,7 +291,12 @@ def cmd_comm(args):
     print("Bytes each rank puts on the wire per parameter per step (gradients + weights + scales), "
           f"gloo, {COMM_CFG.n_layer}-layer GPT of width {COMM_CFG.n_embd}; baseline = fp32 gradient all-reduce")
     emit("comm", rows, ["world", "level", "bytes_per_param_per_step", "vs_fp32_allreduce",
-                        "vs_bf16_allreduce"], args)
+                        "vs_bf16_allreduce"], argparse.Namespace(json=None))  # printed; written below
+    mp_rows = comm_model_parallel()
+    print(f"\nModel parallelism on 2 gloo ranks, same GPT, batch 4 x {COMM_CFG.block_size}: bytes on the "
+          "wire per token, FP8 layers and payloads (+ scales) vs BF16 layers of the same cut")
+    emit("comm_model_parallel", mp_rows, ["parallel", "pass", "unit", "fp8_B_per_token", "bf16_B_per_token",
+                                          "fp8_vs_bf16", "fp8_ops"], args, {"comm": rows})
 
 
 # -----------------------------------------------------------------------------

@@ -20,6 +20,15 @@ Precision levels (`precision=...`):
 Under torchrun, bf16 all-reduces fp32 gradients with torch's DDP (nanoGPT's baseline); the FP8
 levels send gradients in FP8 (grad_comm: E5M2 by default) with nanofp8.dist.Fp8DataParallel.
 
+Model parallelism (nanofp8/parallel.py), bf16 and O1, under torchrun: the N processes form
+N / (tensor_parallel * pipeline_parallel) data-parallel replicas of a model whose block matrices
+are cut over tensor_parallel ranks (sequence_parallel=True also cuts the sequence between them)
+and whose blocks are cut into pipeline_parallel stages, run as a GPipe schedule over the
+micro-batches. O1 sends activations and gradients between ranks in FP8, bf16 in bf16.
+
+    torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py tensor_parallel=2 sequence_parallel=True \
+        pipeline_parallel=2                     # 2 replicas x 2 tensor x 2 pipeline ranks
+
 Where the precision level touches the training loop there is one small function each:
 setup_precision (what the model's layers compute in), build_optimizer (what holds the master
 weights and moments), optimizer_step (how gradients become an update) and wrap_data_parallel (how
@@ -48,6 +57,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
+from nanofp8 import parallel
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
 from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3, sync_fp8_wgrads
 from nanofp8.fp8 import E4M3, E5M2
@@ -107,6 +117,10 @@ fp8_history_len = 16  # delayed scaling: amax history length
 fp8_amax_algo = "max"  # delayed scaling: "max" | "most_recent"
 fp8_margin = 0  # scales are divided by 2^margin
 fp8_lm_head = False  # also run the LM head in FP8
+# model parallelism (torchrun; see nanofp8/parallel.py). Processes = data x tensor x pipeline.
+tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, MLP units)
+sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
+pipeline_parallel = 1  # cut the blocks into this many stages, fed micro-batches (GPipe)
 # system
 device = "auto"  # "auto" (cuda if available, else cpu) | "cpu" | "cuda" | "cuda:1" ...
 compile = None  # torch.compile the model; None = on for CUDA, off for CPU
@@ -140,12 +154,33 @@ def load_config(argv):
     check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))
     check_choice(cfg, "compile", (None, True, False))
     for key in ("max_iters", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
-                "eval_interval", "log_interval"):
+                "eval_interval", "log_interval", "tensor_parallel", "pipeline_parallel"):
         if cfg[key] < (0 if key == "max_iters" else 1):
             raise ConfigError(f"config key '{key}' must be positive, got {cfg[key]}")
     if not (cfg["device"] == "auto" or cfg["device"].split(":")[0] in ("cpu", "cuda", "mps")):
         raise ConfigError(f"config key 'device' must be 'auto', 'cpu' or 'cuda[:N]', got {cfg['device']!r}")
+    check_model_parallel(cfg)
     return cfg
+
+
+def check_model_parallel(cfg):
+    """The model-parallel settings that can be judged before any process starts."""
+    tp, pp, sp = cfg["tensor_parallel"], cfg["pipeline_parallel"], cfg["sequence_parallel"]
+    if sp and tp == 1:
+        raise ConfigError("sequence_parallel=True needs tensor_parallel > 1: it cuts the sequence "
+                          "over the tensor-parallel ranks")
+    if sp and cfg["block_size"] % tp:
+        raise ConfigError(f"sequence_parallel=True needs block_size ({cfg['block_size']}) divisible "
+                          f"by tensor_parallel ({tp}): every rank holds block_size/tensor_parallel tokens")
+    if tp * pp == 1:
+        return
+    if cfg["precision"] in ("O2", "O3"):
+        raise ConfigError(f"precision={cfg['precision']} with tensor_parallel={tp}, pipeline_parallel={pp}: "
+                          "nanofp8/parallel.py has no O2/O3 layers (fp16 master weights, FP8 optimizer "
+                          "state); use precision=O1 or bf16, or tensor_parallel=1 pipeline_parallel=1")
+    if cfg["compile"]:
+        raise ConfigError(f"compile=True with tensor_parallel={tp}, pipeline_parallel={pp}: the parallel "
+                          "layers run eagerly (their collectives are not compiled); set compile=False")
 
 
 # -----------------------------------------------------------------------------
@@ -291,19 +326,25 @@ def wrap_data_parallel(model, device, cfg):
     their own scales and sums in fp32 (nanofp8/dist.py), overlapped with backward by hooks. The
     FP8 gradients of O2/O3 weights live outside .grad: O2 averages them in optimizer_step, O3
     reduce-scatters them in its optimizer step; the wrapper handles every other parameter."""
-    comm = cfg["grad_comm"]
-    if comm == "auto":
-        comm = "fp32" if cfg["precision"] == "bf16" else "e5m2"
-    if cfg["precision"] == "bf16" and comm == "fp32":
+    fmt = grad_comm_format(cfg)
+    if cfg["precision"] == "bf16" and fmt == torch.float32:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
-    fmt = {"fp32": torch.float32, "bf16": torch.bfloat16, "e5m2": E5M2, "e4m3": E4M3}[comm]
     fp8_held = {m.weight for m in model.modules() if isinstance(m, O2Linear)}
     # overlap=False: clipping reads the gradients after the sync, and the sync happens once per
     # step (gradient accumulation runs the other micro-steps in no_sync()).
     return Fp8DataParallel(model, fmt=fmt, params=[p for p in model.parameters() if p not in fp8_held],
                            overlap=False)
+
+
+def grad_comm_format(cfg):
+    """What data-parallel gradients travel in: grad_comm, where "auto" is fp32 for bf16 (as DDP)
+    and E5M2 for the FP8 levels."""
+    comm = cfg["grad_comm"]
+    if comm == "auto":
+        comm = "fp32" if cfg["precision"] == "bf16" else "e5m2"
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "e5m2": E5M2, "e4m3": E4M3}[comm]
 
 
 def optimizer_state_for_checkpoint(optimizer, cfg, master):
@@ -340,6 +381,116 @@ def load_optimizer_state(optimizer, state, path, rank, world_size):
 
 
 # -----------------------------------------------------------------------------
+# Model parallelism: the small functions that follow nanofp8/parallel.py's call contract
+
+
+def make_parallel_groups(cfg, ddp, world_size):
+    """This rank's place in the data x tensor x pipeline arrangement, and its process groups."""
+    tp, pp = cfg["tensor_parallel"], cfg["pipeline_parallel"]
+    if not ddp:
+        raise ConfigError(f"tensor_parallel={tp}, pipeline_parallel={pp} split the model over "
+                          f"processes: launch with torchrun --nproc_per_node=N, N a multiple of {tp * pp}")
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tensor_parallel * "
+                          f"pipeline_parallel = {tp} * {pp}")
+    return parallel.make_groups(tp=tp, pp=pp)
+
+
+def setup_model_parallel(model, cfg, groups):
+    """Cut the (identically initialized, precision already set up) GPT into this rank's share:
+    its stage's blocks, their matrices cut over the tensor-parallel group. Returns the stage, the
+    module that is trained and checkpointed from here on; the rest of `model` is dropped."""
+    c, tp, pp = model.config, groups.tp, groups.pp
+    # parallel.py would raise ValueErrors; say which keys to change instead
+    if c.n_head % tp or c.hidden % tp:
+        raise ConfigError(f"tensor_parallel={tp} must divide n_head ({c.n_head}) and the MLP width "
+                          f"({c.hidden}, mlp_hidden=0: the architecture's default)")
+    if c.n_layer < pp:
+        raise ConfigError(f"pipeline_parallel={pp} stages need n_layer >= {pp}, got {c.n_layer}")
+    # FP8 levels: TPLinear (FP8 GEMMs, partial sums and SP gathers sent in FP8). bf16: the same
+    # cut with bf16 GEMMs and bf16 collectives, the baseline that Megatron-LM runs.
+    comm = "bf16" if cfg["precision"] == "bf16" else "fp8"
+    parallel.parallelize(model, groups.tp_group, sp=cfg["sequence_parallel"], comm=comm)
+    return parallel.PipelineStage(model, groups)
+
+
+def model_parallel_batches(data, cfg, groups, iter_num, accum, device):
+    """This replica's micro-batches, the same on every rank of its tensor and pipeline groups.
+    Micro-batch m of replica d is drawn as a single process draws its micro-step d * accum + m:
+    an iteration sees the same tokens at any layout, so its loss compares with one device's."""
+    return [get_batch(data, cfg["batch_size"], cfg["block_size"],
+                      batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, groups.dp_rank * accum + m, 0),
+                      device) for m in range(accum)]
+
+
+def model_parallel_step(stage, replicas, optimizer, groups, cfg):
+    """optimizer_step for a model cut over ranks. Returns (gradient norm, whether stepped).
+
+    A parameter's gradient can be spread over several ranks: the token slices of sequence
+    parallelism, the two copies of a tied embedding (first and last stage), the data-parallel
+    replicas. They are summed in that order, and the norm is the whole model's, the same on every
+    rank, so every rank takes the same clip and skip decision (a NaN anywhere is seen everywhere)."""
+    parallel.sync_model_parallel_grads(stage, groups)
+    finite = replicas.sync_gradients() if replicas else True
+    max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+    norm = parallel.clip_grad_norm_(stage, max_norm, groups)
+    stepped = finite and bool(torch.isfinite(norm))
+    if stepped:
+        optimizer.step()
+        drop_fp8_weight_caches(stage)
+    optimizer.zero_grad(set_to_none=True)
+    return norm.item(), stepped
+
+
+@torch.no_grad()
+def check_replicas(stage, groups):
+    """Raise if a tensor that several ranks hold has come apart: every parameter over the
+    data-parallel replicas, the unsharded ones over the tensor group, the tied embedding copies
+    between first and last stage. Each rank all-gathers one checksum of the bits per tensor;
+    parallel.py's design makes them bit-identical, and silent drift would train a different model
+    on every rank (checked at every evaluation: a few bytes and one pass over the weights)."""
+    named = list(stage.named_parameters())
+    checks = (("data-parallel replicas", groups.dp_group, groups.dp, lambda p: True),
+              ("tensor-parallel ranks", groups.tp_group, groups.tp,
+               lambda p: not getattr(p, "tp_sharded", False)),
+              ("tied embedding copies", groups.embed_group, 2 if groups.pp > 1 else 1,
+               lambda p: getattr(p, "pp_tied", False)))
+    for what, group, n, keep in checks:
+        ps = [(k, p) for k, p in named if keep(p)]
+        if n == 1 or not ps or group is None:
+            continue
+        mine = torch.stack([p.detach().float().view(torch.int32).sum(dtype=torch.int64) for _, p in ps])
+        got = [torch.empty_like(mine) for _ in range(n)]
+        torch.distributed.all_gather(got, mine, group=group)
+        bad = [k for i, (k, _) in enumerate(ps) if any(g[i] != mine[i] for g in got)]
+        if bad:
+            raise RuntimeError(f"{what} hold different values of {bad[:5]}: the replicas diverged")
+
+
+def checkpoint_path(cfg, groups):
+    """out_dir/ckpt.pt; under model parallelism one file per (tensor, pipeline) rank, written by
+    data-parallel rank 0: that rank's shards (the GPT's keys) and its optimizer state."""
+    name = "ckpt.pt" if groups is None else f"ckpt-{parallel.checkpoint_suffix(groups)}.pt"
+    return os.path.join(cfg["out_dir"], name)
+
+
+def check_resume_layout(ckpt, cfg, path, device):
+    """A model-parallel checkpoint holds one rank's shards: resume at the layout that wrote it
+    (the data-parallel size may change: batches do not depend on it). All ranks must have read
+    files of the same iteration (a crash between two ranks' writes leaves mixed files)."""
+    for key in ("tensor_parallel", "pipeline_parallel"):
+        saved = ckpt["config"].get(key, 1)
+        if saved != cfg[key]:
+            raise CheckpointError(f"{path} was written with {key}={saved}: resume with the same "
+                                  f"layout, not {key}={cfg[key]}")
+    it = torch.tensor([ckpt["iter_num"], -ckpt["iter_num"]], device=device)
+    torch.distributed.all_reduce(it, op=torch.distributed.ReduceOp.MAX)
+    if it[0] != -it[1]:
+        raise CheckpointError(f"the checkpoints in {cfg['out_dir']} are from different iterations "
+                              f"({-int(it[1])} to {int(it[0])}): not one consistent model")
+
+
+# -----------------------------------------------------------------------------
 # Helpers
 
 
@@ -369,10 +520,13 @@ def peak_flops_for(cfg, device_type):
 
 
 @torch.no_grad()
-def estimate_loss(model, data, cfg, autocast, device, rank, world_size, show_progress):
+def estimate_loss(model, data, cfg, autocast, device, rank, world_size, show_progress, groups=None):
     """Mean loss over eval_iters batches per split. The batches are the same at every evaluation
     (seeded by split and index only), so the curve measures the model, not the sampling noise,
-    and a bf16 and an FP8 run are compared on exactly the same text."""
+    and a bf16 and an FP8 run are compared on exactly the same text.
+
+    Model parallel (groups): `model` is this rank's pipeline stage, rank / world_size are the
+    data-parallel rank and size: the ranks of one replica evaluate the same batches together."""
     from tqdm import tqdm
 
     model.eval()
@@ -386,11 +540,14 @@ def estimate_loss(model, data, cfg, autocast, device, rank, world_size, show_pro
         for k in batches:
             gen = batch_generator(cfg["seed"], EVAL_STREAMS[split], 0, k, rank)
             x, y = get_batch(data[split], cfg["batch_size"], cfg["block_size"], gen, device)
-            with autocast:
-                _, loss = model(x, y)
+            if groups is None:
+                with autocast:
+                    _, loss = model(x, y)
+            else:  # the last stage computes the loss and hands it to every rank of the pipeline
+                loss = parallel.pipeline_step(model, [(x, y)], groups, autocast=autocast, train=False)
             total += loss.float()
         if world_size > 1:
-            torch.distributed.all_reduce(total)
+            torch.distributed.all_reduce(total, group=None if groups is None else groups.dp_group)
         out[split] = total.item() / (cfg["eval_iters"] * world_size)
     model.train()
     return out
@@ -419,15 +576,23 @@ def main(argv=None):
     if cfg["precision"] == "O3" and not ddp:
         raise ConfigError("precision=O3 shards the optimizer state over data-parallel ranks: launch "
                           "it with torchrun (torchrun --nproc_per_node=N train.py ..., N >= 1)")
+    # Model parallelism: the processes form dp_size replicas of a model cut over tp * pp ranks.
+    model_parallel = cfg["tensor_parallel"] * cfg["pipeline_parallel"] > 1
+    groups = make_parallel_groups(cfg, ddp, world_size) if model_parallel else None
+    dp_size = world_size if groups is None else groups.dp
+    data_rank = rank if groups is None else groups.dp_rank  # the ranks of a replica share batches
+    writer = master if groups is None else groups.dp_rank == 0  # writes a checkpoint file
+    dropout_stream = rank if groups is None else (groups.dp_rank, groups.pp_rank)  # shared by a TP group
     log = print if master else (lambda *a, **k: None)
     device = cfg["device"]
     device_type = device.split(":")[0]
     if cfg["compile"] is None:
-        cfg["compile"] = device_type == "cuda"
-    if cfg["gradient_accumulation_steps"] % world_size:
+        cfg["compile"] = device_type == "cuda" and not model_parallel
+    if cfg["gradient_accumulation_steps"] % dp_size:
+        what = "processes" if groups is None else "data-parallel replicas (processes / (tp * pp))"
         raise ConfigError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be "
-                          f"divisible by the number of processes ({world_size})")
-    accum = cfg["gradient_accumulation_steps"] // world_size  # micro-steps per rank
+                          f"divisible by the number of {what} ({dp_size})")
+    accum = cfg["gradient_accumulation_steps"] // dp_size  # micro-steps per rank
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: use TF32
@@ -447,10 +612,12 @@ def main(argv=None):
             cfg["vocab_size"] = pickle.load(f)["vocab_size"]
 
     # ---- model, from scratch or from the checkpoint
-    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    ckpt_path = checkpoint_path(cfg, groups)
     ckpt = None
     if cfg["init_from"] == "resume":
         ckpt = load_checkpoint(ckpt_path, map_location=device)
+        if groups is not None:
+            check_resume_layout(ckpt, cfg, ckpt_path, device)
         for k in MODEL_KEYS:  # the architecture is the checkpoint's, whatever the config says
             if cfg[k] != ckpt["model_args"][k]:
                 log(f"note: {k}={ckpt['model_args'][k]} from the checkpoint overrides {cfg[k]!r}")
@@ -459,38 +626,48 @@ def main(argv=None):
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     model = GPT(GPTConfig(**model_args))
     precision_desc = setup_precision(model, cfg, device_type)
+    n_params, flops_per_token = model.num_params(), model.flops_per_token()  # the whole model's
+    if groups is not None:
+        model = setup_model_parallel(model, cfg, groups)  # from here on: this rank's stage
     if ckpt is not None:
         load_model_state(model, ckpt["model"], ckpt_path)
     model.to(device)
     optimizer = build_optimizer(model, cfg, device_type)
     iter_num, best_val_loss = 0, float("inf")
-    # The global RNG now only drives dropout. Each rank gets its own stream; a resumed run
-    # continues the saved one (rank 0's: only rank 0 writes checkpoints; other ranks reseed).
-    torch.manual_seed(hash((cfg["seed"], rank)) & (2**63 - 1))
+    # The global RNG now only drives dropout. Each rank gets its own stream (a tensor-parallel
+    # group shares one: its replicated activations must drop the same units); a resumed run
+    # continues the saved one (the writers': other ranks reseed).
+    torch.manual_seed(hash((cfg["seed"], dropout_stream)) & (2**63 - 1))
     if ckpt is not None:
         load_optimizer_state(optimizer, ckpt["optimizer"], ckpt_path, rank, world_size)
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        if master and "rng" in ckpt:
+        if writer and "rng" in ckpt:
             torch.set_rng_state(ckpt["rng"]["cpu"].cpu())
             if device_type == "cuda" and "cuda" in ckpt["rng"]:
                 torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu())
-        elif not master:
-            torch.manual_seed(hash((cfg["seed"], rank, iter_num)) & (2**63 - 1))
+        elif not writer:
+            torch.manual_seed(hash((cfg["seed"], dropout_stream, iter_num)) & (2**63 - 1))
         ckpt = None  # free the loaded tensors
     start_iter = iter_num
     raw_model = model  # the module whose state_dict is saved (no compile or DDP wrappers)
     if cfg["compile"]:
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
-    if ddp:
+    dp_sync = None  # model parallel: what averages gradients over the replicas
+    if ddp and groups is None:
         model = wrap_data_parallel(model, device, cfg)
+    elif groups is not None and groups.dp > 1:  # (broadcasts replica 0's weights)
+        dp_sync = parallel.TPDataParallel(model, groups, fmt=grad_comm_format(cfg))
     peak = peak_flops_for(cfg, device_type)
 
-    log(f"{raw_model.num_params() / 1e6:.2f}M parameters ({cfg['arch']}, {cfg['n_layer']} layers, "
+    log(f"{n_params / 1e6:.2f}M parameters ({cfg['arch']}, {cfg['n_layer']} layers, "
         f"d={cfg['n_embd']}), {precision_desc}")
-    log(f"device {device} x {world_size}, compile={cfg['compile']}, {tokens_per_iter:,} tokens per iteration, "
-        f"{'resuming at iter ' + str(iter_num) if start_iter else 'from scratch'}")
-    if master:
+    layout = "" if groups is None else (
+        f" = {groups.dp} data x {groups.tp} tensor{' (+sequence)' if cfg['sequence_parallel'] else ''} "
+        f"x {groups.pp} pipeline parallel, {accum} micro-batches per replica")
+    log(f"device {device} x {world_size}{layout}, compile={cfg['compile']}, {tokens_per_iter:,} tokens per "
+        f"iteration, {'resuming at iter ' + str(iter_num) if start_iter else 'from scratch'}")
+    if writer:
         os.makedirs(cfg["out_dir"], exist_ok=True)
 
     # ---- the training loop
@@ -506,18 +683,20 @@ def main(argv=None):
         due = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
         just_resumed = start_iter > 0 and iter_num == start_iter
         if cfg["eval_only"] or (due and not just_resumed):
-            losses = estimate_loss(model, data, cfg, autocast, device, rank, world_size, master)
+            losses = estimate_loss(model, data, cfg, autocast, device, data_rank, dp_size, master, groups)
             # A weight cast made in eval mode recorded no amax (evaluation never writes scaling
             # state); drop it, so the next training step casts and records as it would have
             # without the evaluation (and as a resumed run, which skips this evaluation, does).
             drop_fp8_weight_caches(raw_model)
+            if groups is not None:
+                check_replicas(raw_model, groups)
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             history["evals"].append((iter_num, losses["train"], losses["val"]))
             improved = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])
             save = iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"])
-            opt_state = optimizer_state_for_checkpoint(optimizer, cfg, master) if save else None
-            if master and save:
+            opt_state = optimizer_state_for_checkpoint(optimizer, cfg, writer) if save else None
+            if writer and save:
                 rng = {"cpu": torch.get_rng_state()}
                 if device_type == "cuda":
                     rng["cuda"] = torch.cuda.get_rng_state()
@@ -533,26 +712,36 @@ def main(argv=None):
                     "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
                              "tokens_seen": iter_num * tokens_per_iter},
                 }, ckpt_path)
-                log(f"saved checkpoint to {ckpt_path}")
+                log(f"saved checkpoint to {ckpt_path}" + ("" if groups is None else " (each tensor "
+                    "and pipeline rank its own ckpt-tp*-pp*.pt)"))
             t_last = time.time()  # do not bill the evaluation to the next iteration
         if cfg["eval_only"] or iter_num >= cfg["max_iters"]:
             break
 
-        # Forward and backward over the micro-batches; gradients add up in .grad. Under DDP only
-        # the last micro-batch all-reduces (no_sync on the others).
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            gen = batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, micro, rank)
-            x, y = get_batch(data["train"], cfg["batch_size"], cfg["block_size"], gen, device)
-            sync = nullcontext() if not ddp or micro == accum - 1 else model.no_sync()
-            with sync:
-                with autocast:
-                    _, loss = model(x, y)
-                (loss / accum).backward()
-            loss_sum += loss.detach().float()
-        grad_norm, stepped = optimizer_step(model, optimizer, cfg)
-
-        loss_value = loss_sum.item() / accum  # .item() waits for the GPU: time is honest
+        if groups is None:
+            # Forward and backward over the micro-batches; gradients add up in .grad. Under DDP
+            # only the last micro-batch all-reduces (no_sync on the others).
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                gen = batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, micro, rank)
+                x, y = get_batch(data["train"], cfg["batch_size"], cfg["block_size"], gen, device)
+                sync = nullcontext() if not ddp or micro == accum - 1 else model.no_sync()
+                with sync:
+                    with autocast:
+                        _, loss = model(x, y)
+                    (loss / accum).backward()
+                loss_sum += loss.detach().float()
+            grad_norm, stepped = optimizer_step(model, optimizer, cfg)
+            loss_value = loss_sum.item() / accum  # .item() waits for the GPU: time is honest
+        else:
+            # Model parallel: GPipe runs the replica's micro-batches forward through the stages,
+            # then backward; the mean loss comes back on every rank (nanofp8/parallel.py).
+            micro_batches = model_parallel_batches(data["train"], cfg, groups, iter_num, accum, device)
+            loss = parallel.pipeline_step(model, micro_batches, groups, autocast=autocast)
+            grad_norm, stepped = model_parallel_step(model, dp_sync, optimizer, groups, cfg)
+            if groups.dp > 1:  # log the whole batch's loss, comparable with one device's
+                torch.distributed.all_reduce(loss, group=groups.dp_group)
+            loss_value = loss.item() / groups.dp
         history["losses"].append((iter_num, loss_value))
         now = time.time()
         step_time, step_count, t_last = step_time + now - t_last, step_count + 1, now
@@ -561,7 +750,10 @@ def main(argv=None):
             tok_per_s = tokens_per_iter / dt
             line = f"iter {iter_num}: loss {loss_value:.4f}, time {dt * 1000:.2f}ms, {tok_per_s:,.0f} tok/s"
             if peak and iter_num > start_iter + 2:  # the first iterations include compilation
-                line += f", mfu {100 * raw_model.estimate_mfu(tok_per_s, peak):.2f}%"
+                # (model parallel: a stage's FLOPs are not the model's; per GPU, of the world's tokens)
+                mfu = (raw_model.estimate_mfu(tok_per_s, peak) if groups is None
+                       else flops_per_token * tok_per_s / world_size / peak)
+                line += f", mfu {100 * mfu:.2f}%"
             if not stepped:
                 line += f", SKIPPED (grad norm {grad_norm})"
             log(line)

@@ -74,7 +74,8 @@ so both copies take the same optimizer step and stay equal.
     groups = make_groups(tp=T, pp=P)                 # after init_process_group; dp = world/(T*P)
     torch.manual_seed(seed)                          # SAME initial weights on every rank
     model = GPT(cfg); apply_fp8(model, recipe)       # a single-device checkpoint loads here
-    parallelize(model, groups.tp_group, sp=SP)       # no-op if T == 1
+    parallelize(model, groups.tp_group, sp=SP)       # no-op if T == 1; bf16 (no apply_fp8):
+                                                     # comm="bf16", TPLinearPlain layers
     stage = PipelineStage(model, groups).to(device)  # also for P == 1; then drop `model`
     torch.manual_seed(hash((seed, groups.dp_rank, groups.pp_rank)))  # dropout: the same RNG on
                                                      # a TP group (replicated regions must match)
@@ -98,7 +99,7 @@ so both copies take the same optimizer step and stay equal.
     MFU: use the unsharded model's flops_per_token (a shard's parameter count is smaller).
 
 Limits: SP needs the sequence length divisible by tp (sample from a merged checkpoint on one
-device); TP layers always run FP8 GEMMs (a bf16 run passes recipe= to get them). Not done:
+device); a bf16 model (no recipe) gets TPLinearPlain, bf16 GEMMs with plain collectives. Not done:
 vocabulary-parallel embedding / LM head (replicated under TP), 1F1B or interleaved schedules,
 torch.compile of the parallel layers, O2 (fp16 master) TP layers.
 """
@@ -381,6 +382,68 @@ class TPLinear(Fp8Linear):
                 f"comm={self.comm}")
 
 
+class _PlainRegion(torch.autograd.Function):
+    """One collective of TPLinearPlain, forward, and its mirror, backward (sections 1 and 3):
+        "copy"     column input, x replicated     fwd: nothing              bwd: all-reduce dx
+        "reduce"   row output, partial sums       fwd: all-reduce           bwd: nothing
+        "gather"   column input under SP          fwd: all-gather tokens    bwd: reduce-scatter dx
+        "scatter"  row output under SP            fwd: reduce-scatter       bwd: all-gather dy"""
+
+    MIRROR = {"copy": "reduce", "reduce": "copy", "gather": "scatter", "scatter": "gather"}
+
+    @staticmethod
+    def forward(ctx, x, kind, mod):
+        ctx.kind, ctx.mod = kind, mod
+        return _plain_collective(x, kind, mod)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _plain_collective(g, _PlainRegion.MIRROR[ctx.kind], ctx.mod), None, None
+
+
+def _plain_collective(x, kind, mod):
+    if kind == "copy":
+        return x.view_as(x)
+    if kind == "reduce":
+        return D.all_reduce_plain(x, mod.group, PLAIN[mod.comm], out_dtype=x.dtype)
+    if kind == "scatter":
+        return _reduce_scatter_seq(x, mod, None).to(x.dtype)
+    W, (B, Tl, K) = mod.tp, x.shape
+    flat = D.all_gather_plain(x, mod.group, dtype=PLAIN[mod.comm], out_dtype=x.dtype)
+    return _slices_to_seq(flat, W, B, Tl).view(B, W * Tl, K)
+
+
+class TPLinearPlain(nn.Module):
+    """TPLinear's high-precision twin, for a bf16 run: the same shards, tags and collectives, but
+    the GEMMs are whatever autocast makes of F.linear (bf16) and the collectives plain bf16/fp32
+    (what Megatron-LM does). Without it a bf16 run under TP would silently compute in FP8."""
+
+    def __init__(self, weight, bias, parallel, group, sp=False, comm="bf16"):
+        super().__init__()
+        if parallel not in ("column", "row") or comm not in PLAIN:
+            raise ValueError(f"parallel={parallel!r} / comm={comm!r} (bf16 layers: 'bf16' or 'fp32')")
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.parallel, self.group, self.sp, self.comm = parallel, group, sp, comm
+        self.tp = dist.get_world_size(group)
+        self.weight.tp_sharded = True
+        if self.bias is not None:
+            self.bias.tp_sharded = parallel == "column"
+            self.bias.sp_partial = parallel == "row" and sp
+
+    def forward(self, x):
+        if self.parallel == "column":
+            x = _PlainRegion.apply(x, "gather" if self.sp else "copy", self)
+            return F.linear(x, self.weight, self.bias)
+        y = _PlainRegion.apply(F.linear(x, self.weight), "scatter" if self.sp else "reduce", self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)  # added once, after the sum
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.parallel}-parallel x{self.tp}, sp={self.sp}, comm={self.comm}")
+
+
 # -----------------------------------------------------------------------------
 # 4. Converting a GPT (nanofp8.model) in place
 
@@ -482,7 +545,8 @@ def parallelize(model, tp_group, sp=False, recipe=None, comm="fp8", comm_fmts=No
     """Convert a nanofp8.model.GPT in place to tensor parallelism over tp_group (and sequence
     parallelism if sp). Every rank must hold the same weights when it is called. The four block
     Linears become TPLinear shards (recipe: the given one, else the one apply_fp8 already put on
-    them); embeddings, norms and LM head stay replicated. Returns the model.
+    them), or, in a model without FP8 recipe and with comm "bf16" / "fp32", TPLinearPlain shards
+    (bf16 autocast GEMMs); embeddings, norms and LM head stay replicated. Returns the model.
 
     comm: "fp8" | "bf16" | "fp32": how partial sums and SP gathers travel.
     comm_fmts: (forward, backward) FP8 formats of the *summed* payloads (the all-reduce /
@@ -497,10 +561,12 @@ def parallelize(model, tp_group, sp=False, recipe=None, comm="fp8", comm_fmts=No
         raise ValueError(f"n_head={cfg.n_head} and MLP width {cfg.hidden} must divide by tp={tp}")
     for i, blk in enumerate(model.blocks):
         rec = recipe or getattr(blk.attn.c_attn, "recipe", None)
-        if rec is None:
-            raise ValueError("parallelize needs an FP8 recipe: pass recipe= or apply_fp8 first")
-        make = lambda w, b, kind, i=i: TPLinear(w, b, kind, tp_group, sp, rec, comm,  # noqa: E731
-                                                f"blocks.{i}.{kind}", comm_fmts)
+        if rec is None and comm == "fp8":
+            raise ValueError("parallelize needs an FP8 recipe (pass recipe= or apply_fp8 first), "
+                             "or comm='bf16' / 'fp32' for bf16 layers")
+        make = lambda w, b, kind, i=i: (  # noqa: E731
+            TPLinearPlain(w, b, kind, tp_group, sp, comm) if rec is None else
+            TPLinear(w, b, kind, tp_group, sp, rec, comm, f"blocks.{i}.{kind}", comm_fmts))
         blk.attn = TPAttention(blk.attn, rank, tp, make)
         blk.mlp = TPMLP(blk.mlp, rank, tp, make)
         if sp:  # the norms see only this rank's tokens: their gradients are partial

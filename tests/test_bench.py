@@ -31,6 +31,15 @@ def test_comm_two_ranks(tmp_path):
     # gradient synchronization at or below 0.5x a BF16 all-reduce (0.25x fp32), scales included
     for level in ("O1", "O2", "O3"):
         assert rows[level]["vs_bf16_allreduce"] <= 0.505, rows[level]
+    # model parallelism: FP8 payloads + 4-byte scales against BF16 layers of the same cut (width 128)
+    mp = {(r["parallel"], r["pass"]): r for r in json.loads(out.read_text())["comm_model_parallel"]}
+    assert set(mp) == {(p, s) for p in ("tensor", "tensor+sequence", "pipeline") for s in ("fwd", "fwd+bwd")}
+    for r in mp.values():
+        assert 0.5 <= r["fp8_vs_bf16"] <= 0.52, r
+    assert mp["tensor", "fwd"]["bf16_B_per_token"] == 512  # 2 all-reduces of 128 bf16 values, 2 ranks
+    assert mp["pipeline", "fwd"]["bf16_B_per_token"] == 256  # 128 bf16 values per token
+    assert "reduce_scatter_fp8" in mp["tensor+sequence", "fwd"]["fp8_ops"]
+    assert "pp_send_e5m2" in mp["pipeline", "fwd+bwd"]["fp8_ops"]
 
 
 TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",

@@ -1,0 +1,240 @@
+"""Tests of train.py's model parallelism (tensor_parallel, sequence_parallel, pipeline_parallel) on
+CPU: gloo, through torchrun, as a user runs it.
+
+What is checked:
+  * each layout (TP=2, TP=2 + SP, PP=2, DP=2 x TP=2) trains to the single-device losses within
+    1% at every step, on the same batches (a step's batches do not depend on the layout), in
+    bf16 and in O1;
+  * replicated tensors are bit-identical where several ranks hold them: in the checkpoints (the
+    TP ranks' unsharded tensors, the two copies of the tied embedding under PP) and, for the
+    data-parallel replicas, by train.py's own check at every evaluation (which is shown to fire);
+  * stopping at a checkpoint and resuming at the same layout (TP=2 + SP + PP=2, with dropout and
+    delayed scaling) reproduces the uninterrupted run exactly, and a different layout is refused;
+  * configuration errors name the keys to change.
+"""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import train  # noqa: E402
+from nanofp8 import parallel  # noqa: E402
+from nanofp8.configurator import ConfigError  # noqa: E402
+from nanofp8.model import GPT, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
+
+# tests/test_train.py's tiny model, 2 micro-batches per step (so PP has a pipeline to fill and
+# DP=2 has one micro-batch per replica), 8 steps, checkpoints at 4 and 8.
+TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
+        "batch_size=4", "gradient_accumulation_steps=2", "eval_iters=2", "log_interval=1",
+        "device=cpu", "compile=False", "learning_rate=3e-3", "warmup_iters=2", "min_lr=3e-4",
+        "max_iters=8", "lr_decay_iters=8", "eval_interval=4"]
+TP2, SP, PP2 = "tensor_parallel=2", "sequence_parallel=True", "pipeline_parallel=2"
+
+# name: (processes, layout, precision)
+LAYOUTS = {
+    "tp2": (2, [TP2], "bf16"),
+    "tp2_sp": (2, [TP2, SP], "O1"),
+    "tp2_sp_bf16": (2, [TP2, SP], "bf16"),
+    "pp2": (2, [PP2], "bf16"),
+    "dp2_tp2": (4, [TP2], "O1"),
+}
+
+
+def torchrun(nproc, *args, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(REPO, "train.py"), *TINY, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def logged_losses(out):
+    return [float(line.split("loss ")[1].split(",")[0]) for line in out.stdout.splitlines()
+            if line.startswith("iter ")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """run(name) -> (losses, out_dir) of that layout; each layout is launched once."""
+
+    @functools.cache
+    def launch(name):
+        nproc, layout, precision = LAYOUTS[name]
+        out_dir = tmp_path_factory.mktemp(name)
+        out = torchrun(nproc, *layout, f"precision={precision}", f"out_dir={out_dir}")
+        return logged_losses(out), out_dir
+
+    return launch
+
+
+@functools.cache
+def single_device(precision):
+    """The same config on one process: the reference losses (unrounded)."""
+    import tempfile
+
+    hist = train.main(TINY + [f"precision={precision}", f"out_dir={tempfile.mkdtemp()}"])
+    return [loss for _, loss in hist["losses"]]
+
+
+def is_sharded(key):
+    """A TP shard (different on every TP rank): the block matrices, and the biases of the
+    column-parallel ones; nanofp8.parallel.merge_tp_state_dicts's rule."""
+    return ".c_" in key and key.endswith((".weight", ".bias")) and not key.endswith(".c_proj.bias")
+
+
+# ---------------------------------------------------------------- the layouts against one device
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_device(run, name):
+    losses, out_dir = run(name)
+    ref = single_device(LAYOUTS[name][2])
+    assert len(losses) == len(ref) == 8
+    gaps = [abs(a - b) / b for a, b in zip(losses, ref)]
+    print(f"{name} ({LAYOUTS[name][2]}): loss {losses[0]:.4f} -> {losses[-1]:.4f}, single device "
+          f"{ref[0]:.4f} -> {ref[-1]:.4f}, largest gap {max(gaps):.4%}")
+    assert ref[-1] < ref[0] - 0.2, "the model should learn something"
+    assert max(gaps) < 0.01
+    # one checkpoint file per (tensor, pipeline) rank, written by data-parallel rank 0
+    nproc, layout = LAYOUTS[name][:2]
+    tp, pp = (2 if TP2 in layout else 1), (2 if PP2 in layout else 1)
+    assert sorted(os.listdir(out_dir)) == sorted(f"ckpt-tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp))
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "dp2_tp2"])
+def test_tp_checkpoints_replicate_what_is_not_sharded(run, name):
+    """The two TP ranks' files: unsharded tensors bit-identical, shards of the same shape and
+    different, and together a whole single-device model."""
+    _, out_dir = run(name)
+    a, b = (load_checkpoint(str(out_dir / f"ckpt-tp{t}-pp0.pt"))["model"] for t in (0, 1))
+    assert a.keys() == b.keys()
+    sharded = [k for k in a if is_sharded(k)]
+    assert len(sharded) == 2 * 6  # per block: c_attn w+b, attn.c_proj w, c_fc w+b, mlp.c_proj w
+    for k in a:
+        if k in sharded:
+            assert a[k].shape == b[k].shape and not torch.equal(a[k], b[k]), k
+        else:
+            assert torch.equal(a[k], b[k]), k
+    ckpt = load_checkpoint(str(out_dir / "ckpt-tp0-pp0.pt"))
+    config = GPTConfig(**ckpt["model_args"])
+    load_model_state(GPT(config), parallel.merge_tp_state_dicts([a, b], config))  # strict: all keys
+
+
+def test_pp_tied_embedding_copies_agree(run):
+    """The last stage's LM head is a copy of the first stage's embedding (tie_embeddings): their
+    gradients are summed, so after 8 steps they are still the same bits."""
+    _, out_dir = run("pp2")
+    first, last = (load_checkpoint(str(out_dir / f"ckpt-tp0-pp{p}.pt"))["model"] for p in (0, 1))
+    assert "blocks.0.attn.c_attn.weight" in first and "blocks.1.attn.c_attn.weight" in last
+    assert "blocks.1.attn.c_attn.weight" not in first and "blocks.0.attn.c_attn.weight" not in last
+    assert torch.equal(first["tok_emb.weight"], last["lm_head.weight"])
+
+
+# ---------------------------------------------------------------- train.py's replica check
+
+
+def _replica_worker(rank, world, port, out):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups = parallel.make_groups(tp=1, pp=1)  # 2 data-parallel replicas
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    train.check_replicas(net, groups)  # identical: passes
+    if rank == 1:  # one ulp of one weight
+        with torch.no_grad():
+            w = net[0].weight
+            w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(1.0))
+    try:
+        train.check_replicas(net, groups)
+        result = "passed"
+    except RuntimeError as e:
+        result = str(e)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_replica_check_sees_one_ulp(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_replica_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        msg = torch.load(tmp_path / f"rank{r}.pt")
+        assert "data-parallel replicas hold different values of ['0.weight']" in msg, msg
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_resume_at_the_same_layout_is_exact(tmp_path):
+    """TP=2 + SP + PP=2 on 4 processes, with what has state beyond the weights: dropout (one RNG
+    stream per stage, shared by a TP group, saved in each rank's file), FP8 delayed scaling (amax
+    histories per shard), AdamW moments, 2 micro-batches. Stop at the checkpoint of step 4 and
+    resume: the same losses and the same final weights as never stopping, bit for bit (the CPU
+    kernels and gloo's 2-rank sums are deterministic, and every state is restored). Another
+    layout is refused with the keys named."""
+    common = [TP2, SP, PP2, "precision=O1", "dropout=0.1", "fp8_scaling=delayed"]
+    full = torchrun(4, *common, f"out_dir={tmp_path / 'full'}")
+    first = torchrun(4, *common, "max_iters=4", f"out_dir={tmp_path / 'stopped'}")
+    rest = torchrun(4, *common, "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
+    assert "resuming at iter 4" in rest.stdout
+    assert logged_losses(first) + logged_losses(rest) == logged_losses(full)
+    evals = lambda out: [line for line in out.stdout.splitlines() if line.startswith("step ")]  # noqa: E731
+    assert evals(rest) == evals(full)[2:]  # the evaluation at 8 agrees too
+    for t in range(2):
+        for p in range(2):
+            a, b = (load_checkpoint(str(tmp_path / d / f"ckpt-tp{t}-pp{p}.pt")) for d in ("full", "stopped"))
+            assert a["iter_num"] == b["iter_num"] == 8
+            assert a["model"].keys() == b["model"].keys()
+            assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), (t, p)
+    # the same files under another layout: refused, naming the key
+    out = torchrun(2, TP2, "precision=O1", "init_from=resume", f"out_dir={tmp_path / 'stopped'}", check=False)
+    assert out.returncode != 0
+    assert "was written with pipeline_parallel=2: resume with the same layout" in out.stderr, out.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- configuration errors
+
+
+def test_config_errors(tmp_path):
+    load = train.load_config
+    with pytest.raises(ConfigError, match=r"sequence_parallel=True needs tensor_parallel > 1"):
+        load(["sequence_parallel=True"])
+    with pytest.raises(ConfigError, match=r"sequence_parallel=True needs block_size \(33\) divisible by "
+                                          r"tensor_parallel \(2\)"):
+        load([TP2, SP, "block_size=33"])
+    for precision, layout in (("O2", TP2), ("O3", PP2)):
+        with pytest.raises(ConfigError, match=rf"precision={precision} with tensor_parallel=\d, "
+                                              r"pipeline_parallel=\d: nanofp8/parallel.py has no O2/O3"):
+            load([layout, f"precision={precision}"])
+    with pytest.raises(ConfigError, match="compile=True with tensor_parallel=2"):
+        load([TP2, "compile=True"])
+    with pytest.raises(ConfigError, match="'pipeline_parallel' must be positive"):
+        load(["pipeline_parallel=0"])
+    cfg = load([TP2, SP, "block_size=32", "precision=O1"])  # and what is fine
+    assert (cfg["tensor_parallel"], cfg["sequence_parallel"], cfg["pipeline_parallel"]) == (2, True, 1)
+    # layouts that need the processes (or the model) to be judged
+    with pytest.raises(ConfigError, match="launch with torchrun"):
+        train.main(TINY + [TP2, f"out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tensor_parallel \* "
+                                          r"pipeline_parallel = 2 \* 2"):
+        train.make_parallel_groups(load([TP2, PP2]), True, 6)
+    cfg = load(TINY + ["n_head=2", "tensor_parallel=4", "precision=O1"])
+    with pytest.raises(ConfigError, match=r"tensor_parallel=4 must divide n_head \(2\)"):
+        train.setup_model_parallel(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
+                                   SimpleNamespace(tp=4, pp=1))
+    with pytest.raises(ConfigError, match=r"pipeline_parallel=3 stages need n_layer >= 3, got 2"):
+        train.setup_model_parallel(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
+                                   SimpleNamespace(tp=1, pp=3))
