@@ -750,8 +750,9 @@ def main(argv=None):
             tok_per_s = tokens_per_iter / dt
             line = f"iter {iter_num}: loss {loss_value:.4f}, time {dt * 1000:.2f}ms, {tok_per_s:,.0f} tok/s"
             if peak and iter_num > start_iter + 2:  # the first iterations include compilation
-                # (model parallel: a stage's FLOPs are not the model's; per GPU, of the world's tokens)
-                mfu = (raw_model.estimate_mfu(tok_per_s, peak) if groups is None
+                # MFU is per GPU: the world's tokens are shared by world_size GPUs. (Model parallel:
+                # a stage's FLOPs are not the model's, so use the whole model's FLOPs per token.)
+                mfu = (raw_model.estimate_mfu(tok_per_s / world_size, peak) if groups is None
                        else flops_per_token * tok_per_s / world_size / peak)
                 line += f", mfu {100 * mfu:.2f}%"
             if not stepped:
