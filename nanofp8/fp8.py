@@ -178,9 +178,13 @@ def _tile_amax(x2, block):
 
 
 def _expand_tiles(s, block, shape):
-    """Tile scales (R, C) -> one per element (rows, cols)."""
-    br, bc = block
-    return s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[: shape[0], : shape[1]]
+    """Tile scales (R, C) -> one per element (rows, cols): element (i, j) gets s[i // br, j // bc].
+    A gather rather than s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]: under
+    torch.compile, inductor's CPU code (torch 2.13) gets that form wrong when a dim is not a
+    multiple of its tile (its "loop split" drops the ragged last tile): wrong numbers, no error."""
+    rows = torch.arange(shape[0], device=s.device) // block[0]
+    cols = torch.arange(shape[1], device=s.device) // block[1]
+    return s[rows[:, None], cols]
 
 
 def _per_element(q, s):
@@ -222,9 +226,13 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
     amax = _amax(x2.detach(), granularity, block)
     if scale is None:
         scale = compute_scale(amax, fmt, margin, power_of_two)
-    scale = scale.float()
+    # Not a bare scale.float(): on an fp32 tensor that returns the tensor itself, a second name for
+    # the same storage, and torch.compile refuses to save such an alias for the backward pass.
+    scale = scale if scale.dtype == torch.float32 else scale.float()
     el = _expand_tiles(scale, block, x2.shape) if granularity == "block" else scale
-    data = _saturating_cast(x2.detach(), el, fmt)
+    # Contiguous (row-major) whatever x's layout: an elementwise op on a transposed view (the
+    # x^T of a backward GEMM) keeps the transposed layout, which FP8 GEMMs do not take.
+    data = _saturating_cast(x2.detach(), el, fmt).contiguous()
     return Fp8Tensor(data, scale, fmt, granularity, block, x.shape, x.dtype, amax)
 
 
@@ -285,8 +293,9 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
         return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, bias=bias,
                                 out_dtype=out_dtype, use_fast_accum=fast_accum)
     k = a.data.shape[1]
-    ia = a.inv_scale.repeat_interleave(a.block[0], 0)[: a.data.shape[0]]  # (M, K tiles)
-    ib = b.inv_scale.repeat_interleave(b.block[0], 0)[: b.data.shape[0]]  # (N, K tiles)
+    # every row's scale for each 128-wide slice of K: (M, K tiles) and (N, K tiles)
+    ia = _expand_tiles(a.inv_scale, (a.block[0], 1), (len(a.data), a.inv_scale.shape[1]))
+    ib = _expand_tiles(b.inv_scale, (b.block[0], 1), (len(b.data), b.inv_scale.shape[1]))
     out = None
     for j, k0 in enumerate(range(0, k, BLOCK)):
         ks = slice(k0, min(k0 + BLOCK, k))
@@ -340,6 +349,9 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
         try:
             return _gemm_torch(a, b, out_dtype, bias, fast_accum)
         except RuntimeError as e:  # a layout/dtype combination this torch build does not take
+            # (Under torch.compile this `try` is traced, not run: a combination only the kernel
+            # rejects then fails the compiled step instead of falling back here. The shape rule
+            # of _torch_backend_reason is decided while tracing and still falls back.)
             reason = str(e).splitlines()[0]
     _warn_once((name, reason), f"nanofp8: layer {name}: torch._scaled_mm cannot run this GEMM "
                f"({reason}); falling back to a high-precision GEMM of the FP8 values")
