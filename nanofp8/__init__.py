@@ -1,5 +1,8 @@
 """nanofp8: a compact reference implementation of FP8 mixed-precision LLM training.
 
-fp8.py    formats, scaling, the FP8 linear layer (start reading here)
-model.py  GPT-2 and LLaMA-style models
+fp8.py       formats, scaling, the scaled GEMM and the FP8 linear layer (start reading here)
+optim.py     precision decoupling (O2): fp16 master, FP8 gradients and Adam m, fp16 v; memory accounting
+dist.py      FP8 collectives, FP8 data parallelism, ZeRO in FP8 (O3)
+parallel.py  FP8 tensor, sequence and pipeline parallelism
+model.py     GPT-2 and LLaMA-style models, the checkpoint format
 """
