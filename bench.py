@@ -476,8 +476,7 @@ def cmd_report(args):
     if (d := load("parity_cpu.json")):
         parts += [f"### Loss parity: FP8 vs BF16 at equal steps ({os.path.basename(d['config'])}, {d['iters']} steps)",
                   _env_line(d["env"]), "",
-                  _md_table(d["parity"], ["variant", "final_val_loss", "gap_vs_bf16", "seconds"],
-                            {"gap_vs_bf16": pct, "seconds": lambda v: f"{v:.0f}"}),
+                  _md_table(d["parity"], ["variant", "final_val_loss", "gap_vs_bf16"], {"gap_vs_bf16": pct}),
                   "", "![parity](results/parity.png)", ""]
     if (d := load("memory_cpu.json")):
         parts += ["### Training state, bytes per parameter (`bench.py memory`)", _env_line(d["env"]), "",
@@ -489,6 +488,10 @@ def cmd_report(args):
     if (d := load("comm_cpu.json")):
         parts += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
                   _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), ""]
+        if d.get("comm_model_parallel"):
+            mp_rows = d["comm_model_parallel"]
+            parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",
+                      _md_table(mp_rows, [k for k in mp_rows[0] if k not in ("note", "fp8_ops", "what")]), ""]
     if (d := load("throughput_cpu.json")):
         parts += ["### Throughput (`bench.py throughput`)", _env_line(d["env"]), "",
                   _md_table(d["throughput"], ["model", "level", "compile", "tokens_per_s", "vs_bf16", "device_kind"],
