@@ -304,19 +304,8 @@ def optimizer_step(model, optimizer, cfg):
         stepped = finite and bool(torch.isfinite(norm))
         if stepped:
             optimizer.step()
-    if stepped:
-        drop_fp8_weight_caches(model)
     optimizer.zero_grad(set_to_none=True)
     return norm.item(), stepped
-
-
-def drop_fp8_weight_caches(model):
-    """Fp8Linear casts its weight to FP8 once and reuses the cast over the micro-batches of a
-    step, until the weight's version counter moves. The fused AdamW kernel updates weights in
-    place *without* moving that counter, so after every step we say it explicitly."""
-    for m in model.modules():
-        if hasattr(m, "free_weight_cache"):
-            m.free_weight_cache()
 
 
 def wrap_data_parallel(model, device, cfg):
@@ -437,7 +426,6 @@ def model_parallel_step(stage, replicas, optimizer, groups, cfg):
     stepped = finite and bool(torch.isfinite(norm))
     if stepped:
         optimizer.step()
-        drop_fp8_weight_caches(stage)
     optimizer.zero_grad(set_to_none=True)
     return norm.item(), stepped
 
@@ -684,10 +672,6 @@ def main(argv=None):
         just_resumed = start_iter > 0 and iter_num == start_iter
         if cfg["eval_only"] or (due and not just_resumed):
             losses = estimate_loss(model, data, cfg, autocast, device, data_rank, dp_size, master, groups)
-            # A weight cast made in eval mode recorded no amax (evaluation never writes scaling
-            # state); drop it, so the next training step casts and records as it would have
-            # without the evaluation (and as a resumed run, which skips this evaluation, does).
-            drop_fp8_weight_caches(raw_model)
             if groups is not None:
                 check_replicas(raw_model, groups)
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")

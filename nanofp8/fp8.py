@@ -411,7 +411,7 @@ def _quantize_role(mod, role, x2, fmt, block):
     return mod.delayed_quantize(role, x2, fmt)
 
 
-def _requantize_t(mod, role, x2, fmt, q, block):
+def _requantize_t(mod, x2, fmt, q, block):
     """The operand for a backward GEMM that contracts over x2's *first* dim: the transpose of
     the FP8 copy where scales allow it, else a fresh quantization of x2^T along that dim."""
     if mod.recipe.granularity == "tensor" or (mod.recipe.granularity == "block" and q.block[0] > 1):
@@ -440,7 +440,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
         # Keep only the FP8 operands of the two backward GEMMs, laid out along their
         # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad.
-        qx_t = _requantize_t(mod, INPUT, x2, r.fwd_fmt, qx, act_block)
+        qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, act_block)
         (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
         ctx.save_for_backward(*tx, *tw)
         ctx.meta = (mx, mw)
@@ -461,7 +461,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dx = scaled_gemm(qdy, qw_t, ctx.x_dtype, backend=r.backend, name=mod.fqn)
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:  # wgrad: dW (N, K) = dy^T (N, M) @ [x^T (K, M)]^T
-                qdy_t = _requantize_t(mod, GRAD_OUTPUT, dy2, r.bwd_fmt, qdy, (1, BLOCK))
+                qdy_t = _requantize_t(mod, dy2, r.bwd_fmt, qdy, (1, BLOCK))
                 dw = scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend, name=mod.fqn)
                 dw = mod.take_wgrad(dw)  # O1: the autograd gradient; O2: kept in FP8 instead
             if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -509,11 +509,15 @@ class Fp8Linear(nn.Linear):
             key = (self.weight._version, self.weight.data_ptr(), self.training)
             if self._w_cache is not None and self._w_cache[0] == key:
                 return self._w_cache[1]
-        w, r, blk = self.hp_weight().detach(), self.recipe, (BLOCK, BLOCK)
-        qw = _quantize_role(self, WEIGHT, w, r.fwd_fmt, blk)
-        ops = (qw, _requantize_t(self, WEIGHT, w, r.fwd_fmt, qw, blk))
+        ops = self.cast_weight()
         self._w_cache = (key, ops) if use_cache else None
         return ops
+
+    def cast_weight(self):
+        """The FP8 cast itself (tensor-parallel layers override this, not the caching)."""
+        w, r, blk = self.hp_weight().detach(), self.recipe, (BLOCK, BLOCK)
+        qw = _quantize_role(self, WEIGHT, w, r.fwd_fmt, blk)
+        return qw, _requantize_t(self, w, r.fwd_fmt, qw, blk)
 
     def free_weight_cache(self):
         self._w_cache = None

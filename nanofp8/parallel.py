@@ -90,8 +90,7 @@ so both copies take the same optimizer step and stay equal.
         norm = clip_grad_norm_(stage, max_norm, groups)   # global norm, identical everywhere
         if finite and torch.isfinite(norm): opt.step()
         opt.zero_grad()
-    evaluation: pipeline_step(stage, batches, groups, train=False); average over dp_group only;
-    then free_weight_cache() on every rank, as train.py does.
+    evaluation: pipeline_step(stage, batches, groups, train=False); average over dp_group only.
     checkpoints: ranks with dp_rank == 0 save stage.state_dict() (the GPT's keys, this rank's
     shards) and the optimizer state under checkpoint_suffix(groups); a resumed run builds the
     same layout and loads its own file after PipelineStage(). merge_tp_state_dicts() rebuilds
@@ -275,7 +274,7 @@ class _TPLinearFunction(torch.autograd.Function):
         # row/block scales): one more rounding of x for wgrad; tensor scales just transpose.
         if src is None and r.granularity != "tensor":
             src = dequantize(qx, torch.float32)
-        qx_t = _requantize_t(mod, INPUT, src, r.fwd_fmt, qx, ACT)
+        qx_t = _requantize_t(mod, src, r.fwd_fmt, qx, ACT)
         (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
         ctx.save_for_backward(*tx, *tw)
         ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
@@ -306,7 +305,7 @@ class _TPLinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 if src is None and r.granularity != "tensor":
                     src = dequantize(qdy, torch.float32)
-                qdy_t = _requantize_t(mod, GRAD_OUTPUT, src, r.bwd_fmt, qdy, ACT)
+                qdy_t = _requantize_t(mod, src, r.bwd_fmt, qdy, ACT)
                 dw = mod.take_wgrad(scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend,
                                                 name=mod.fqn))
             if col and ctx.has_bias and ctx.needs_input_grad[2]:  # (column: src is dy itself)
@@ -356,17 +355,14 @@ class TPLinear(Fp8Linear):
         return quantize(x2, fmt, r.granularity, block, scale=scale, margin=r.margin,
                         power_of_two=r.power_of_two)
 
-    def weight_operands(self):
+    def cast_weight(self):
         r = self.recipe
         if r.scaling == "delayed" or r.granularity != "tensor" or self.tp == 1:
-            return super().weight_operands()  # rows and tiles of a shard are its own
-        # Cached until the weight changes, as in Fp8Linear. All ranks step together, so they all
-        # miss the cache together: the amax all-reduce inside stays matched across ranks.
-        key = (self.weight._version, self.weight.data_ptr())
-        if self._w_cache is None or self._w_cache[0] != key:
-            qw = self.quantize_operand(WEIGHT, self.hp_weight().detach(), r.fwd_fmt, shared=True)
-            self._w_cache = (key, (qw, qw.t()))
-        return self._w_cache[1]
+            return super().cast_weight()  # rows and tiles of a shard are its own
+        # One tensor scale for the whole (sharded) weight: every rank casts at every forward,
+        # so the amax all-reduce inside stays matched across ranks.
+        qw = self.quantize_operand(WEIGHT, self.hp_weight().detach(), r.fwd_fmt, shared=True)
+        return qw, qw.t()
 
     def forward(self, x):
         dev = x.device.type
