@@ -257,15 +257,15 @@ def clip_grad_norm(model, max_norm):
     norm is over every .grad and every dequantized FP8 gradient; clipping multiplies the .grads
     and divides the FP8 gradients' scales (exact: the FP8 bytes stay as they are). Returns the
     norm before clipping (non-finite if any gradient is)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
     fp8 = [m.wgrad for m in model.modules() if isinstance(m, O2Linear) and m.wgrad is not None]
-    sq = [g.float().square().sum() for g in grads] + [dequantize(q, torch.float32).square().sum() for q in fp8]
-    if not sq:
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in params])] if params else []
+    norms += [dequantize(q, torch.float32).norm() for q in fp8]
+    if not norms:
         return torch.zeros(())
-    norm = torch.stack(sq).sum().sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's rule, as below
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     for q in fp8:
         q.scale = q.scale / coef
         q.amax = q.amax * coef
