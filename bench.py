@@ -81,17 +81,19 @@ MODELS = {
 LEVELS = ("bf16", "O1", "O2", "O2-fp8v")
 
 
-def build(cfg, level, recipe=None):
-    """A model and its optimizer at a precision level (as train.py builds them)."""
+def build(cfg, level, recipe=None, device="cpu"):
+    """A model on `device` and its optimizer at a precision level (as train.py builds them)."""
     torch.manual_seed(0)
     model = GPT(cfg)
     if level != "bf16":
         apply_fp8(model, recipe or Recipe())
     if level.startswith("O2"):
         convert_to_o2(model)
+    model.to(device)
+    if level.startswith("O2"):
         opt = Fp8AdamW(model.parameters(), model, lr=1e-4, v_format="fp8" if level == "O2-fp8v" else "fp16")
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     return model, opt
 
 
@@ -383,12 +385,7 @@ THROUGHPUT_MODELS = {
 
 
 def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
-    model, opt = build(cfg, level, Recipe(backend="torch"))
-    model.to(device)
-    if level == "O2":  # the optimizer state follows the weights to the device
-        opt = Fp8AdamW(model.parameters(), model, lr=1e-4)
-    elif level != "O2-fp8v":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    model, opt = build(cfg, level, Recipe(backend="torch"), device)
     fwd = torch.compile(model) if compile_model else model
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     ac = torch.autocast(device, dtype=torch.bfloat16)
@@ -399,9 +396,6 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        for m in model.modules():
-            if hasattr(m, "free_weight_cache"):
-                m.free_weight_cache()
 
     for _ in range(2):  # warm-up (and compilation)
         step()
