@@ -37,7 +37,8 @@ compute (a_fp8 * inv_a) @ (b_fp8 * inv_b).
 Details that matter:
   * amax is taken in float64 before the division. fp8_max / amax in fp32 can round differently
     depending on how the compiler fuses it; float64 then one rounding to fp32 gives the same
-    scale in eager, compiled and Triton code (torchao's trick), which makes backends bit-exact.
+    scale in eager, compiled and Triton code (torchao's trick), so every backend multiplies the
+    very same FP8 bytes and scales (only the fp32 summation order of the GEMM may differ).
   * amax is clamped to >= 1e-12 so an all-zero tensor gets a large finite scale, not inf.
   * Optional power-of-two scales (rounded down, as MS-AMP always does): multiplying by 2^k is
     exact, so scaling itself adds no rounding error and the scale survives any re-encoding.
@@ -287,9 +288,11 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
         if not a.data.is_cuda and a.granularity == "tensor":
             # On CPU, torch routes per-tensor E4M3 x E4M3 through a slow oneDNN kernel that also
             # applies the scales in another order; the same scales repeated per row take its
-            # dequantize-and-multiply path: ~10x faster and bit-exact with "emulate".
-            sa = sa.expand(a.data.shape[0], 1).contiguous()
-            sb = sb.expand(1, b.data.shape[0]).contiguous()
+            # dequantize-and-multiply path: ~10x faster, and it dequantizes as "emulate" does.
+            # repeat, not expand().contiguous(): with one row, expand leaves a stride of 0, which
+            # _scaled_mm refuses.
+            sa = sa.reshape(1, 1).repeat(a.data.shape[0], 1)
+            sb = sb.reshape(1, 1).repeat(1, b.data.shape[0])
         return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, bias=bias,
                                 out_dtype=out_dtype, use_fast_accum=fast_accum)
     k = a.data.shape[1]
