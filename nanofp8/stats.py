@@ -193,6 +193,7 @@ class Fp8Stats:
         self.first_amax = {}  # (layer, operand) -> (iter, amax) at the first record
         self.amax_alarmed = {}  # (layer, operand) -> growth factor already reported
         self.records = []  # the last step's records (also written to the file)
+        self.observing = False
 
     def due(self, it):
         return self.interval > 0 and it % self.interval == 0
@@ -201,7 +202,7 @@ class Fp8Stats:
         return [m for m in self.model.modules() if isinstance(m, Fp8Linear)]
 
     def start(self):
-        self.acc = {}
+        self.acc, self.observing = {}, True
         for m in self.modules():
             m.observer = self
 
@@ -239,7 +240,11 @@ class Fp8Stats:
     # ---- the end of a statistics step
 
     def finish(self, it, optimizer=None):
-        """Stop observing; write this step's records; return the log lines (summary, alarms)."""
+        """Stop observing; write this step's records; return the log lines (summary, alarms).
+        Returns nothing (and does nothing) when start() was not called."""
+        if not self.observing:
+            return []
+        self.observing = False
         for m in self.modules():
             m.observer = None
         keys = list(self.acc)
