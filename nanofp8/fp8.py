@@ -87,6 +87,22 @@ block scaling they are re-quantized from the high-precision values while those a
 
 Fast accumulation (Hopper's cheaper, less precise FP8 accumulate) is used only in the forward
 GEMM; gradients, whose errors compound over training, always get the careful path.
+
+4. What a cast did: the statistics (nanofp8/stats.py, train.py's fp8_stats_interval)
+------------------------------------------------------------------------------------
+A cast loses information in three ways, and each has its own number per layer and operand:
+  * saturation: values the clamp changed, because they lay beyond the format's max at this
+    scale. Current scaling cannot saturate (the scale is made from this very amax); delayed
+    scaling does when a tensor outgrows its history.
+  * underflow and subnormals: values too small for the scale, flushed to zero or kept with
+    fewer mantissa bits. One outlier under current scaling pushes every other value there.
+  * rounding: the rest keep 3 (E4M3) or 2 (E5M2) mantissa bits. The SQNR of the FP8 copy
+    against its source measures the total: about 31 and 25 dB on well-scaled data.
+The SQNR is dominated by the largest values, so it can stay near 31 dB while the small ones
+drop into subnormals; read it together with the fractions. With row and block scales, the
+spread of the scales (log2 of the largest over the smallest) says how much range a single
+tensor scale would have needed. Every Linear's FP8 status is listed at start-up, and a GEMM
+that falls back to high precision at run time is counted (fallbacks), or refused (strict).
 """
 
 import math
