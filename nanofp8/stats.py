@@ -44,8 +44,8 @@ For each cast of a high-precision source s (x * scale rounded to FP8 gives the c
 
 The counts and sums add up: over the micro-steps of a statistics step they are summed, and the
 fractions and the SQNR are taken of the sums (SQNR of all the signal over all the noise). Each
-cast's statistics stay on the device as one small tensor; the device syncs once per statistics
-step, when the records are written.
+cast's statistics stay on the device as one small tensor until the step's records are written,
+when they all come to the CPU in one transfer.
 
 2. When, and what it costs
 --------------------------

@@ -105,6 +105,18 @@ def test_tiny_gradient_underflows_in_that_layer():
     assert recs[4, "0", "dy"]["sqnr_db"] < 1
 
 
+@pytest.mark.parametrize("gran,ops", [("tensor", {"x", "w", "dy"}), ("row", {"x", "w", "dy", "xT", "wT", "dyT"}),
+                                      ("block", {"x", "w", "dy", "xT", "dyT"})])
+def test_transposed_operands_recorded_when_they_are_separate_casts(gran, ops):
+    """wT, xT, dyT are recorded where they are cast anew (row, 1x128 tiles), not where they are
+    transposes of the forward cast (tensor scales, 128x128 weight tiles)."""
+    st = stats.Fp8Stats(toy(Recipe(granularity=gran, backend="emulate")), 1)
+    recs = run(st.model, st, 1)
+    assert {k[2] for k in recs} == ops
+    spread = {k[2]: r["scale_spread"] for k, r in recs.items() if k[1] == "2"}
+    assert all(v == 0 for v in spread.values()) if gran == "tensor" else spread["x"] > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # the fractions against an independent count on the dequantized tensors
 
