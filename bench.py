@@ -638,6 +638,11 @@ def cmd_report(args):
         parts += ["### Throughput (`bench.py throughput`)", _env_line(d["env"]), "",
                   _md_table(d["throughput"], ["model", "level", "compile", "tokens_per_s", "vs_bf16", "device_kind"],
                             {"tokens_per_s": lambda v: f"{v:,.0f}"}), ""]
+    if (d := load("stats_cost_cpu.json")):
+        parts += ["### Cost of the FP8 statistics (`bench.py stats --cost`)", _env_line(d["env"]), "",
+                  _md_table(d["stats_cost"], ["model", "stats", "steps", "ms_per_step", "vs_off"]), "",
+                  "Eager mode; on a CPU the FP8 GEMMs are emulated, so the step itself is slow and the "
+                  "ratio is the CPU's, not a GPU's.", ""]
     gpu = [f for f in sorted(os.listdir(res)) if f.startswith(("kernels_", "throughput_gpu", "parity_gpu"))] if os.path.isdir(res) else []
     if not gpu:
         parts += ["### GPU figures", "No GPU figures are published yet: none has been measured on a Hopper GPU "

@@ -29,6 +29,12 @@ micro-batches. O1 sends activations and gradients between ranks in FP8, bf16 in 
     torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py tensor_parallel=2 sequence_parallel=True \
         pipeline_parallel=2                     # 2 replicas x 2 tensor x 2 pipeline ranks
 
+Seeing the numerics (nanofp8/stats.py): at start-up every FP8 level prints a table of the Linears
+(FP8 or not, and why not), and at the end the number of GEMMs that fell back to high precision
+(fp8_strict=True makes a fallback an error). fp8_stats_interval=N records every FP8 cast's
+underflow, saturation, subnormals, SQNR and scales every N iterations to out_dir/fp8_stats.jsonl,
+logs a one-line summary and alarms, and leaves the training step bit-identical; 0 turns it off.
+
 Where the precision level touches the training loop there is one small function each:
 setup_precision (what the model's layers compute in), build_optimizer (what holds the master
 weights and moments), optimizer_step (how gradients become an update) and wrap_data_parallel (how
