@@ -520,7 +520,8 @@ def plot_stats(stats_dir, out):
             ax.set_xticks(ticks, [str(iters[t]) for t in ticks], fontsize=6)
             ax.set_yticks(range(len(layers)), layers if b == 0 else [""] * len(layers), fontsize=6)
         fig.colorbar(im, ax=list(axes[a]), fraction=0.02, pad=0.01)  # one scale per metric
-    fig.suptitle(f"FP8 cast statistics per layer over training steps ({stats_dir})", fontsize=9)
+    fig.suptitle(f"FP8 cast statistics per layer over training steps "
+                 f"({os.path.basename(os.path.normpath(stats_dir))})", fontsize=9)
     heat = os.path.join(out, "fp8_stats_heatmap.png")
     fig.savefig(heat, dpi=110)
     plt.close(fig)
