@@ -12,7 +12,7 @@ import torch.nn as nn
 import bench
 import train
 from nanofp8 import fp8, stats
-from nanofp8.fp8 import BLOCK, E4M3, E5M2, Recipe, compute_scale, convert_to_fp8, dequantize, quantize, sqnr
+from nanofp8.fp8 import BLOCK, E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 
 # ---------------------------------------------------------------------------------------------
