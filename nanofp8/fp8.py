@@ -95,7 +95,7 @@ A cast loses information in three ways, and each has its own number per layer an
     scale. Current scaling cannot saturate (the scale is made from this very amax); delayed
     scaling does when a tensor outgrows its history.
   * underflow and subnormals: values too small for the scale, flushed to zero or kept with
-    fewer mantissa bits. One outlier under current scaling pushes every other value there.
+    fewer mantissa bits. One outlier under current scaling pushes the other values towards them.
   * rounding: the rest keep 3 (E4M3) or 2 (E5M2) mantissa bits. The SQNR of the FP8 copy
     against its source measures the total: about 31 and 25 dB on well-scaled data.
 The SQNR is dominated by the largest values, so it can stay near 31 dB while the small ones
