@@ -282,8 +282,12 @@ def test_statistics_leave_training_bit_identical(tmp_path, capsys, monkeypatch, 
     assert "fp8 stats" not in log_off
     assert "blocks.0.mlp.c_fc" in log_off and "lm_head" in log_off  # the start-up table
     assert "fell back to high precision at run time: 0" in log_off
-    on = train.main(TINY + [f"precision={level}", f"out_dir={tmp_path / 'on'}", "fp8_stats_interval=2"])
+    # (an SQNR threshold above what E4M3 reaches: every cast alarms at its second statistics step)
+    on = train.main(TINY + [f"precision={level}", f"out_dir={tmp_path / 'on'}", "fp8_stats_interval=2",
+                            "fp8_alarm_sqnr_db=40", "fp8_alarm_intervals=2"])
     log_on = capsys.readouterr().out
+    assert "ALARM fp8 sqnr: blocks.0.attn.c_attn x (e4m3) below threshold for 2" in log_on
+    assert "ALARM" not in log_on.split("fp8 stats iter 2")[0]
     assert on["losses"] == off["losses"] and on["evals"] == off["evals"]  # bit for bit
     recs = stats.read_records(tmp_path / "on" / "fp8_stats.jsonl")
     assert sorted({r["iter"] for r in recs}) == [0, 2]
