@@ -132,7 +132,7 @@ def cast_stats(src, q):
 def summarize(sums, maxes):
     """sums, maxes (on the CPU) -> the record's numbers: fractions, SQNR in dB, scale spread."""
     v = dict(zip(SUMS, sums.tolist()))
-    amax, neg_min, smax = maxes.tolist()
+    amax, neg_min, smax = maxes.tolist()  # in the order of MAXES
     n = max(v["n"], 1.0)
     noise, signal = v["noise"], v["signal"]
     sqnr = None if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
