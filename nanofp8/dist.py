@@ -85,6 +85,7 @@ collective. (A reduce-scatter alone, as in ZeRO, only shows the NaN to the chunk
 any_nonfinite(), a 1-element MAX all-reduce, there.)
 """
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -93,7 +94,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, quantize
+from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, quantize
 from .optim import Fp8AdamW, O2Linear, _loaded, _stored, convert_to_o2, to_fp16_scaled
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
@@ -622,18 +623,43 @@ class Fp8DataParallel(nn.Module):
 
 
 class O3Linear(O2Linear):
-    """Fp8Linear whose `.weight` is the full FP8 (E4M3) weight with its tensor scale in
-    `.weight_scale`; the fp16 master lives, sharded, in ZeroFp8AdamW. The gradient is kept in
-    FP8 in `.wgrad`, as for O2."""
+    """Fp8Linear whose `.weight` is the full FP8 (E4M3) weight, stored in the layout the recipe's
+    forward GEMM reads: `.weight_scale` is its scale grid (tensor: one scale, row: one per output
+    row, block: one per 128x128 tile). The forward GEMM takes it as it is: the weight is rounded
+    to FP8 once, from the fp32 update (re-quantizing a per-tensor FP8 weight with row or block
+    scales would round it twice). The dgrad GEMM needs W^T quantized along the output rows: a
+    tensor scale and square tiles transpose with the data; row scales do not, so under "row" W^T
+    is re-quantized from the FP8 weight (a second rounding of the dgrad operand only). The fp16
+    master lives, sharded, in ZeroFp8AdamW. The gradient is kept in FP8 in `.wgrad`, as for O2."""
 
     @classmethod
     def from_fp8_linear(cls, lin):
         new = super().from_fp8_linear(lin)
-        q = quantize(lin.weight.detach(), E4M3)
+        q = quantize(lin.weight.detach(), E4M3, lin.recipe.granularity, (BLOCK, BLOCK))
         new.weight = nn.Parameter(q.data.view(lin.weight.shape))
-        new.weight_scale.copy_(q.scale)
+        new.weight_scale = q.scale.clone()  # (the buffer O2 registered, now the recipe's grid)
         new.init_master = lin.weight.detach().float()  # taken (and dropped) by the optimizer
         return new
+
+    def weight_layout(self):
+        """(shape, granularity) of the stored FP8 weight: what gather_shared_scale produces."""
+        return self.weight.shape, self.recipe.granularity
+
+    def fp8_weight(self):
+        """The stored weight as an Fp8Tensor (no copy, no rounding)."""
+        g = self.recipe.granularity
+        return Fp8Tensor(self.weight.detach(), self.weight_scale, E4M3, g,
+                         (BLOCK, BLOCK) if g == "block" else (1, self.weight.shape[1]),
+                         self.weight.shape, torch.float32)
+
+    def hp_weight(self):
+        return dequantize(self.fp8_weight(), torch.float32)
+
+    def cast_weight(self):
+        qw = self.fp8_weight()
+        if qw.granularity == "row":
+            return qw, quantize(self.hp_weight().t(), E4M3, "row")
+        return qw, qw.t()
 
     @torch.no_grad()
     def set_fp8_weight(self, data, scale):
@@ -744,31 +770,63 @@ class ZeroFp8AdamW(Fp8AdamW):
                         self._init_state(p)
                     self._fp32_update(p, p.grad, group)
         # 3. all-gather the new weights in FP8, under one scale per weight
-        for (p, _), (data, s) in zip(new, gather_shared_scale([w for _, w in new], self.group)):
+        layouts = [self.o2[p].weight_layout() for p, _ in new]
+        for (p, _), (data, s) in zip(new, gather_shared_scale([w for _, w in new], self.group, layouts=layouts)):
             self.o2[p].set_fp8_weight(data[: p.numel()], s)
         return True
 
 
-def gather_shared_scale(shards, group=None, fmt=E4M3):
-    """All-gather flat fp32 shards (one per tensor, this rank's part) as FP8 under one scale per
-    tensor that every rank agrees on: one MAX all-reduce of the shard amaxes (4 B per tensor),
-    then each rank quantizes its shard with the common scale and the bytes are gathered. The
-    result is a valid per-tensor FP8 tensor on every rank, bit-identical everywhere.
-    Returns [(flat FP8 data of world * shard length, fp32 scale)]."""
+def _scale_cells(shape, granularity, lo, hi, device):
+    """For the flat elements [lo, hi) of a matrix of `shape` (N, K): the index of the scale that
+    covers each one (tensor: 0; row: its row; block: its 128x128 tile, row-major) and the grid's
+    shape. Elements past N * K (a shard's zero padding) get the index just past the grid."""
+    (N, K), i = shape, torch.arange(lo, hi, device=device)
+    row, col = i // K, i % K
+    if granularity == "tensor":
+        cell, grid = torch.zeros_like(i), ()
+    elif granularity == "row":
+        cell, grid = row, (N, 1)
+    else:
+        cols = -(-K // BLOCK)
+        cell, grid = (row // BLOCK) * cols + col // BLOCK, (-(-N // BLOCK), cols)
+    return torch.where(i < N * K, cell, math.prod(grid)), grid
+
+
+def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
+    """All-gather flat fp32 shards (one per tensor, this rank's part of the tensor flattened and
+    zero-padded to world * shard length) as FP8 under scales every rank agrees on: one MAX
+    all-reduce of the amaxes of every scale's values (each rank contributes its part), then each
+    rank quantizes its shard with the common scales and the bytes are gathered. The result is a
+    valid FP8 tensor on every rank, bit-identical everywhere, and bit-identical to quantizing the
+    whole tensor at once (tests/test_comm.py).
+    layouts: per shard, (shape, granularity) of the whole tensor: "tensor" (one scale), "row"
+    (one per row) or "block" (one per 128x128 tile); None: one scale per tensor.
+    Returns [(flat FP8 data of world * shard length, fp32 scale grid)]."""
     if not shards:
         return []
-    amax = torch.stack([w.abs().amax() for w in shards]).float()
-    world = _world(group)
+    world, rank = _world(group), dist.get_rank(group)
+    cells, amaxes = [], []
+    for w, lay in zip(shards, layouts or [None] * len(shards)):
+        c = w.numel()
+        cell, grid = ((torch.zeros(c, dtype=torch.long, device=w.device), ()) if lay is None else
+                      _scale_cells(lay[0], lay[1], rank * c, (rank + 1) * c, w.device))
+        n = math.prod(grid)
+        w = w.reshape(-1)
+        amax = torch.zeros(n + 1, device=w.device).scatter_reduce(0, cell, w.detach().abs().float(), "amax")
+        cells.append((cell, grid))
+        amaxes.append(amax[:n])
+    amax = torch.cat(amaxes)
     if world > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         COMM.add("all_reduce_amax", _nbytes(amax), _nbytes(amax) * 2 * (world - 1) / world)
-    scales = compute_scale(amax, fmt)
+    scales = compute_scale(amax, fmt).split([math.prod(g) for _, g in cells])
     pending = []
-    for w, s in zip(shards, scales):
-        q = quantize(w, fmt, scale=s)
-        pending.append(all_gather_fp8(Fp8Rows(q.data.view(1, -1), s.reshape(1, 1), w.numel()),
+    for w, (cell, grid), s in zip(shards, cells, scales):
+        per_value = torch.cat([s, s.new_ones(1)])[cell]  # (padding: scale 1, its values are 0)
+        q = quantize(w.view(1, -1), fmt, scale=per_value.view(1, -1))
+        pending.append(all_gather_fp8(Fp8Rows(q.data, s.new_ones(1, 1), w.numel()),
                                       group, keep_fp8=True, async_op=True))
-    return [(pd.wait().data.reshape(-1), s) for pd, s in zip(pending, scales)]
+    return [(pd.wait().data.reshape(-1), s.view(grid)) for pd, s, (_, grid) in zip(pending, scales, cells)]
 
 
 @torch.no_grad()

@@ -206,6 +206,17 @@ def uneven_step(rank, level, case):
     return {"stepped": stepped, "equal": replicas_equal(model)}
 
 
+def shared_scale_gathers(rank):
+    """gather_shared_scale of one tensor cut in 2 flat shards, for each scale layout; rows and
+    columns 1e6 apart in magnitude, and a ragged edge (neither dim a multiple of 128)."""
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(200, 300, generator=g) * torch.logspace(-3, 3, 200)[:, None] * torch.logspace(0, 1, 300)
+    c = D.shard_len(full.numel(), 2)
+    shard = F.pad(full.reshape(-1), (0, 2 * c - full.numel()))[rank * c : (rank + 1) * c]
+    return {gran: D.gather_shared_scale([shard], None, E4M3, layouts=[(full.shape, gran)])[0]
+            for gran in ("tensor", "row", "block")}, full
+
+
 def worker(rank, world, port, out_dir):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -221,6 +232,7 @@ def worker(rank, world, port, out_dir):
                       for name, layout in layouts.items()}
     out["mp_wire"]["O1", "pp2_bf16"] = mp_wire("O1", layouts["pp2"] + ["mp_comm=bf16"])
     out["overlap"] = {o: overlap_run(rank, o) for o in (True, False)}
+    out["shared_scale"] = shared_scale_gathers(rank)
     out["uneven"] = {(level, case): uneven_step(rank, level, case) for level in ("O1", "O2", "O3")
                      for case in ("skip", "nan") + (("verdict",) if level == "O3" else ())}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -323,3 +335,45 @@ def test_uneven_ranks_agree(ranks, level, case):
     a, b = (r["uneven"][level, case] for r in ranks)
     assert a["stepped"] == b["stepped"] == (case == "skip")
     assert a["equal"] and b["equal"]
+
+
+def test_shared_scale_gather_equals_one_quantization_of_the_whole(ranks):
+    """O3 all-gathers its updated weights shard by shard; in every layout the result must be the
+    very FP8 tensor that quantizing the whole weight at once gives (one rounding)."""
+    from nanofp8.fp8 import BLOCK, quantize
+
+    for r in ranks:
+        got, full = r["shared_scale"]
+        for gran, (data, scale) in got.items():
+            ref = quantize(full, E4M3, gran, (BLOCK, BLOCK))
+            assert torch.equal(scale, ref.scale.view(scale.shape)), gran
+            assert torch.equal(data[: full.numel()].view(torch.uint8), ref.data.reshape(-1).view(torch.uint8)), gran
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
+    """The forward GEMM's weight operand of an O3 layer is the stored FP8 weight, quantized once
+    from the fp32 weight with the recipe's scales; before, a per-tensor E4M3 copy was quantized
+    again with row/block scales."""
+    from nanofp8.fp8 import BLOCK, dequantize, quantize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(320, 300))
+    m = D.convert_to_o3(convert_to_fp8(model, Recipe(granularity=gran, backend="emulate")))[0]
+    w = m.init_master
+    w[:8] *= 1e5  # outlier rows: a per-tensor scale pushes the other rows into E4M3's subnormals
+    m.weight.data.copy_(quantize(w, E4M3, gran, (BLOCK, BLOCK)).data)
+    m.weight_scale = quantize(w, E4M3, gran, (BLOCK, BLOCK)).scale
+    m.free_weight_cache()
+    qw, qw_t = m.weight_operands()
+    once = quantize(w, E4M3, gran, (BLOCK, BLOCK))
+    assert qw.granularity == gran and torch.equal(qw.data.view(torch.uint8), once.data.view(torch.uint8))
+    twice = quantize(dequantize(quantize(w, E4M3), torch.float32), E4M3, gran, (BLOCK, BLOCK))
+    # judged on the ordinary rows (an outlier row's error would hide theirs in one global SQNR)
+    s_once = sqnr(w[8:], dequantize(qw, torch.float32)[8:])
+    s_twice = sqnr(w[8:], dequantize(twice, torch.float32)[8:])
+    print(f"\nO3 {gran}: forward weight operand {s_once:.1f} dB (before: {s_twice:.1f} dB)")
+    assert s_once >= s_twice
+    if gran != "tensor":
+        assert s_once > s_twice + 3
+    assert sqnr(w.t(), dequantize(qw_t, torch.float32)) > 25  # the dgrad operand W^T
