@@ -44,8 +44,9 @@ saturates while adding), and the reduced chunk is re-quantized with the amax of 
 
 One limit remains, and no scheme escapes it: the all-reduce's output is FP8 again, so the summed
 chunk must fit one format under one scale (per block). A chunk holding gradients 2^20 apart fits
-E5M2 (32 binades) but not E4M3 (18): its small values flush to zero there. That is one more
-reason gradients use E5M2. A reduce-scatter alone (ZeRO) keeps the fp32 sum and loses nothing.
+E5M2 (32 binades) but not E4M3 (18): its small values flush to zero there. That is why
+Fp8DataParallel gives every 128 values of one parameter their own scale: a block that small
+rarely spans 18 binades, and E4M3's extra mantissa bit then wins (section 4). A reduce-scatter alone (ZeRO) keeps the fp32 sum and loses nothing.
 
 3. Counting bytes
 -----------------

@@ -64,8 +64,10 @@ embedding and LM head see exact, replicated values).
 -----------------------
 The blocks are cut into P consecutive stages; the embedding goes with the first, final norm,
 LM head and loss with the last. pipeline_step runs GPipe: all micro-batch forwards, then all
-backwards. Activations travel as E4M3 with one scale per token, gradients as E5M2 (uint8 payload
-with the fp32 scales appended: one send each). Tied embeddings: the last stage holds a copy of
+backwards. pipeline_step's act_fmt / grad_fmt say what crosses a stage boundary: E4M3 with one
+scale per token for activations and E5M2 for gradients (uint8 payload with the fp32 scales
+appended: one send each), or a plain dtype. train.py passes its mp_comm choice (bf16 at the bf16
+level, so that a bf16 run sends nothing in FP8; tests/test_comm.py reads the wire dtypes). Tied embeddings: the last stage holds a copy of
 the embedding matrix as its LM head; the two gradients are summed between first and last stage,
 so both copies take the same optimizer step and stay equal.
 
