@@ -501,7 +501,11 @@ def cmd_report(args):
                   "optimizer step (not in the total); activation bytes per token saved for backward.", ""]
     if (d := load("comm_cpu.json")):
         parts += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
-                  _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), ""]
+                  _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), "",
+                  "`fp8_layers` = the block Linears: their weight gradients (O3: + the all-gathered FP8 "
+                  "weights); `rest` = every other parameter (embeddings, LM head, norms, biases), whose "
+                  "gradients travel in fp32 at every level; `model` = all bytes over all parameters; "
+                  "`fp8_layer_share` = the block Linears' share of the parameters.", ""]
         if d.get("comm_model_parallel"):
             mp_rows = d["comm_model_parallel"]
             parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",
