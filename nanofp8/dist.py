@@ -581,10 +581,10 @@ class Fp8DataParallel(nn.Module):
             self._launch(self.buckets[self._next])
         for b in self.buckets:  # finish every reduce-scatter, start every all-gather...
             b.pending.advance()
-        finite = [torch.ones((), dtype=torch.bool)]
+        finite = []
         for b in self.buckets:  # ...then wait for them
             flat, offset = b.pending.wait(), 0
-            finite.append(torch.isfinite(flat).all().cpu())
+            finite.append(torch.isfinite(flat).all())
             for p, n in zip(b.params, b.spans):
                 g = flat[offset : offset + p.numel()].view_as(p)
                 offset += n
@@ -594,7 +594,7 @@ class Fp8DataParallel(nn.Module):
                     p.grad.copy_(g)
             b.ready, b.pending = set(), None
         self._next = 0
-        return bool(torch.stack(finite).all())
+        return bool(torch.stack(finite).all()) if finite else True
 
 
 # -----------------------------------------------------------------------------
