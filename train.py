@@ -20,7 +20,8 @@ Precision levels (`precision=...`):
 Under torchrun, bf16 all-reduces fp32 gradients with torch's DDP (nanoGPT's baseline). The FP8
 levels send the weight gradients of the FP8 layers in FP8 (grad_comm: E4M3 by default, a scale per
 128 values of one parameter) and every other gradient as the baseline does (grad_comm_rest: fp32),
-with nanofp8.dist.Fp8DataParallel, overlapped with backward like DDP.
+with nanofp8.dist.Fp8DataParallel, overlapped with backward like DDP (O2/O3 send the FP8 weight
+gradients they keep outside .grad after backward).
 
 Model parallelism (nanofp8/parallel.py), bf16 and O1, under torchrun: the N processes form
 N / (tensor_parallel * pipeline_parallel) data-parallel replicas of a model whose block matrices
