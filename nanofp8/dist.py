@@ -46,7 +46,8 @@ One limit remains, and no scheme escapes it: the all-reduce's output is FP8 agai
 chunk must fit one format under one scale (per block). A chunk holding gradients 2^20 apart fits
 E5M2 (32 binades) but not E4M3 (18): its small values flush to zero there. That is why
 Fp8DataParallel gives every 128 values of one parameter their own scale: a block that small
-rarely spans 18 binades, and E4M3's extra mantissa bit then wins (section 4). A reduce-scatter alone (ZeRO) keeps the fp32 sum and loses nothing.
+rarely spans 18 binades, and E4M3's extra mantissa bit then wins (section 4). A reduce-scatter
+alone (ZeRO) keeps the fp32 sum and loses nothing.
 
 3. Counting bytes
 -----------------
@@ -488,7 +489,8 @@ class Fp8DataParallel(nn.Module):
 
     Why E4M3 by default: with a scale per 128 values from the block's own amax, range is no
     longer the constraint (a block rarely spans more than E4M3's 18 binades), and the sum is fp32;
-    E4M3's extra mantissa bit is worth +6 dB (tests/test_comm.py measures both).
+    E4M3's extra mantissa bit is worth about 6 dB on a small GPT's gradients (tests/test_comm.py
+    measures both and holds E4M3 at least 3 dB ahead).
     """
 
     def __init__(self, module, group=None, fmt=E4M3, bucket_mb=25.0, block=128, overlap=True,
