@@ -774,7 +774,8 @@ class ZeroFp8AdamW(Fp8AdamW):
                     self._fp32_update(p, p.grad, group)
         # 3. all-gather the new weights in FP8, under one scale per weight
         layouts = [self.o2[p].weight_layout() for p, _ in new]
-        for (p, _), (data, s) in zip(new, gather_shared_scale([w for _, w in new], self.group, layouts=layouts)):
+        gathered = gather_shared_scale([w for _, w in new], self.group, layouts=layouts)
+        for (p, _), (data, s) in zip(new, gathered):
             self.o2[p].set_fp8_weight(data[: p.numel()], s)
         return True
 
@@ -847,7 +848,9 @@ def sync_fp8_wgrads(modules, group=None):
     pending = []
     for m in mods:
         c = shard_len(m.weight.numel(), world)
-        q = m.wgrad if m.wgrad is not None else quantize(torch.zeros(m.weight.shape, device=m.weight.device), E4M3)
+        q = m.wgrad
+        if q is None:
+            q = quantize(torch.zeros(m.weight.shape, device=m.weight.device), E4M3)
         pending.append(reduce_scatter_fp8(_fp8_rows(q, world, c), group, op="mean",
                                           out_dtype=torch.float32, async_op=True))
     shards = [pd.wait() for pd in pending]
