@@ -7,7 +7,8 @@ the same figures (plus machine, date and versions) as JSON.
                                 the real tensors (nanofp8/optim.py: training_state_bytes)
     python bench.py comm        bytes each rank puts on the wire per parameter per step, for the
                                 bf16 baseline (fp32 gradient all-reduce, as nanoGPT's DDP), O1,
-                                O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/dist.py)
+                                O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/dist.py),
+                                the FP8 layers' bytes apart from the whole model's
     python bench.py parity      BF16 vs every FP8 level and recipe variant on shakespeare_char at
                                 equal steps and seeds: loss curves (CSV + PNG), final val losses
     python bench.py throughput  tokens/s and peak memory, BF16 vs O1/O2
@@ -152,9 +153,11 @@ COMM_CFG = GPTConfig(arch="gpt2", n_layer=2, n_head=4, n_embd=128, vocab_size=25
 
 
 def _comm_worker(rank, world, port, level, out):
+    """Three training steps of COMM_CFG at `level` on `world` gloo ranks, counting the bytes of
+    the FP8 layers (their weight gradients, and under O3 their gathered weights) apart from the
+    bytes of every other parameter (embeddings, LM head, norms, biases: fp32 gradients)."""
     import torch.distributed as dist
     from nanofp8 import dist as fdist
-    from nanofp8.fp8 import E5M2
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -167,10 +170,17 @@ def _comm_worker(rank, world, port, level, out):
     elif level == "O3":
         fdist.convert_to_o3(model)
     fp8_mods = [m for m in model.modules() if isinstance(m, fdist.O2Linear)]
-    fp8_weights = {m.weight for m in fp8_mods}
-    others = [p for p in model.parameters() if p not in fp8_weights]
-    fmt = torch.float32 if level == "bf16" else E5M2
-    dp = fdist.Fp8DataParallel(model, fmt=fmt, params=others, overlap=False)
+    # The FP8 layers' weights (bf16: the same block Linears, whose gradients go in fp32).
+    lin = [m.weight for fqn, m in model.named_modules()
+           if isinstance(m, nn.Linear) and fp8_module_filter()(fqn, m)]
+    others = [p for p in model.parameters() if all(p is not w for w in lin)]
+    # As train.py: bf16 sends every gradient in fp32; O1 the FP8 weight gradients in E4M3 (with
+    # a scale per 128 values of one parameter); O2/O3 send their FP8 gradients themselves.
+    dp_lin = None
+    if level in ("bf16", "O1"):
+        dp_lin = fdist.Fp8DataParallel(model, fmt=torch.float32 if level == "bf16" else fdist.E4M3,
+                                       params=lin, fp8_params=lin, overlap=False, broadcast=False)
+    dp_rest = fdist.Fp8DataParallel(model, params=others, overlap=False)
     if level == "O3":
         opt = fdist.ZeroFp8AdamW(model.parameters(), model, lr=1e-4)
     elif level == "O2":
@@ -178,25 +188,29 @@ def _comm_worker(rank, world, port, level, out):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, COMM_CFG.vocab_size, (4, COMM_CFG.block_size), generator=torch.Generator().manual_seed(rank))
-    steps = 3
+    steps, lin_bytes, rest_bytes = 3, 0, 0
     fdist.comm_stats(reset=True)
     for _ in range(steps):
         model(idx, idx)[1].backward()
-        ok = dp.sync_gradients()
+        ok = dp_rest.sync_gradients()
+        rest_bytes += fdist.comm_stats(reset=True)["bytes_sent"]
+        if dp_lin is not None:
+            ok = dp_lin.sync_gradients() and ok
         if level == "O2":
             fdist.sync_fp8_wgrads(fp8_mods)
-        opt.step(grads_finite=ok) if level == "O3" else opt.step()
+        if level == "O3":  # reduce-scatter of FP8 gradients, flags, all-gather of FP8 weights
+            opt.step(grads_finite=ok)
+        lin_bytes += fdist.comm_stats(reset=True)["bytes_sent"]
+        if level != "O3":
+            opt.step()
         opt.zero_grad()
         for m in fp8_mods:
             m.wgrad = None
-    s = fdist.comm_stats()
     n = sum(p.numel() for p in model.parameters())
-    n_lin = sum(m.weight.numel() for m in fp8_mods) or sum(
-        m.weight.numel() for fqn, m in model.named_modules()
-        if isinstance(m, nn.Linear) and fp8_module_filter()(fqn, m))
+    n_lin = sum(p.numel() for p in lin)
     if rank == 0:
-        torch.save({"sent_per_param": s["bytes_sent"] / steps / n, "params": n, "linear_params": n_lin,
-                    "by_op": {k: v for k, v in s["by_op"].items()}}, out)
+        torch.save({"fp8_layers": lin_bytes / steps / n_lin, "rest": rest_bytes / steps / (n - n_lin),
+                    "model": (lin_bytes + rest_bytes) / steps / n, "params": n, "linear_params": n_lin}, out)
     dist.destroy_process_group()
 
 
@@ -290,14 +304,20 @@ def cmd_comm(args):
             out = os.path.join(tempfile.mkdtemp(), "comm.pt")
             mp.spawn(_comm_worker, args=(world, port, level, out), nprocs=world, join=True)
             r = torch.load(out, weights_only=False)
-            base = base or r["sent_per_param"]
-            rows.append({"world": world, "level": level, "bytes_per_param_per_step": r["sent_per_param"],
-                         "vs_fp32_allreduce": r["sent_per_param"] / base,
-                         "vs_bf16_allreduce": r["sent_per_param"] / (base / 2)})
-    print("Bytes each rank puts on the wire per parameter per step (gradients + weights + scales), "
-          f"gloo, {COMM_CFG.n_layer}-layer GPT of width {COMM_CFG.n_embd}; baseline = fp32 gradient all-reduce")
-    emit("comm", rows, ["world", "level", "bytes_per_param_per_step", "vs_fp32_allreduce",
-                        "vs_bf16_allreduce"], argparse.Namespace(json=None))  # printed; written below
+            base = base or r
+            rows.append({"world": world, "level": level,
+                         "fp8_layers_B_per_param": r["fp8_layers"],
+                         "fp8_layers_vs_fp32": r["fp8_layers"] / base["fp8_layers"],
+                         "rest_B_per_param": r["rest"],
+                         "model_B_per_param": r["model"], "model_vs_fp32": r["model"] / base["model"],
+                         "fp8_layer_share": r["linear_params"] / r["params"]})
+    print("Bytes each rank puts on the wire per parameter per step, gloo, "
+          f"{COMM_CFG.n_layer}-layer GPT of width {COMM_CFG.n_embd}. fp8_layers: the block Linears "
+          "(weight gradients; O3: + gathered weights), rest: every other parameter (fp32 gradients), "
+          "model: all of it; baseline = bf16 level (fp32 gradient all-reduce)")
+    emit("comm", rows, ["world", "level", "fp8_layers_B_per_param", "fp8_layers_vs_fp32", "rest_B_per_param",
+                        "model_B_per_param", "model_vs_fp32", "fp8_layer_share"],
+         argparse.Namespace(json=None))  # printed; written below
     mp_rows = comm_model_parallel()
     print(f"\nModel parallelism on 2 gloo ranks, same GPT, batch 4 x {COMM_CFG.block_size}: bytes on the "
           "wire per token, FP8 layers and payloads (+ scales) vs BF16 layers of the same cut")
@@ -630,7 +650,11 @@ def cmd_report(args):
                   "optimizer step (not in the total); activation bytes per token saved for backward.", ""]
     if (d := load("comm_cpu.json")):
         parts += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
-                  _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), ""]
+                  _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), "",
+                  "`fp8_layers` = the block Linears: their weight gradients (O3: + the all-gathered FP8 "
+                  "weights); `rest` = every other parameter (embeddings, LM head, norms, biases), whose "
+                  "gradients travel in fp32 at every level; `model` = all bytes over all parameters; "
+                  "`fp8_layer_share` = the block Linears' share of the parameters.", ""]
         if d.get("comm_model_parallel"):
             mp_rows = d["comm_model_parallel"]
             parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",

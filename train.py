@@ -17,14 +17,19 @@ Precision levels (`precision=...`):
     O3    as O2, with the master weights and moments sharded over the data-parallel ranks
           (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
 
-Under torchrun, bf16 all-reduces fp32 gradients with torch's DDP (nanoGPT's baseline); the FP8
-levels send gradients in FP8 (grad_comm: E5M2 by default) with nanofp8.dist.Fp8DataParallel.
+Under torchrun, bf16 all-reduces fp32 gradients with torch's DDP (nanoGPT's baseline). The FP8
+levels send the weight gradients of the FP8 layers in FP8 (grad_comm: E4M3 by default, a scale per
+128 values of one parameter) and every other gradient as the baseline does (grad_comm_rest: fp32),
+with nanofp8.dist.Fp8DataParallel, overlapped with backward like DDP (O2/O3 send the FP8 weight
+gradients they keep outside .grad after backward).
 
 Model parallelism (nanofp8/parallel.py), bf16 and O1, under torchrun: the N processes form
 N / (tensor_parallel * pipeline_parallel) data-parallel replicas of a model whose block matrices
 are cut over tensor_parallel ranks (sequence_parallel=True also cuts the sequence between them)
 and whose blocks are cut into pipeline_parallel stages, run as a GPipe schedule over the
-micro-batches. O1 sends activations and gradients between ranks in FP8, bf16 in bf16.
+micro-batches. What crosses between ranks there is mp_comm: bf16 sends only bf16 (and fp32);
+O1 sends the tensor-parallel payloads and the activations and gradients between stages in
+mp_comm (auto: FP8; see MP_COMM_AUTO for the evidence behind the default).
 
     torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py tensor_parallel=2 sequence_parallel=True \
         pipeline_parallel=2                     # 2 replicas x 2 tensor x 2 pipeline ranks
@@ -114,8 +119,12 @@ min_lr = 6e-5
 # precision
 precision = "bf16"  # "bf16" | "O1" | "O2" | "O3"
 o2_v_format = "fp16"  # O2/O3: Adam v in "fp16" (FP8-LM) or "fp8" (sqrt(v) in E4M3)
-grad_comm = "auto"  # data-parallel gradients: "auto" (fp32 DDP for bf16, e5m2 for FP8 levels),
-#                     "fp32" | "bf16" | "e5m2" | "e4m3"
+grad_comm = "auto"  # data parallel, weight gradients of the FP8 layers: "auto" (e4m3 at FP8 levels)
+#                     | "e4m3" | "e5m2" | "bf16" | "fp32"; at bf16 (no FP8 layers): every gradient,
+#                     "auto" = fp32 with torch's DDP
+grad_comm_rest = "fp32"  # data parallel, every other gradient (FP8 levels): "fp32" | "bf16"
+mp_comm = "auto"  # tensor/sequence/pipeline payloads: "auto" | "fp8" | "bf16" | "fp32" (bf16 level:
+#                   not "fp8"; auto = bf16 there, see mp_comm_format for the FP8 levels)
 fp8_scaling = "current"  # "current" | "delayed"
 fp8_granularity = "tensor"  # "tensor" | "row" | "block"
 fp8_formats = "hybrid"  # "hybrid" (E4M3 forward, E5M2 gradients) | "e4m3"
@@ -160,6 +169,11 @@ def load_config(argv):
     check_choice(cfg, "precision", PRECISIONS)
     check_choice(cfg, "o2_v_format", ("fp16", "fp8"))
     check_choice(cfg, "grad_comm", ("auto", "fp32", "bf16", "e5m2", "e4m3"))
+    check_choice(cfg, "grad_comm_rest", ("fp32", "bf16"))
+    check_choice(cfg, "mp_comm", ("auto", "fp8", "bf16", "fp32"))
+    if cfg["precision"] == "bf16" and (cfg["grad_comm"] in ("e4m3", "e5m2") or cfg["mp_comm"] == "fp8"):
+        raise ConfigError("precision=bf16 has no FP8 layers and sends no FP8: grad_comm must be "
+                          "auto/fp32/bf16 and mp_comm auto/bf16/fp32")
     check_choice(cfg, "init_from", ("scratch", "resume"))
     check_choice(cfg, "arch", ("gpt2", "llama"))
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
@@ -353,29 +367,57 @@ def optimizer_step(model, optimizer, cfg):
 def wrap_data_parallel(model, device, cfg):
     """bf16 (grad_comm auto/fp32): plain DDP, gradients all-reduced in fp32, bucketed and
     overlapped with backward; DDP also broadcasts rank 0's buffers before every forward.
-    FP8 levels: Fp8DataParallel, whose all-reduce sends each rank's gradient chunks in FP8 with
-    their own scales and sums in fp32 (nanofp8/dist.py), overlapped with backward by hooks. The
-    FP8 gradients of O2/O3 weights live outside .grad: O2 averages them in optimizer_step, O3
+    FP8 levels: Fp8DataParallel, whose all-reduce sends the FP8 layers' weight gradients in FP8
+    (each rank's own scales, one per 128 values of one parameter, summed in fp32) and the rest in
+    grad_comm_rest (nanofp8/dist.py), overlapped with backward by hooks, as DDP: the loop runs
+    every micro-step but the last in no_sync() and clips after sync_gradients(). The FP8
+    gradients of O2/O3 weights live outside .grad: O2 averages them in optimizer_step, O3
     reduce-scatters them in its optimizer step; the wrapper handles every other parameter."""
-    fmt = grad_comm_format(cfg)
+    fmt, rest = grad_comm_format(cfg)
     if cfg["precision"] == "bf16" and fmt == torch.float32:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
     fp8_held = {m.weight for m in model.modules() if isinstance(m, O2Linear)}
-    # overlap=False: clipping reads the gradients after the sync, and the sync happens once per
-    # step (gradient accumulation runs the other micro-steps in no_sync()).
-    return Fp8DataParallel(model, fmt=fmt, params=[p for p in model.parameters() if p not in fp8_held],
-                           overlap=False)
+    return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True,
+                           params=[p for p in model.parameters() if p not in fp8_held])
+
+
+GRAD_COMM = {"fp32": torch.float32, "bf16": torch.bfloat16, "e5m2": E5M2, "e4m3": E4M3}
 
 
 def grad_comm_format(cfg):
-    """What data-parallel gradients travel in: grad_comm, where "auto" is fp32 for bf16 (as DDP)
-    and E5M2 for the FP8 levels."""
+    """(what the FP8 layers' weight gradients travel in, what every other gradient travels in).
+    bf16 level: grad_comm for both ("auto": fp32, as DDP). FP8 levels: grad_comm ("auto": E4M3:
+    with a scale per 128 values range is not the constraint, and E4M3 keeps the gradient ~6 dB
+    closer, tests/test_comm.py) and grad_comm_rest."""
     comm = cfg["grad_comm"]
-    if comm == "auto":
-        comm = "fp32" if cfg["precision"] == "bf16" else "e5m2"
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "e5m2": E5M2, "e4m3": E4M3}[comm]
+    if cfg["precision"] == "bf16":
+        fmt = GRAD_COMM["fp32" if comm == "auto" else comm]
+        return fmt, fmt
+    return GRAD_COMM["e4m3" if comm == "auto" else comm], GRAD_COMM[cfg["grad_comm_rest"]]
+
+
+def mp_comm_format(cfg):
+    """What tensor/sequence-parallel payloads and pipeline-stage activations travel in: "fp8",
+    "bf16" or "fp32". bf16 level: bf16 ("auto"). FP8 levels ("auto"): MP_COMM_AUTO."""
+    if cfg["mp_comm"] != "auto":
+        return cfg["mp_comm"]
+    return "bf16" if cfg["precision"] == "bf16" else MP_COMM_AUTO
+
+
+# The FP8 levels' default for model-parallel payloads. Judged by the validation-loss gap against
+# one process at equal steps: FP8 at the stage boundaries and in the TP partial sums came out no
+# further from it than bf16 (both within the run-to-run divergence of a few tenths of a percent),
+# at half the bytes. tests/test_train_parallel.py holds the default to 0.3% of one process;
+# mp_comm=bf16 is the other choice.
+MP_COMM_AUTO = "fp8"
+
+
+def pipeline_formats(cfg):
+    """(activation, gradient) formats between pipeline stages, from mp_comm_format."""
+    comm = mp_comm_format(cfg)
+    return (E4M3, E5M2) if comm == "fp8" else (parallel.PLAIN[comm],) * 2
 
 
 def optimizer_state_for_checkpoint(optimizer, cfg, master):
@@ -438,10 +480,9 @@ def setup_model_parallel(model, cfg, groups):
                           f"({c.hidden}, mlp_hidden=0: the architecture's default)")
     if c.n_layer < pp:
         raise ConfigError(f"pipeline_parallel={pp} stages need n_layer >= {pp}, got {c.n_layer}")
-    # FP8 levels: TPLinear (FP8 GEMMs, partial sums and SP gathers sent in FP8). bf16: the same
-    # cut with bf16 GEMMs and bf16 collectives, the baseline that Megatron-LM runs.
-    comm = "bf16" if cfg["precision"] == "bf16" else "fp8"
-    parallel.parallelize(model, groups.tp_group, sp=cfg["sequence_parallel"], comm=comm)
+    # FP8 levels: TPLinear (FP8 GEMMs, partial sums and SP gathers sent in mp_comm). bf16: the
+    # same cut with bf16 GEMMs and bf16 collectives, the baseline that Megatron-LM runs.
+    parallel.parallelize(model, groups.tp_group, sp=cfg["sequence_parallel"], comm=mp_comm_format(cfg))
     return parallel.PipelineStage(model, groups)
 
 
@@ -574,7 +615,9 @@ def estimate_loss(model, data, cfg, autocast, device, rank, world_size, show_pro
                 with autocast:
                     _, loss = model(x, y)
             else:  # the last stage computes the loss and hands it to every rank of the pipeline
-                loss = parallel.pipeline_step(model, [(x, y)], groups, autocast=autocast, train=False)
+                act, grad = pipeline_formats(cfg)
+                loss = parallel.pipeline_step(model, [(x, y)], groups, autocast=autocast, train=False,
+                                              act_fmt=act, grad_fmt=grad)
             total += loss.float()
         if world_size > 1:
             torch.distributed.all_reduce(total, group=None if groups is None else groups.dp_group)
@@ -698,7 +741,8 @@ def main(argv=None):
     if ddp and groups is None:
         model = wrap_data_parallel(model, device, cfg)
     elif groups is not None and groups.dp > 1:  # (broadcasts replica 0's weights)
-        dp_sync = parallel.TPDataParallel(model, groups, fmt=grad_comm_format(cfg))
+        fmt, rest = grad_comm_format(cfg)
+        dp_sync = parallel.TPDataParallel(model, groups, fmt=fmt, rest=rest)
     peak = peak_flops_for(cfg, device_type)
 
     log(f"{n_params / 1e6:.2f}M parameters ({cfg['arch']}, {cfg['n_layer']} layers, "
@@ -776,7 +820,9 @@ def main(argv=None):
             # Model parallel: GPipe runs the replica's micro-batches forward through the stages,
             # then backward; the mean loss comes back on every rank (nanofp8/parallel.py).
             micro_batches = model_parallel_batches(data["train"], cfg, groups, iter_num, accum, device)
-            loss = parallel.pipeline_step(model, micro_batches, groups, autocast=autocast)
+            act, grad = pipeline_formats(cfg)
+            loss = parallel.pipeline_step(model, micro_batches, groups, autocast=autocast,
+                                          act_fmt=act, grad_fmt=grad)
             grad_norm, stepped = model_parallel_step(model, dp_sync, optimizer, groups, cfg)
             if groups.dp > 1:  # log the whole batch's loss, comparable with one device's
                 torch.distributed.all_reduce(loss, group=groups.dp_group)

@@ -44,8 +44,10 @@ saturates while adding), and the reduced chunk is re-quantized with the amax of 
 
 One limit remains, and no scheme escapes it: the all-reduce's output is FP8 again, so the summed
 chunk must fit one format under one scale (per block). A chunk holding gradients 2^20 apart fits
-E5M2 (32 binades) but not E4M3 (18): its small values flush to zero there. That is one more
-reason gradients use E5M2. A reduce-scatter alone (ZeRO) keeps the fp32 sum and loses nothing.
+E5M2 (32 binades) but not E4M3 (18): its small values flush to zero there. That is why
+Fp8DataParallel gives every 128 values of one parameter their own scale: a block that small
+rarely spans 18 binades, and E4M3's extra mantissa bit then wins (section 4). A reduce-scatter
+alone (ZeRO) keeps the fp32 sum and loses nothing.
 
 3. Counting bytes
 -----------------
@@ -58,16 +60,24 @@ comm_stats()):
                 2(W-1)/W, reduce_scatter (W-1)/W, broadcast: the root sends its input once.
                 This is the number to compare: an FP8 all-reduce sends 0.5x the bytes of a
                 BF16 all-reduce, plus 4 bytes per scale (and the padding of the last chunk).
+    by_dtype    bytes_sent split by what the bytes are: "float8_e4m3fn" / "float8_e5m2"
+                payloads, their "float32" scales, "bfloat16" / "float32" baselines. Tests read
+                it to check that a precision level sends exactly what its name says.
 
 4. Data parallelism (O1)
 ------------------------
 Fp8DataParallel wraps a model, broadcasts rank 0's parameters, and all-reduces (averages) the
-gradients in FP8 (E5M2 by default: gradients need its range) after backward. Gradients are
-flattened into buckets of about `bucket_mb` MB, one all-reduce per bucket. With overlap=True a
-hook on each parameter notices when its gradient is final; when a whole bucket is ready, its
-reduce-scatter is launched asynchronously while backward goes on computing earlier layers.
-sync_gradients() then sums each bucket and starts all the all-gathers before waiting for any.
-`fmt=torch.bfloat16` (or float32) gives the plain all-reduce baseline, same buckets, same counter.
+gradients. Only the weight gradients of the FP8 layers travel in FP8 (E4M3 by default), with a
+scale per 128 values of one parameter: every parameter is padded to whole blocks in the flat
+bucket, so no scale covers two parameters. Every other gradient (embeddings, LM head, norms,
+biases: the parameters that keep fp32 master weights because they are touchy) travels as the
+baseline does, fp32 by default (`rest=torch.bfloat16` halves those bytes). Gradients are
+flattened into buckets of about `bucket_mb` MB, FP8 and baseline apart, one all-reduce per
+bucket. With overlap=True a hook on each parameter notices when its gradient is final; when a
+whole bucket is ready, its reduce-scatter is launched asynchronously while backward goes on
+computing earlier layers. sync_gradients() then sums each bucket and starts all the all-gathers
+before waiting for any. The buckets are launched in one fixed order, and a parameter without a
+gradient is sent as zeros: the sequence of collectives depends on the model, never on the data.
 
 Non-finite gradients: quantize() turns inf and NaN into NaN, the fp32 sum keeps it, the re-
 quantized chunk keeps it, and all_gather hands the very same bytes to every rank. So a NaN on any
@@ -77,6 +87,7 @@ collective. (A reduce-scatter alone, as in ZeRO, only shows the NaN to the chunk
 any_nonfinite(), a 1-element MAX all-reduce, there.)
 """
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -85,7 +96,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, quantize
+from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, quantize
 from .optim import Fp8AdamW, O2Linear, _loaded, _stored, convert_to_o2, to_fp16_scaled
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
@@ -105,9 +116,16 @@ class CommCounter:
     bytes_in: int = 0  # handed to collectives by this rank (payload + scales + padding)
     bytes_sent: int = 0  # put on the wire by this rank (bandwidth-optimal algorithm)
     by_op: dict = field(default_factory=dict)  # op name -> {"calls", "bytes_in", "bytes_sent"}
+    by_dtype: dict = field(default_factory=dict)  # dtype name -> bytes_sent
 
-    def add(self, op, bytes_in, bytes_sent):
+    def add(self, op, bytes_in, bytes_sent, dtype=torch.float32, scale_bytes=0):
+        """Count one collective. dtype: what its payload is; scale_bytes: how many of bytes_in
+        are fp32 scales riding along (an FP8 buffer), counted as float32."""
         bytes_sent = int(round(bytes_sent))
+        scales = int(round(bytes_sent * scale_bytes / bytes_in)) if bytes_in else 0
+        for name, n in ((str(dtype).split(".")[-1], bytes_sent - scales), ("float32", scales)):
+            if n:
+                self.by_dtype[name] = self.by_dtype.get(name, 0) + n
         self.calls += 1
         self.bytes_in += bytes_in
         self.bytes_sent += bytes_sent
@@ -118,7 +136,7 @@ class CommCounter:
 
     def reset(self):
         self.calls = self.bytes_in = self.bytes_sent = 0
-        self.by_op = {}
+        self.by_op, self.by_dtype = {}, {}
 
 
 COMM = CommCounter()
@@ -127,7 +145,7 @@ COMM = CommCounter()
 def comm_stats(reset=False):
     """A snapshot of COMM as a dict (calls, bytes_in, bytes_sent, by_op); reset=True zeroes it."""
     snap = {"calls": COMM.calls, "bytes_in": COMM.bytes_in, "bytes_sent": COMM.bytes_sent,
-            "by_op": {k: dict(v) for k, v in COMM.by_op.items()}}
+            "by_op": {k: dict(v) for k, v in COMM.by_op.items()}, "by_dtype": dict(COMM.by_dtype)}
     if reset:
         COMM.reset()
     return snap
@@ -273,7 +291,8 @@ def reduce_scatter_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=
     send = _pack(q)
     recv = torch.empty_like(send)  # row r: my chunk, as rank r quantized it
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    COMM.add("reduce_scatter_fp8", _nbytes(send), _nbytes(send) * (world - 1) / world)
+    COMM.add("reduce_scatter_fp8", _nbytes(send), _nbytes(send) * (world - 1) / world,
+             q.data.dtype, _nbytes(q.scale))
 
     def finish():
         total = _unpack(recv, c, q.cols, q.data.dtype).dequantize().sum(0)  # the fp32 sum
@@ -302,7 +321,8 @@ def all_gather_fp8(x, group=None, fmt=E4M3, block=None, numel=None, shape=None, 
     send = _pack(q)
     recv = send.new_empty((world * send.shape[0], send.shape[1]))
     work = _all_gather(recv, send, group=group, async_op=True)
-    COMM.add("all_gather_fp8", _nbytes(send), _nbytes(send) * (world - 1))
+    COMM.add("all_gather_fp8", _nbytes(send), _nbytes(send) * (world - 1), q.data.dtype,
+             _nbytes(q.scale))
 
     def finish():
         got = _unpack(recv, q.data.shape[1], q.cols, q.data.dtype)
@@ -343,7 +363,7 @@ def all_reduce_plain(x, group=None, dtype=torch.bfloat16, op="sum", out_dtype=No
     buf = x.detach().to(dtype, copy=True)  # never reduce into the caller's tensor
     work = dist.all_reduce(buf, group=group, async_op=True)
     COMM.add(f"all_reduce_{str(dtype).split('.')[-1]}", _nbytes(buf),
-             _nbytes(buf) * 2 * (world - 1) / world)
+             _nbytes(buf) * 2 * (world - 1) / world, dtype)
 
     def finish():
         out = buf.float() / world if op == "mean" else buf
@@ -362,7 +382,7 @@ def reduce_scatter_plain(x, group=None, dtype=torch.bfloat16, op="sum", out_dtyp
     out = buf.new_empty(c)
     work = _reduce_scatter(out, buf, group=group, async_op=True)
     COMM.add(f"reduce_scatter_{str(dtype).split('.')[-1]}", _nbytes(buf),
-             _nbytes(buf) * (world - 1) / world)
+             _nbytes(buf) * (world - 1) / world, dtype)
 
     def finish():
         res = out.float() / world if op == "mean" else out
@@ -378,7 +398,7 @@ def all_gather_plain(x, group=None, dtype=torch.bfloat16, numel=None, shape=None
     buf = x.detach().reshape(-1).to(dtype)
     out = buf.new_empty(world * buf.numel())
     work = _all_gather(out, buf, group=group, async_op=True)
-    COMM.add(f"all_gather_{str(dtype).split('.')[-1]}", _nbytes(buf), _nbytes(buf) * (world - 1))
+    COMM.add(f"all_gather_{str(dtype).split('.')[-1]}", _nbytes(buf), _nbytes(buf) * (world - 1), dtype)
 
     def finish():
         res = out[:numel].to(out_dtype or x.dtype)
@@ -408,7 +428,7 @@ def broadcast_parameters(module, group=None, src=0):
         for t in list(module.parameters()) + list(module.buffers()):
             data = t.data.view(torch.uint8) if t.dtype in FP8_DTYPES else t.data  # (no FP8 in c10d)
             dist.broadcast(data, src=root, group=group)
-            COMM.add("broadcast", _nbytes(t), _nbytes(t) if me == src else 0)
+            COMM.add("broadcast", _nbytes(t), _nbytes(t) if me == src else 0, t.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -416,8 +436,12 @@ def broadcast_parameters(module, group=None, src=0):
 
 
 class _Bucket:
-    def __init__(self, params):
-        self.params = params
+    def __init__(self, params, fmt, block):
+        self.params, self.fmt, self.block = params, fmt, block
+        # FP8 buckets pad every parameter to a multiple of `block`: a block of values (and so a
+        # scale) never spans two parameters, whose gradients can be orders of magnitude apart.
+        pad = block if isinstance(fmt, Fp8Format) else 1
+        self.spans = [-(-p.numel() // pad) * pad for p in params]
         self.ready = set()  # ids of the parameters whose gradient is final for this step
         self.pending = None  # the all-reduce in flight, once launched
 
@@ -435,8 +459,17 @@ def make_buckets(params, bucket_bytes):
     return buckets + ([cur] if cur else [])
 
 
+def fp8_weights(module):
+    """The weights whose gradients come out of an FP8 GEMM (the Fp8Linear layers of `module`):
+    the only gradients that Fp8DataParallel sends in FP8."""
+    from .fp8 import Fp8Linear
+
+    return [m.weight for m in module.modules() if isinstance(m, Fp8Linear)]
+
+
 class Fp8DataParallel(nn.Module):
-    """Data parallelism whose gradient all-reduce runs in FP8 (per-rank, per-chunk scales).
+    """Data parallelism whose all-reduce sends the weight gradients of FP8 layers in FP8 (per-rank
+    scales, one per `block` values of one parameter) and every other gradient as the baseline.
 
         model = Fp8DataParallel(model)            # broadcasts rank 0's parameters
         loss = loss_fn(model(x), y); loss.backward()
@@ -444,29 +477,50 @@ class Fp8DataParallel(nn.Module):
             opt.step()                            # (the same answer on every rank)
         opt.zero_grad()
 
-    fmt: E5M2 | E4M3 (FP8 all-reduce) or torch.bfloat16 | torch.float32 (plain baseline).
-    block: scales per chunk (None: one per chunk; k: one per k values).
+    fmt: E4M3 | E5M2 | torch.bfloat16 | torch.float32, for the gradients of `fp8_params`
+    (default: fp8_weights(module), the weights of its Fp8Linear layers).
+    rest: torch.float32 | torch.bfloat16, for every other gradient: embeddings, LM head, norms
+    and biases keep fp32 master weights because they are sensitive; their gradients are too.
+    block: values per scale in the FP8 buckets (each parameter is padded to a multiple of it).
     overlap: launch each bucket's communication from a gradient hook as soon as its gradients
     are final, during backward. The gradients are then read during backward: change them
     (clipping, ...) only after sync_gradients(), or pass overlap=False. For gradient
     accumulation, run all backwards but the last in no_sync().
+
+    Why E4M3 by default: with a scale per 128 values from the block's own amax, range is no
+    longer the constraint (a block rarely spans more than E4M3's 18 binades), and the sum is fp32;
+    E4M3's extra mantissa bit is worth about 6 dB on a small GPT's gradients (tests/test_comm.py
+    measures both and holds E4M3 at least 3 dB ahead).
     """
 
-    def __init__(self, module, group=None, fmt=E5M2, bucket_mb=25.0, block=None, overlap=True,
-                 broadcast=True, params=None):
+    def __init__(self, module, group=None, fmt=E4M3, bucket_mb=25.0, block=128, overlap=True,
+                 broadcast=True, params=None, rest=torch.float32, fp8_params=None):
         super().__init__()
         if not isinstance(fmt, Fp8Format) and fmt not in (torch.bfloat16, torch.float32):
             raise ValueError(f"fmt must be E4M3, E5M2, torch.bfloat16 or torch.float32, not {fmt}")
-        self.module, self.group, self.fmt, self.block = module, group, fmt, block
+        if rest not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"rest must be torch.float32 or torch.bfloat16, not {rest}")
+        if block is None or block < 1:
+            raise ValueError(f"block must be a positive number of values per scale, not {block}")
+        self.module, self.group, self.fmt, self.rest, self.block = module, group, fmt, rest, block
         # params: the parameters whose .grad this wrapper averages (default: all that need a
         # gradient). O2/O3 weights keep their gradient in FP8 outside .grad and are excluded.
         params = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
+        fp8 = {id(p) for p in (fp8_params if fp8_params is not None else fp8_weights(module))}
         # Backward produces gradients roughly in reverse order of the forward pass, which is
-        # roughly reverse registration order: bucket in that order so buckets fill early.
-        self.buckets = [_Bucket(ps) for ps in make_buckets(params[::-1], bucket_mb * 2**20)]
+        # roughly reverse registration order: bucket in that order so buckets fill early. FP8
+        # and baseline gradients go to separate buckets; the buckets are launched in the order
+        # in which their last parameter comes (the order is fixed: the same on every rank).
+        order = params[::-1]
+        pos = {id(p): i for i, p in enumerate(order)}
+        buckets = [_Bucket(ps, f, block) for f, group_ps in
+                   ((fmt, [p for p in order if id(p) in fp8]), (rest, [p for p in order if id(p) not in fp8]))
+                   for ps in make_buckets(group_ps, bucket_mb * 2**20)]
+        self.buckets = sorted(buckets, key=lambda b: pos[id(b.params[-1])])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
         self._sync = True
+        self.on_launch = None  # a callable(bucket index), for tests that record the event order
         if overlap:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -508,13 +562,16 @@ class Fp8DataParallel(nn.Module):
 
     @torch.no_grad()
     def _launch(self, bucket):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        if isinstance(self.fmt, Fp8Format):
-            bucket.pending = all_reduce_fp8(flat, self.group, self.fmt, self.block, op="mean",
+        if self.on_launch is not None:
+            self.on_launch(self._next)
+        # A missing gradient counts as zero: the bytes sent never depend on local data.
+        flat = torch.cat([F.pad((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float(),
+                                (0, n - p.numel())) for p, n in zip(bucket.params, bucket.spans)])
+        if isinstance(bucket.fmt, Fp8Format):
+            bucket.pending = all_reduce_fp8(flat, self.group, bucket.fmt, bucket.block, op="mean",
                                             async_op=True)
         else:
-            bucket.pending = all_reduce_plain(flat, self.group, self.fmt, op="mean", async_op=True)
+            bucket.pending = all_reduce_plain(flat, self.group, bucket.fmt, op="mean", async_op=True)
         self._next += 1
 
     @torch.no_grad()
@@ -530,16 +587,16 @@ class Fp8DataParallel(nn.Module):
         for b in self.buckets:  # ...then wait for them
             flat, offset = b.pending.wait(), 0
             finite.append(torch.isfinite(flat).all())
-            for p in b.params:
+            for p, n in zip(b.params, b.spans):
                 g = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+                offset += n
                 if p.grad is None:
                     p.grad = g.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(g)
             b.ready, b.pending = set(), None
         self._next = 0
-        return bool(torch.stack(finite).all())
+        return bool(torch.stack(finite).all()) if finite else True
 
 
 # -----------------------------------------------------------------------------
@@ -569,18 +626,43 @@ class Fp8DataParallel(nn.Module):
 
 
 class O3Linear(O2Linear):
-    """Fp8Linear whose `.weight` is the full FP8 (E4M3) weight with its tensor scale in
-    `.weight_scale`; the fp16 master lives, sharded, in ZeroFp8AdamW. The gradient is kept in
-    FP8 in `.wgrad`, as for O2."""
+    """Fp8Linear whose `.weight` is the full FP8 (E4M3) weight, stored in the layout the recipe's
+    forward GEMM reads: `.weight_scale` is its scale grid (tensor: one scale, row: one per output
+    row, block: one per 128x128 tile). The forward GEMM takes it as it is: the weight is rounded
+    to FP8 once, from the fp32 update (re-quantizing a per-tensor FP8 weight with row or block
+    scales would round it twice). The dgrad GEMM needs W^T quantized along the output rows: a
+    tensor scale and square tiles transpose with the data; row scales do not, so under "row" W^T
+    is re-quantized from the FP8 weight (a second rounding of the dgrad operand only). The fp16
+    master lives, sharded, in ZeroFp8AdamW. The gradient is kept in FP8 in `.wgrad`, as for O2."""
 
     @classmethod
     def from_fp8_linear(cls, lin):
         new = super().from_fp8_linear(lin)
-        q = quantize(lin.weight.detach(), E4M3)
+        q = quantize(lin.weight.detach(), E4M3, lin.recipe.granularity, (BLOCK, BLOCK))
         new.weight = nn.Parameter(q.data.view(lin.weight.shape))
-        new.weight_scale.copy_(q.scale)
+        new.weight_scale = q.scale.clone()  # (the buffer O2 registered, now the recipe's grid)
         new.init_master = lin.weight.detach().float()  # taken (and dropped) by the optimizer
         return new
+
+    def weight_layout(self):
+        """(shape, granularity) of the stored FP8 weight: what gather_shared_scale produces."""
+        return self.weight.shape, self.recipe.granularity
+
+    def fp8_weight(self):
+        """The stored weight as an Fp8Tensor (no copy, no rounding)."""
+        g = self.recipe.granularity
+        return Fp8Tensor(self.weight.detach(), self.weight_scale, E4M3, g,
+                         (BLOCK, BLOCK) if g == "block" else (1, self.weight.shape[1]),
+                         self.weight.shape, torch.float32)
+
+    def hp_weight(self):
+        return dequantize(self.fp8_weight(), torch.float32)
+
+    def cast_weight(self):
+        qw = self.fp8_weight()
+        if qw.granularity == "row":
+            return qw, quantize(self.hp_weight().t(), E4M3, "row")
+        return qw, qw.t()
 
     @torch.no_grad()
     def set_fp8_weight(self, data, scale):
@@ -666,7 +748,10 @@ class ZeroFp8AdamW(Fp8AdamW):
             COMM.add("grad_norm", _nbytes(sq), _nbytes(sq) * 2 * (self.world - 1) / self.world)
         sq = sq + sum((g.float().square().sum() for g in others), torch.zeros((), device=sq.device))
         self.grad_norm = sq.sqrt()
-        if not grads_finite or not torch.isfinite(self.grad_norm) or any_nonfinite(shards + others, self.group):
+        # Every rank asks (the same collectives on every rank, whatever its local verdict), and
+        # the caller's verdict is folded into the one flag, so all ranks skip or step together.
+        flags = shards + others + [torch.zeros(()) if grads_finite else torch.full((), float("nan"))]
+        if any_nonfinite(flags, self.group) or not torch.isfinite(self.grad_norm):
             self.skipped_steps += 1
             return False
         coef = torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0)
@@ -688,31 +773,64 @@ class ZeroFp8AdamW(Fp8AdamW):
                         self._init_state(p)
                     self._fp32_update(p, p.grad, group)
         # 3. all-gather the new weights in FP8, under one scale per weight
-        for (p, _), (data, s) in zip(new, gather_shared_scale([w for _, w in new], self.group)):
+        layouts = [self.o2[p].weight_layout() for p, _ in new]
+        gathered = gather_shared_scale([w for _, w in new], self.group, layouts=layouts)
+        for (p, _), (data, s) in zip(new, gathered):
             self.o2[p].set_fp8_weight(data[: p.numel()], s)
         return True
 
 
-def gather_shared_scale(shards, group=None, fmt=E4M3):
-    """All-gather flat fp32 shards (one per tensor, this rank's part) as FP8 under one scale per
-    tensor that every rank agrees on: one MAX all-reduce of the shard amaxes (4 B per tensor),
-    then each rank quantizes its shard with the common scale and the bytes are gathered. The
-    result is a valid per-tensor FP8 tensor on every rank, bit-identical everywhere.
-    Returns [(flat FP8 data of world * shard length, fp32 scale)]."""
+def _scale_cells(shape, granularity, lo, hi, device):
+    """For the flat elements [lo, hi) of a matrix of `shape` (N, K): the index of the scale that
+    covers each one (tensor: 0; row: its row; block: its 128x128 tile, row-major) and the grid's
+    shape. Elements past N * K (a shard's zero padding) get the index just past the grid."""
+    (N, K), i = shape, torch.arange(lo, hi, device=device)
+    row, col = i // K, i % K
+    if granularity == "tensor":
+        cell, grid = torch.zeros_like(i), ()
+    elif granularity == "row":
+        cell, grid = row, (N, 1)
+    else:
+        cols = -(-K // BLOCK)
+        cell, grid = (row // BLOCK) * cols + col // BLOCK, (-(-N // BLOCK), cols)
+    return torch.where(i < N * K, cell, math.prod(grid)), grid
+
+
+def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
+    """All-gather flat fp32 shards (one per tensor, this rank's part of the tensor flattened and
+    zero-padded to world * shard length) as FP8 under scales every rank agrees on: one MAX
+    all-reduce of the amaxes of every scale's values (each rank contributes its part), then each
+    rank quantizes its shard with the common scales and the bytes are gathered. The result is a
+    valid FP8 tensor on every rank, bit-identical everywhere, and bit-identical to quantizing the
+    whole tensor at once (tests/test_comm.py).
+    layouts: per shard, (shape, granularity) of the whole tensor: "tensor" (one scale), "row"
+    (one per row) or "block" (one per 128x128 tile); None: one scale per tensor.
+    Returns [(flat FP8 data of world * shard length, fp32 scale grid)]."""
     if not shards:
         return []
-    amax = torch.stack([w.abs().amax() for w in shards]).float()
-    world = _world(group)
+    world, rank = _world(group), dist.get_rank(group)
+    cells, amaxes = [], []
+    for w, lay in zip(shards, layouts or [None] * len(shards)):
+        c = w.numel()
+        cell, grid = ((torch.zeros(c, dtype=torch.long, device=w.device), ()) if lay is None else
+                      _scale_cells(lay[0], lay[1], rank * c, (rank + 1) * c, w.device))
+        n = math.prod(grid)
+        w = w.reshape(-1)
+        amax = torch.zeros(n + 1, device=w.device).scatter_reduce(0, cell, w.detach().abs().float(), "amax")
+        cells.append((cell, grid))
+        amaxes.append(amax[:n])
+    amax = torch.cat(amaxes)
     if world > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         COMM.add("all_reduce_amax", _nbytes(amax), _nbytes(amax) * 2 * (world - 1) / world)
-    scales = compute_scale(amax, fmt)
+    scales = compute_scale(amax, fmt).split([math.prod(g) for _, g in cells])
     pending = []
-    for w, s in zip(shards, scales):
-        q = quantize(w, fmt, scale=s)
-        pending.append(all_gather_fp8(Fp8Rows(q.data.view(1, -1), s.reshape(1, 1), w.numel()),
+    for w, (cell, grid), s in zip(shards, cells, scales):
+        per_value = torch.cat([s, s.new_ones(1)])[cell]  # (padding: scale 1, its values are 0)
+        q = quantize(w.view(1, -1), fmt, scale=per_value.view(1, -1))
+        pending.append(all_gather_fp8(Fp8Rows(q.data, s.new_ones(1, 1), w.numel()),
                                       group, keep_fp8=True, async_op=True))
-    return [(pd.wait().data.reshape(-1), s) for pd, s in zip(pending, scales)]
+    return [(pd.wait().data.reshape(-1), s.view(grid)) for pd, s, (_, grid) in zip(pending, scales, cells)]
 
 
 @torch.no_grad()
@@ -721,13 +839,19 @@ def sync_fp8_wgrads(modules, group=None):
     autograd (Fp8DataParallel(params=...) handles the rest). Reduce-scatter the FP8 bytes as
     they are (1 B per parameter out), sum in fp32, all-gather the averaged shards in FP8 under a
     shared scale (1 B per parameter back): each module's .wgrad becomes the same FP8 tensor on
-    every rank. A NaN anywhere reaches every rank through the sum and the gather."""
+    every rank. A NaN anywhere reaches every rank through the sum and the gather. A module
+    without a gradient on some rank counts as zero there (and gets the average everywhere)."""
     world = _world(group)
-    mods = [m for m in modules if m.wgrad is not None]
+    # Every module, with or without a gradient on this rank: a rank that skipped a layer must
+    # still issue the same collectives as the others (it sends zeros), or the ranks deadlock.
+    mods = list(modules)
     pending = []
     for m in mods:
         c = shard_len(m.weight.numel(), world)
-        pending.append(reduce_scatter_fp8(_fp8_rows(m.wgrad, world, c), group, op="mean",
+        q = m.wgrad
+        if q is None:
+            q = quantize(torch.zeros(m.weight.shape, device=m.weight.device), E4M3)
+        pending.append(reduce_scatter_fp8(_fp8_rows(q, world, c), group, op="mean",
                                           out_dtype=torch.float32, async_op=True))
     shards = [pd.wait() for pd in pending]
     for m, (data, s) in zip(mods, gather_shared_scale(shards, group)):

@@ -64,8 +64,10 @@ embedding and LM head see exact, replicated values).
 -----------------------
 The blocks are cut into P consecutive stages; the embedding goes with the first, final norm,
 LM head and loss with the last. pipeline_step runs GPipe: all micro-batch forwards, then all
-backwards. Activations travel as E4M3 with one scale per token, gradients as E5M2 (uint8 payload
-with the fp32 scales appended: one send each). Tied embeddings: the last stage holds a copy of
+backwards. pipeline_step's act_fmt / grad_fmt say what crosses a stage boundary: E4M3 with one
+scale per token for activations and E5M2 for gradients (uint8 payload with the fp32 scales
+appended: one send each), or a plain dtype. train.py passes its mp_comm choice (bf16 at the bf16
+level, so that a bf16 run sends nothing in FP8; tests/test_comm.py reads the wire dtypes). Tied embeddings: the last stage holds a copy of
 the embedding matrix as its LM head; the two gradients are summed between first and last stage,
 so both copies take the same optimizer step and stay equal.
 
@@ -598,35 +600,18 @@ def sync_model_parallel_grads(module, groups):
             p.grad.copy_(g.view_as(p))
 
 
-class _Params(nn.Module):
-    def __init__(self, params):
-        super().__init__()
-        self.params = nn.ParameterList(params)  # registers the same Parameter objects
+class TPDataParallel(D.Fp8DataParallel):
+    """Data parallelism (dist.py's Fp8DataParallel over groups.dp_group) for a TP/PP model: the
+    weight gradients of the FP8 shards (TPLinear) travel in `fmt`, every other gradient in `rest`.
 
-
-class TPDataParallel:
-    """Data parallelism (dist.py's Fp8DataParallel over groups.dp_group) for a TP/PP model.
-
-    Why not Fp8DataParallel(stage): it quantizes chunks of a flat gradient bucket with one scale
-    each. A chunk holding a TP shard has a different amax on each TP rank, so the replicated
-    gradients sharing it would be rounded differently there and the replicas would drift apart
-    (the same for the two tied-embedding copies, in differently filled buckets on the first and
-    last stage). Separate wrappers for shards, tied copies and the rest keep every replicated
-    bucket bit-identical wherever it exists. Call after sync_model_parallel_grads. overlap is off:
-    with micro-batches a gradient accumulates several times per step, and hooks would fire early."""
+    One wrapper is enough although a TP shard has a different amax on every TP rank: a scale
+    covers 128 values of one parameter, never a neighbour's, so a replicated gradient is rounded
+    the same wherever it is (the replicas stay bit-identical). Call after
+    sync_model_parallel_grads. overlap is off: with micro-batches a gradient accumulates several
+    times per step, and hooks would fire early."""
 
     def __init__(self, module, groups, **kwargs):
-        parts = {}
-        for p in module.parameters():
-            if p.requires_grad:
-                key = (getattr(p, "tp_sharded", False), getattr(p, "pp_tied", False))
-                parts.setdefault(key, []).append(p)
-        self.wrappers = [D.Fp8DataParallel(_Params(ps), groups.dp_group, overlap=False, **kwargs)
-                         for _, ps in sorted(parts.items())]
-
-    def sync_gradients(self):
-        """Average the gradients over the DP group; True if all are finite (same on all ranks)."""
-        return all([w.sync_gradients() for w in self.wrappers])  # a list: every wrapper runs
+        super().__init__(module, groups.dp_group, overlap=False, **kwargs)
 
 
 @torch.no_grad()
@@ -646,7 +631,7 @@ def clip_grad_norm_(module, max_norm, groups):
     for group, n in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp)):
         if n > 1:
             dist.all_reduce(sq, group=group)
-            COMM.add("grad_norm", 8, 16 * (n - 1) / n)
+            COMM.add("grad_norm", 8, 16 * (n - 1) / n, torch.float64)
     norm = sq.sqrt().float()[0]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
@@ -722,7 +707,9 @@ def _send(x, dst, group, fmt):
         buf = x.detach().to(fmt).contiguous()
     dist.send(buf, dst, group=group)
     n = buf.numel() * buf.element_size()
-    COMM.add(f"pp_send_{fmt.name if isinstance(fmt, Fp8Format) else str(fmt).split('.')[-1]}", n, n)
+    fp8 = isinstance(fmt, Fp8Format)
+    COMM.add(f"pp_send_{fmt.name if fp8 else str(fmt).split('.')[-1]}", n, n,
+             fmt.dtype if fp8 else fmt, 4 * buf.shape[0] if fp8 else 0)
 
 
 def _recv(shape, src, group, fmt, device):

@@ -159,10 +159,12 @@ def eval_loss(model):
 
 
 def train_dp(rank, world, g, fmt, overlap=True, fp8=False, steps=STEPS, bucket_mb=0.02,
-             block=None):
+             block=128):
     # every rank starts from a different init: broadcast_parameters must make them equal
     model = make_model(seed=rank, fp8=fp8)
-    dp = D.Fp8DataParallel(model, g, fmt=fmt, bucket_mb=bucket_mb, overlap=overlap, block=block)
+    # The weights travel in `fmt` (as an FP8 layer's would, also for the plain MLP), the rest fp32.
+    dp = D.Fp8DataParallel(model, g, fmt=fmt, bucket_mb=bucket_mb, overlap=overlap, block=block,
+                           fp8_params=[m.weight for m in model.modules() if isinstance(m, nn.Linear)])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, params = [], []
     for step in range(steps):
