@@ -18,8 +18,10 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -54,10 +56,18 @@ def _rank_main(rank, fn, world, store, timeout_s, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, world, *args, timeout_s=120):
+def spawn(fn, world, *args, timeout_s=120, deadline_s=600):
     """Run fn(rank, world, *args) on `world` gloo ranks in fresh processes and wait for all of
     them; an exception or a crash on any rank fails the caller. Collectives time out after
-    timeout_s, so a rank stuck in one fails the test instead of hanging it."""
+    timeout_s, so a rank stuck in one fails instead of hanging; and whatever happens, the ranks
+    are killed and the test fails after deadline_s (a rank stuck outside a collective, or ranks
+    that issue different collectives)."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank_main, args=(fn, world, os.path.join(d, "store"), timeout_s, args),
-                 nprocs=world, join=True)
+        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "store"), timeout_s, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + deadline_s
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"{world} ranks of {fn.__name__} did not finish within {deadline_s} s")

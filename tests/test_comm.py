@@ -17,22 +17,19 @@ shows up as a timeout, not a hung test suite) and runs every scenario; this proc
 """
 
 import os
-import socket
 import sys
-import time
 from contextlib import nullcontext
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from conftest import spawn  # noqa: E402
 import train  # noqa: E402
 from nanofp8 import dist as D  # noqa: E402
 from nanofp8 import parallel as P  # noqa: E402
@@ -217,10 +214,7 @@ def shared_scale_gathers(rank):
             for gran in ("tensor", "row", "block")}, full
 
 
-def worker(rank, world, port, out_dir):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def worker(rank, world, out_dir):  # run by conftest.spawn: the process group is up
     out = {"grads": averaged_grads(rank)}
     out["dp_wire"] = {level: dp_wire(rank, level) for level in ("O1", "O2", "O3")}
     out["dp_wire"]["bf16"] = dp_wire(rank, "bf16", ["grad_comm=bf16"])
@@ -236,26 +230,12 @@ def worker(rank, world, port, out_dir):
     out["uneven"] = {(level, case): uneven_step(rank, level, case) for level in ("O1", "O2", "O3")
                      for case in ("skip", "nan") + (("verdict",) if level == "O3" else ())}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("comm"))
-    ctx = mp.start_processes(worker, args=(2, free_port(), out_dir), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.time() + DEADLINE_S
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the 2 ranks did not finish within {DEADLINE_S} s (a collective mismatch?)")
+    spawn(worker, 2, out_dir, timeout_s=60, deadline_s=DEADLINE_S)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
