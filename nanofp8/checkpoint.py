@@ -1,0 +1,602 @@
+"""
+Models that leave the training run: read any checkpoint train.py writes, resume it at another
+precision level or layout, export it as plain tensors, trade weights with Hugging Face GPT-2, and
+freeze it into an FP8 inference model.
+
+1. One model, whatever wrote it. train.py saves what each level trains on, and that is not the
+   same tensor at every level:
+
+       bf16, O1   model["...weight"] is the fp32 weight (O1 adds FP8 scaling buffers)
+       O2         model["...weight"] is the fp16 master m and model["...weight_scale"] its scale s:
+                  w = m / s (a power of two, so exact)
+       O3         model["...weight"] is only the E4M3 copy the GEMMs read. The real weight is the
+                  fp16 master, cut into world-size flat shards held by the optimizer
+                  (optimizer["zero_shards"][rank]["state"][i]["master"] and "master_scale")
+       TP / PP    one file per (tensor, pipeline) rank, ckpt-tp{t}-pp{p}.pt, each with its
+                  shards of the block matrices (parallel.merge_tp_state_dicts glues them)
+
+   read_checkpoint() resolves all of these to one fp32 state_dict of the single-device GPT, so
+   sample.py, the exporters and a resume at another level all start from the same thing.
+   Resolving O3 from the FP8 copy instead of the master would lose ~5 bits of every weight.
+
+2. Resuming at another level or layout (resume_from): the weights carry over exactly (as fp32,
+   then converted by train.py's own setup into the new level's storage and cut into the new
+   layout's shards). What does not carry over is printed, never dropped silently: the optimizer
+   state (its format is the level's: fp32 moments, FP8 m + fp16 v, or sharded; the moments restart
+   from zero with the same schedule position), the FP8 scaling state (amax histories restart) and
+   the dropout RNG stream.
+
+3. A portable export (export_portable / load_portable): a directory with config.json and
+   model.safetensors. safetensors is a JSON header plus raw bytes: no pickle, nothing executes
+   when it is read, and any framework reads it. The block Linear weights are stored as what an
+   FP8 GPU consumes, float8_e4m3fn, with "<name>.weight_scale" next to each: fp32, one per output
+   row, the *dequantization* factor (w = fp8.float() * weight_scale, the convention of vLLM and
+   DeepSeek-V3's files). Everything else is fp32. Nothing of nanofp8 is needed to read it:
+
+       from safetensors.torch import load_file
+       t = load_file("export/model.safetensors")
+       w = t["blocks.0.mlp.c_fc.weight"].float() * t["blocks.0.mlp.c_fc.weight_scale"]
+
+4. GPT-2 in the Hugging Face layout (load_hf_gpt2 / export_hf_gpt2): config.json and
+   model.safetensors as transformers writes them. Its Linears are Conv1D modules that store the
+   weight as (in, out), the transpose of nn.Linear's (out, in), so the four block matrices are
+   transposed on the way in and out. Our GPT-2 dialect is GPT-2: the same tanh GELU, pre-norm
+   LayerNorms, fused q/k/v and tied head, so logits agree to fp32 rounding (tests/test_export.py).
+
+5. Frozen FP8 models (freeze_fp8): the block Linears of a trained model become Fp8WeightLinear,
+   1 byte per weight plus one fp32 scale per row, dequantized on the fly. For inference and for
+   the frozen reference or reward model of RLHF or distillation, which never updates its weights
+   and so needs no master copy.
+"""
+
+import glob
+import json
+import os
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanofp8.fp8 import BLOCK, E4M3, _expand_tiles, quantize
+from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint
+
+# -----------------------------------------------------------------------------
+# 1. Any checkpoint -> one fp32 state_dict of the single-device GPT
+
+
+def checkpoint_files(out_dir):
+    """The files of the newest model in out_dir: [ckpt.pt], or the model-parallel ranks' files."""
+    single = os.path.join(out_dir, "ckpt.pt")
+    ranks = sorted(glob.glob(os.path.join(out_dir, "ckpt-tp*-pp*.pt")))
+    if not os.path.isfile(single) and not ranks:
+        raise CheckpointError(f"no checkpoint in {out_dir} (neither ckpt.pt nor ckpt-tp*-pp*.pt)")
+    if os.path.isfile(single) and ranks:
+        # Both layouts wrote here (a run resumed at another layout): the later iteration wins.
+        newer = load_checkpoint(ranks[0])["iter_num"] > load_checkpoint(single)["iter_num"]
+        return ranks if newer else [single]
+    return [single] if os.path.isfile(single) else ranks
+
+
+def _param_order(model_args):
+    """Parameter names in the order of train.py's build_optimizer groups: matrices, then the
+    rest, each in module order, tied weights once. Optimizer states are keyed by this index."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_args))
+    named = list(model.named_parameters())
+    return [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+
+
+def _o3_masters(ckpt, path):
+    """{weight name: fp32 weight} from an O3 checkpoint's sharded fp16 masters."""
+    shards = (ckpt.get("optimizer") or {}).get("zero_shards")
+    if not shards:
+        return None
+    names = _param_order(ckpt["model_args"])
+    index = [i for g in shards[0]["param_groups"] for i in g["params"]]
+    if len(index) != len(names):
+        raise CheckpointError(f"{path}: the optimizer has {len(index)} parameters, the model "
+                              f"{len(names)}: not a checkpoint of this model")
+    out = {}
+    for i, name in zip(index, names):
+        if "master" not in shards[0]["state"].get(i, {}):
+            continue  # a replicated parameter, fp32 in the model state
+        flat = torch.cat([s["state"][i]["master"].float() * s["state"][i]["master_scale"].reciprocal()
+                          for s in shards])
+        shape = ckpt["model"][name].shape
+        if flat.numel() < shape.numel():
+            raise CheckpointError(f"{path}: the O3 shards of {name} hold {flat.numel()} values, "
+                                  f"the weight has {shape.numel()}")
+        out[name] = flat[: shape.numel()].view(shape)
+    return out
+
+
+def _resolve(ckpt, path, notes):
+    """The fp32 weights of one file (single-device keys, TP shards still cut)."""
+    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+    masters = None
+    out = {}
+    for k, v in state.items():
+        if k.endswith(".weight_scale"):
+            continue
+        scale = state.get(k + "_scale") if k.endswith(".weight") else None
+        if scale is None:
+            out[k] = v.float() if v.is_floating_point() else v
+        elif v.dtype == torch.float16:  # O2: the scaled fp16 master
+            out[k] = v.float() * scale.reciprocal()
+        else:  # O3: the FP8 copy; the master is in the optimizer's shards
+            if masters is None:
+                masters = _o3_masters(ckpt, path) or {}
+                if not masters:
+                    notes.append(f"{path} has no O3 optimizer shards: weights taken from their "
+                                 "E4M3 copies (3 mantissa bits), not the fp16 masters")
+            out[k] = masters[k] if k in masters else v.float() * scale.reciprocal()
+    return out
+
+
+def read_checkpoint(out_dir):
+    """Any checkpoint train.py wrote in out_dir -> (fp32 state_dict of the single-device GPT, info).
+
+    info: model_args, config (the training run's), iter_num, best_val_loss, files, precision,
+    layout (tensor_parallel, pipeline_parallel, zero_world: O3's shard count, else None), notes
+    (what was approximated; empty when the weights are exactly the trained ones)."""
+    from nanofp8.parallel import merge_tp_state_dicts
+
+    files = checkpoint_files(out_dir)
+    notes, stages = [], {}
+    first = None
+    for path in files:
+        ckpt = load_checkpoint(path, map_location="cpu")
+        first = first or ckpt
+        if ckpt["iter_num"] != first["iter_num"]:
+            raise CheckpointError(f"the checkpoints in {out_dir} are from different iterations "
+                                  f"({first['iter_num']} and {ckpt['iter_num']}): not one model")
+        m = re.search(r"ckpt-tp(\d+)-pp(\d+)\.pt$", path)
+        t, p = (int(m[1]), int(m[2])) if m else (0, 0)
+        stages.setdefault(p, {})[t] = _resolve(ckpt, path, notes)
+    cfg = first["config"]
+    tp, pp = cfg.get("tensor_parallel", 1), cfg.get("pipeline_parallel", 1)
+    for p in range(pp):
+        missing = [t for t in range(tp) if t not in stages.get(p, {})]
+        if missing:
+            raise CheckpointError(f"{out_dir} was written with tensor_parallel={tp}, pipeline_parallel="
+                                  f"{pp}: ckpt-tp{missing[0]}-pp{p}.pt is missing")
+    config = GPTConfig(**first["model_args"])
+    state = {}
+    for p in sorted(stages):  # the stages hold disjoint blocks (and both copies of a tied table)
+        ranks = [stages[p][t] for t in range(tp)]
+        state.update(merge_tp_state_dicts(ranks, config) if tp > 1 else ranks[0])
+    info = dict(model_args=first["model_args"], config=cfg, iter_num=first["iter_num"],
+                best_val_loss=first.get("best_val_loss", float("inf")), files=files,
+                precision=cfg["precision"], notes=notes,
+                layout=_layout(first))
+    return state, info
+
+
+def _layout(ckpt):
+    cfg, opt = ckpt["config"], ckpt.get("optimizer")
+    shards = opt.get("zero_shards") if isinstance(opt, dict) else None
+    return dict(tensor_parallel=cfg.get("tensor_parallel", 1), pipeline_parallel=cfg.get("pipeline_parallel", 1),
+                zero_world=len(shards) if shards else None)
+
+
+# -----------------------------------------------------------------------------
+# 2. Resuming at another level or layout
+
+
+def same_layout(precision, layout, cfg, world_size):
+    """Whether train.py can load the checkpoint as it is: the same level, the same TP/PP cut, and
+    for O3 the same number of optimizer shards (other levels replicate their state over the
+    data-parallel ranks, so the data-parallel size may change freely)."""
+    if precision != cfg["precision"]:
+        return False
+    if any(layout[k] != cfg[k] for k in ("tensor_parallel", "pipeline_parallel")):
+        return False
+    if precision == "O3":
+        return layout["zero_world"] == world_size // (cfg["tensor_parallel"] * cfg["pipeline_parallel"])
+    return True
+
+
+def describe_layout(precision, tp, pp, world):
+    cut = [f"{k}={v}" for k, v in (("tensor_parallel", tp), ("pipeline_parallel", pp)) if v > 1]
+    if precision == "O3":
+        cut.append(f"{world} ZeRO shards")
+    return f"precision={precision}" + (f" ({', '.join(cut)})" if cut else "")
+
+
+def resume_from(out_dir, cfg, world_size):
+    """What train.py needs to resume from out_dir's checkpoint at cfg's level and layout.
+
+    Returns None when the checkpoint fits as it is (train.py's exact resume applies). Otherwise a
+    dict with model (fp32 state_dict of the single-device GPT, to load *before* the level and the
+    layout are set up), model_args, iter_num, best_val_loss and note: what carries over and what
+    restarts, for the log."""
+    head = load_checkpoint(checkpoint_files(out_dir)[0], map_location="cpu")  # one file decides
+    if same_layout(head["config"]["precision"], _layout(head), cfg, world_size):
+        return None
+    del head
+    state, info = read_checkpoint(out_dir)
+    src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
+                          info["layout"]["pipeline_parallel"], info["layout"]["zero_world"])
+    dp = world_size // (cfg["tensor_parallel"] * cfg["pipeline_parallel"])
+    dst = describe_layout(cfg["precision"], cfg["tensor_parallel"], cfg["pipeline_parallel"], dp)
+    how = {"bf16": "fp32", "O1": "fp32", "O2": "fp32 = fp16 master / scale",
+           "O3": "fp32 from the sharded fp16 masters"}[info["precision"]]
+    note = (f"converting the checkpoint of iter {info['iter_num']} ({src}) to {dst}: weights carried "
+            f"over exactly ({how}); RE-INITIALIZED: optimizer moments (Adam m and v restart from zero), "
+            f"FP8 scaling state (amax histories), dropout RNG stream; the learning-rate schedule "
+            f"continues at iter {info['iter_num']}")
+    for extra in info["notes"]:
+        note += f"; {extra}"
+    return dict(model=state, model_args=info["model_args"], iter_num=info["iter_num"],
+                best_val_loss=info["best_val_loss"], note=note)
+
+
+# -----------------------------------------------------------------------------
+# 3. The portable export: safetensors + JSON
+
+EXPORT_FORMAT = "nanofp8-export-1"
+
+
+def _block_linear_weights(model_args):
+    """Names and shapes of the weights stored in FP8: the block Linears (the FP8 GEMMs' weights)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_args))
+    return {f"{n}.weight": tuple(m.weight.shape) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.startswith("blocks.")}
+
+
+def _expected(model_args, fp8):
+    """{name: (dtype, shape)} of every tensor an export of this model holds."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_args))
+    out = {k: (torch.float32, tuple(v.shape)) for k, v in model.state_dict().items()}
+    if model_args.get("tie_embeddings", True):
+        out.pop("lm_head.weight")  # the same tensor as tok_emb.weight, stored once
+    if fp8:
+        for name, shape in _block_linear_weights(model_args).items():
+            out[name] = (torch.float8_e4m3fn, shape)
+            out[name + "_scale"] = (torch.float32, (shape[0], 1))
+    return out
+
+
+def export_portable(state, model_args, out_dir, fp8=True, extra=None):
+    """Write state (an fp32 GPT state_dict) to out_dir/model.safetensors + out_dir/config.json.
+    fp8=True stores the block Linear weights in E4M3 with one fp32 scale per output row."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    expected = _expected(model_args, fp8)
+    tensors = {}
+    for name in expected:
+        if name.endswith(".weight_scale"):
+            continue
+        t = state[name].detach().float().cpu()
+        if fp8 and expected[name][0] == torch.float8_e4m3fn:
+            q = quantize(t, E4M3, "row")
+            tensors[name] = q.data.contiguous()
+            tensors[name + "_scale"] = q.inv_scale.float().contiguous()  # dequantize: data * this
+        else:
+            tensors[name] = t.contiguous()
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    meta = {"format": EXPORT_FORMAT, "model_args": dict(model_args),
+            "fp8": {"weights": "float8_e4m3fn, one fp32 scale per output row in <name>_scale; "
+                               "w = weight.float() * weight_scale"} if fp8 else None,
+            **(extra or {})}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    return os.path.join(out_dir, "model.safetensors")
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"no {os.path.basename(path)} in {os.path.dirname(path)}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _read_safetensors(path):
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no {os.path.basename(path)} in {os.path.dirname(path)}")
+    try:
+        return load_file(path)
+    except Exception as e:  # truncated header, bad offsets, not a safetensors file at all
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+def load_portable(path):
+    """Read an export_portable directory back. Returns (fp32 state_dict of the GPT, config.json as a
+    dict). Every tensor is checked against the model config.json describes: a missing or unexpected
+    tensor, a wrong dtype or a wrong shape is a CheckpointError naming it; non-finite values too."""
+    meta = _read_json(os.path.join(path, "config.json"))
+    if meta.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{path}/config.json is not a nanofp8 export (format "
+                              f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r})")
+    try:
+        model_args = GPTConfig(**meta["model_args"]).__dict__
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}/config.json: bad model_args: {e}") from None
+    tensors = _read_safetensors(os.path.join(path, "model.safetensors"))
+    expected = _expected(model_args, bool(meta.get("fp8")))
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}/model.safetensors does not match its config.json: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+    for name, (dtype, shape) in expected.items():
+        t = tensors[name]
+        if t.dtype != dtype:
+            raise CheckpointError(f"{path}: tensor {name} is {t.dtype}, expected {dtype}")
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = t.float() * tensors[name + "_scale"]
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{path}: tensor {name} holds NaN or inf values")
+        state[name] = t
+    if model_args["tie_embeddings"]:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return state, meta
+
+
+# -----------------------------------------------------------------------------
+# 4. GPT-2 in the Hugging Face layout
+
+CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# Key renames, applied in order (the norm rule before the general block rule).
+HF_TO_OURS = [(r"^wte\.", "tok_emb."), (r"^wpe\.", "pos_emb."), (r"^ln_f\.", "norm_f."),
+              (r"^h\.(\d+)\.ln_(\d)\.", r"blocks.\1.norm_\2."), (r"^h\.(\d+)\.", r"blocks.\1.")]
+OURS_TO_HF = [(r"^tok_emb\.", "wte."), (r"^pos_emb\.", "wpe."), (r"^norm_f\.", "ln_f."),
+              (r"^blocks\.(\d+)\.norm_(\d)\.", r"h.\1.ln_\2."), (r"^blocks\.(\d+)\.", r"h.\1.")]
+
+
+def _hf_to_ours(key):
+    key = key.removeprefix("transformer.")  # GPT2LMHeadModel's prefix; GPT2Model files have none
+    for pattern, repl in HF_TO_OURS:
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def _ours_to_hf(key):
+    if key == "lm_head.weight":
+        return key
+    for pattern, repl in OURS_TO_HF:
+        key = re.sub(pattern, repl, key)
+    return "transformer." + key
+
+
+def is_hf_gpt2(path):
+    """Whether path is a directory in the Hugging Face layout (config.json of model_type gpt2)."""
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    try:
+        return _read_json(cfg).get("model_type") == "gpt2"
+    except CheckpointError:
+        return False
+
+
+def load_hf_gpt2(path):
+    """A GPT-2 in the Hugging Face layout (config.json + model.safetensors, as transformers'
+    save_pretrained writes it or as downloaded) -> (fp32 state_dict of our GPT, model_args)."""
+    c = _read_json(os.path.join(path, "config.json"))
+    if c.get("model_type") != "gpt2":
+        raise CheckpointError(f"{path}/config.json: model_type {c.get('model_type')!r}, expected 'gpt2'")
+    # Variants of the attention our model does not compute: refuse rather than be subtly wrong.
+    if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: activation_function={c['activation_function']!r}; only GPT-2's "
+                              "tanh GELU (gelu_new) is supported")
+    if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
+        raise CheckpointError(f"{path}: attention scaling other than 1/sqrt(head_dim) is not supported")
+    model_args = GPTConfig(arch="gpt2", block_size=c["n_positions"], vocab_size=c["vocab_size"],
+                           n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
+                           tie_embeddings=c.get("tie_word_embeddings", True),
+                           mlp_hidden=c.get("n_inner") or 0,
+                           norm_eps=c.get("layer_norm_epsilon", 1e-5)).__dict__
+    st_path = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(st_path) and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        raise CheckpointError(f"{path} has only pytorch_model.bin, a pickle: convert it to "
+                              "model.safetensors (transformers' save_pretrained writes one)")
+    hf = _read_safetensors(st_path)
+    state = {}
+    for k, v in hf.items():
+        if re.search(r"\.attn\.(masked_)?bias$", k):
+            continue  # old files store the causal mask as a buffer named like a bias
+        ours = _hf_to_ours(k)
+        state[ours] = v.float().t().contiguous() if ours.endswith(CONV1D) else v.float()
+    if model_args["tie_embeddings"]:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state.get("tok_emb.weight")
+    _check_against_model(state, model_args, path)
+    return state, model_args
+
+
+def _check_against_model(state, model_args, path):
+    with torch.device("meta"):
+        want = GPT(GPTConfig(**model_args)).state_dict()
+    missing = sorted(k for k in want if state.get(k) is None)
+    unexpected = sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not hold a GPT-2 of its config.json: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in want.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{path}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+
+
+def export_hf_gpt2(state, model_args, out_dir):
+    """Write an fp32 GPT state_dict (arch gpt2) in the Hugging Face GPT-2 layout: transformers'
+    GPT2LMHeadModel.from_pretrained(out_dir) then computes the same logits. A model trained
+    without biases (bias=False) gets zero biases, which is the same function."""
+    from safetensors.torch import save_file
+
+    c = GPTConfig(**model_args)
+    if c.arch != "gpt2":
+        raise ValueError(f"the Hugging Face GPT-2 layout needs arch='gpt2', this model is {c.arch!r} "
+                         "(use the portable export)")
+    tensors = {}
+    for k, v in state.items():
+        if k == "lm_head.weight" and c.tie_embeddings:
+            continue
+        tensors[_ours_to_hf(k)] = (v.t() if k.endswith(CONV1D) else v).detach().float().contiguous().cpu()
+    if not c.has_bias:  # GPT-2 always has biases: zeros compute the same as none
+        for i in range(c.n_layer):
+            for name, width in (("attn.c_attn", 3 * c.n_embd), ("attn.c_proj", c.n_embd),
+                                ("mlp.c_fc", c.hidden), ("mlp.c_proj", c.n_embd),
+                                ("ln_1", c.n_embd), ("ln_2", c.n_embd)):
+                tensors[f"transformer.h.{i}.{name}.bias"] = torch.zeros(width)
+        tensors["transformer.ln_f.bias"] = torch.zeros(c.n_embd)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    eos = 50256 if c.vocab_size > 50256 else None
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
+              "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+              "n_inner": c.mlp_hidden or None, "activation_function": "gelu_new",
+              "layer_norm_epsilon": c.norm_eps, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+              "attn_pdrop": c.dropout, "tie_word_embeddings": c.tie_embeddings,
+              "scale_attn_weights": True, "bos_token_id": eos, "eos_token_id": eos}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def read_any(path):
+    """Weights from a directory of any kind -> (fp32 state_dict of the GPT, info): a training run's
+    out_dir (any level, any layout), a portable export, or a Hugging Face GPT-2. info: model_args,
+    config (the training run's settings, as far as known), iter_num, source, notes."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is not a directory (expected a training run's out_dir, an "
+                              "export, or a Hugging Face GPT-2)")
+    if os.path.isfile(os.path.join(path, "ckpt.pt")) or glob.glob(os.path.join(path, "ckpt-tp*-pp*.pt")):
+        state, info = read_checkpoint(path)
+        src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
+                              info["layout"]["pipeline_parallel"], info["layout"]["zero_world"])
+        return state, {**info, "source": f"{', '.join(info['files'])} ({src})"}
+    if is_hf_gpt2(path):
+        state, model_args = load_hf_gpt2(path)
+        return state, dict(model_args=model_args, config={}, iter_num=None, notes=[],
+                           source=f"{path} (Hugging Face GPT-2)")
+    state, meta = load_portable(path)
+    return state, dict(model_args=GPTConfig(**meta["model_args"]).__dict__, config=meta.get("config", {}),
+                       iter_num=meta.get("iter_num"), notes=[], source=f"{path} (portable export)")
+
+
+def load_pretrained(path):
+    """init_from=<dir> -> (fp32 state_dict, model_args); see read_any."""
+    state, info = read_any(path)
+    return state, info["model_args"]
+
+
+def load_for_inference(path, device="cpu"):
+    """A single-device fp32 GPT in eval mode from any directory read_any reads. Returns (model, info)."""
+    from nanofp8.model import load_model_state
+
+    state, info = read_any(path)
+    model = GPT(GPTConfig(**info["model_args"]))
+    load_model_state(model, state, path)
+    return model.eval().to(device), info
+
+
+# -----------------------------------------------------------------------------
+# 5. Frozen FP8 models
+
+
+class Fp8WeightLinear(nn.Module):
+    """A frozen Linear whose weight lives in FP8: the E4M3 bytes and their scales, nothing else.
+    Each forward dequantizes it (one pass over the weight) and runs a matmul in the input's
+    dtype (bf16 under autocast). On an FP8 GPU one would hand the bytes to torch._scaled_mm and
+    never dequantize; dequantizing keeps it portable and isolates what is measured: the rounding
+    of the weights to 3 mantissa bits."""
+
+    def __init__(self, weight, bias, granularity="row"):
+        super().__init__()
+        # quantize() contracts over the last dim, which for an (out, in) weight is the GEMM's K:
+        # "row" gives one scale per output channel, "block" one per 128x128 tile.
+        q = quantize(weight.detach().float(), E4M3, granularity, block=(BLOCK, BLOCK))
+        self.granularity = granularity
+        # Buffers, so .to(device) moves them and they are counted with the model's memory.
+        self.register_buffer("weight_fp8", q.data)
+        self.register_buffer("weight_scale_inv", q.inv_scale.float())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def dequantized_weight(self, dtype=torch.float32):
+        """The weight as fp8.dequantize computes it: fp8 * (1/scale), per row, tile or tensor."""
+        s = self.weight_scale_inv
+        if self.granularity == "block":
+            s = _expand_tiles(s, (BLOCK, BLOCK), self.weight_fp8.shape)
+        return (self.weight_fp8.float() * s).to(dtype)
+
+    def forward(self, x):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x, self.dequantized_weight(dtype), bias)
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in (self.weight_fp8, self.weight_scale_inv))
+
+
+def weight_bytes(model):
+    """Bytes of every parameter and buffer (a tied table once)."""
+    seen, n = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    return n
+
+
+@torch.no_grad()
+def freeze_fp8(model, granularity="row"):
+    """Turn a trained GPT into a frozen inference model with FP8 weights, in place: every block
+    Linear becomes an Fp8WeightLinear (1 byte per weight + fp32 scales), every parameter stops
+    requiring gradients, and the model goes to eval mode. Works from any level: O1's Fp8Linear
+    and a plain nn.Linear alike (O2/O3 models: load them with load_gpt first, which resolves the
+    masters). Returns {"weights": n, "fp32": bytes, "bf16": bytes, "fp8": bytes} of those Linears."""
+    stats = {"weights": 0, "fp32": 0, "bf16": 0, "fp8": 0}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            fqn = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and fqn.startswith("blocks."):
+                w = child.hp_weight() if hasattr(child, "hp_weight") else child.weight
+                new = Fp8WeightLinear(w, child.bias, granularity).to(child.weight.device)
+                stats["weights"] += w.numel()
+                stats["fp32"] += 4 * w.numel()
+                stats["bf16"] += 2 * w.numel()
+                stats["fp8"] += new.nbytes()
+                setattr(module, child_name, new)  # the high-precision weight is now unreferenced
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval(), stats
+
+
+# -----------------------------------------------------------------------------
+# train.py's entry point
+
+
+def initial_weights(cfg, world_size):
+    """Where train.py's weights come from when they are not its own exact checkpoint:
+
+        init_from="resume", a checkpoint of another level or layout: converted (resume_from)
+        init_from=<dir>: a portable export or a Hugging Face GPT-2, fine-tuned from iteration 0
+
+    Returns None for init_from="scratch" and for an exact resume (train.py loads the checkpoint
+    itself), else a dict: model (fp32 state_dict to load into the plain GPT before the precision
+    level and the layout are set up), model_args, iter_num, best_val_loss, note (for the log)."""
+    if cfg["init_from"] == "scratch":
+        return None
+    if cfg["init_from"] == "resume":
+        return resume_from(cfg["out_dir"], cfg, world_size)
+    state, model_args = load_pretrained(cfg["init_from"])
+    model_args = {**model_args, "dropout": cfg["dropout"]}  # a training choice, not the architecture
+    return dict(model=state, model_args=model_args, iter_num=0, best_val_loss=float("inf"),
+                note=f"fine-tuning the weights of {cfg['init_from']} at precision={cfg['precision']}: "
+                     "optimizer state and FP8 scaling state start fresh")
