@@ -272,7 +272,7 @@ def test_export_cli_and_finetune_from_it(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def hf_gpt2(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test-only requirement (requirements.txt)
     cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                   bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
@@ -348,3 +348,20 @@ def test_freeze_fp8(granularity):
     assert st["fp8"] == st["weights"] + 4 * n_scales  # 1 byte per weight + the fp32 scales
     assert not any(p.requires_grad for p in frozen.parameters()) and not frozen.training
     assert sqnr(ref, logits(frozen, x)) > 20  # E4M3 weights through 2 blocks: ~25 dB
+
+
+def test_bench_memory_frozen(tmp_path):
+    """bench.py memory's frozen-model table: 1 byte per block weight + 4 per row scale, vs 2 in bf16."""
+    import argparse
+
+    import bench
+
+    out = tmp_path / "memory.json"
+    out.write_text("{}")  # cmd_memory writes the file first; this table is added to it
+    bench.cmd_memory_frozen(argparse.Namespace(models=["tiny"], llama_layers=2, json=str(out)))
+    rows = {r["granularity"]: r for r in json.loads(out.read_text())["memory_frozen_fp8"]}
+    weights, rows_ = 2 * 12 * 64 * 64, 2 * 9 * 64  # tiny: 2 blocks of width 64
+    assert rows["row"]["linear_fp8_B_per_weight"] == (weights + 4 * rows_) / weights
+    assert rows["row"]["linear_fp8_vs_bf16"] == (weights + 4 * rows_) / (2 * weights)
+    assert rows["block"]["linear_fp8_vs_bf16"] < rows["row"]["linear_fp8_vs_bf16"] < 0.53
+    assert rows["row"]["model_fp8_MB"] < rows["row"]["model_bf16_MB"]
