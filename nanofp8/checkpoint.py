@@ -22,9 +22,10 @@ freeze it into an FP8 inference model.
 2. Resuming at another level or layout (resume_from): the weights carry over exactly (as fp32,
    then converted by train.py's own setup into the new level's storage and cut into the new
    layout's shards). What does not carry over is printed, never dropped silently: the optimizer
-   state (its format is the level's: fp32 moments, FP8 m + fp16 v, or sharded; the moments restart
-   from zero with the same schedule position), the FP8 scaling state (amax histories restart) and
-   the dropout RNG stream.
+   state (its format is the level's and the layout's: fp32 moments, FP8 m + fp16 v, shards; the
+   moments restart from zero at the same position of the learning-rate schedule, so a warmup is
+   not repeated: lower learning_rate for a while if the jump matters), the FP8 scaling state
+   (amax histories restart) and the dropout RNG stream.
 
 3. A portable export (export_portable / load_portable): a directory with config.json and
    model.safetensors. safetensors is a JSON header plus raw bytes: no pickle, nothing executes
@@ -222,9 +223,13 @@ def resume_from(out_dir, cfg, world_size):
     dst = describe_layout(cfg["precision"], cfg["tensor_parallel"], cfg["pipeline_parallel"], dp)
     how = {"bf16": "fp32", "O1": "fp32", "O2": "fp32 = fp16 master / scale",
            "O3": "fp32 from the sharded fp16 masters"}[info["precision"]]
+    fresh = ["optimizer moments (Adam m and v restart from zero)"]
+    if "bf16" not in (info["precision"], cfg["precision"]):
+        fresh.append("FP8 scaling state (amax histories)")
+    if cfg["dropout"] > 0:
+        fresh.append("dropout RNG stream")
     note = (f"converting the checkpoint of iter {info['iter_num']} ({src}) to {dst}: weights carried "
-            f"over exactly ({how}); RE-INITIALIZED: optimizer moments (Adam m and v restart from zero), "
-            f"FP8 scaling state (amax histories), dropout RNG stream; the learning-rate schedule "
+            f"over exactly ({how}); RE-INITIALIZED: {', '.join(fresh)}; the learning-rate schedule "
             f"continues at iter {info['iter_num']}")
     for extra in info["notes"]:
         note += f"; {extra}"
