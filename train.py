@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from nanofp8 import parallel
-from nanofp8.checkpoint import initial_weights
+from nanofp8.checkpoint import initial_weights, load_moments
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
 from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3, sync_fp8_wgrads
 from nanofp8.fp8 import E4M3, E5M2
@@ -624,7 +624,7 @@ def main(argv=None):
     model = GPT(GPTConfig(**model_args))
     if converted is not None:  # before setup_precision: it builds each level's storage from fp32
         load_model_state(model, converted["model"], cfg["init_from"])
-        converted = (converted["iter_num"], converted["best_val_loss"])  # and free the tensors
+        converted = {k: converted[k] for k in ("iter_num", "best_val_loss", "moments")}  # frees the weights
     precision_desc = setup_precision(model, cfg, device_type)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()  # the whole model's
     if groups is not None:
@@ -633,7 +633,11 @@ def main(argv=None):
         load_model_state(model, ckpt["model"], ckpt_path)
     model.to(device)
     optimizer = build_optimizer(model, cfg, device_type)
-    iter_num, best_val_loss = converted or (0, float("inf"))
+    iter_num, best_val_loss = 0, float("inf")
+    if converted is not None:
+        iter_num, best_val_loss = converted["iter_num"], converted["best_val_loss"]
+        if converted["moments"]:  # in the new level's formats (nanofp8/checkpoint.py)
+            load_moments(optimizer, model, converted["moments"])
     # The global RNG now only drives dropout. Each rank gets its own stream (a tensor-parallel
     # group shares one: its replicated activations must drop the same units); a resumed run
     # continues the saved one (the writers': other ranks reseed).

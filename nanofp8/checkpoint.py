@@ -21,11 +21,11 @@ freeze it into an FP8 inference model.
 
 2. Resuming at another level or layout (resume_from): the weights carry over exactly (as fp32,
    then converted by train.py's own setup into the new level's storage and cut into the new
-   layout's shards). What does not carry over is printed, never dropped silently: the optimizer
-   state (its format is the level's and the layout's: fp32 moments, FP8 m + fp16 v, shards; the
-   moments restart from zero at the same position of the learning-rate schedule, so a warmup is
-   not repeated: lower learning_rate for a while if the jump matters), the FP8 scaling state
-   (amax histories restart) and the dropout RNG stream.
+   layout's shards). Adam's moments carry over between single-device layouts of any level
+   (dequantized, then stored in the new level's formats: O2 -> bf16 turns E4M3 m into fp32 m,
+   O3 on 2 ranks -> 1 glues the shards). What does not carry over is printed, never dropped
+   silently: the moments under TP/PP (they restart from zero at the same point of the schedule),
+   the FP8 scaling state (amax histories restart) and the dropout RNG stream.
 
 3. A portable export (export_portable / load_portable): a directory with config.json and
    model.safetensors. safetensors is a JSON header plus raw bytes: no pickle, nothing executes
@@ -110,6 +110,74 @@ def _o3_masters(ckpt, path):
                                   f"the weight has {shape.numel()}")
         out[name] = flat[: shape.numel()].view(shape)
     return out
+
+
+def _moments(ckpt):
+    """{parameter name: {step, exp_avg, exp_avg_sq}} in fp32, from the optimizer state of a
+    single-device checkpoint of any level: torch AdamW's fp32 moments, O2's E4M3 m and fp16 (or
+    E4M3 sqrt) v with their scales, O3's shards of those glued back. None if there is none."""
+    opt = ckpt.get("optimizer")
+    if not isinstance(opt, dict) or "param_groups" not in opt and "zero_shards" not in opt:
+        return None
+    shards = opt.get("zero_shards") or [opt]
+    names = _param_order(ckpt["model_args"])
+    index = [i for g in shards[0]["param_groups"] for i in g["params"]]
+    if len(index) != len(names):
+        return None
+    sqrt_v = ckpt["config"].get("o2_v_format") == "fp8"  # O2/O3 weights then store sqrt(v)
+
+    def load(st, key):
+        x = st[key].float()
+        return x * st[key + "_scale"].reciprocal() if key + "_scale" in st else x
+
+    out = {}
+    for i, name in zip(index, names):
+        sts = [s["state"].get(i) for s in shards]
+        if not sts[0]:
+            continue  # never stepped
+        shape = ckpt["model"][name].shape
+        if "master" in sts[0]:  # an O3 weight: flat shards, zero-padded at the end
+            m, v = (torch.cat([load(st, k).reshape(-1) for st in sts])[: shape.numel()].view(shape)
+                    for k in ("exp_avg", "exp_avg_sq"))
+        else:
+            m, v = load(sts[0], "exp_avg"), load(sts[0], "exp_avg_sq")
+        if sqrt_v and "exp_avg_sq_scale" in sts[0]:
+            v = v.square()
+        out[name] = {"step": sts[0]["step"].float().cpu(), "exp_avg": m, "exp_avg_sq": v}
+    return out
+
+
+@torch.no_grad()
+def load_moments(optimizer, model, moments):
+    """Put fp32 moments (from _moments) into a freshly built optimizer of any level, in its own
+    formats: fp32 for torch AdamW, E4M3 m and fp16 (or E4M3 sqrt) v for O2 weights, this rank's
+    shard of those for O3. Parameters are matched by name; a shape mismatch is an error."""
+    from nanofp8.dist import ZeroFp8AdamW, shard_len
+    from nanofp8.optim import Fp8AdamW, _stored
+
+    trained = {p for g in optimizer.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        mo = moments.get(name)
+        if mo is None or p not in trained:
+            continue
+        m, v = mo["exp_avg"].to(p.device), mo["exp_avg_sq"].to(p.device)
+        if m.shape != p.shape:
+            raise CheckpointError(f"optimizer moments of {name} have shape {tuple(m.shape)}, the "
+                                  f"parameter {tuple(p.shape)}")
+        st = optimizer.state[p]
+        if isinstance(optimizer, Fp8AdamW) and p in optimizer.o2:
+            if isinstance(optimizer, ZeroFp8AdamW):  # this rank's shard (the master is already there)
+                c, r = shard_len(p.numel(), optimizer.world), optimizer.rank
+                m, v = (F.pad(t.reshape(-1), (0, optimizer.world * c - p.numel()))[r * c : (r + 1) * c]
+                        for t in (m, v))
+            st["exp_avg"], st["exp_avg_scale"] = _stored(m, "fp8")
+            sq = v.sqrt() if optimizer.v_format == "fp8" else v
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(sq, optimizer.v_format)
+        else:
+            st["exp_avg"], st["exp_avg_sq"] = m.clone(), v.clone()
+        # torch's fused AdamW wants its step counter on the parameter's device, the others on the CPU
+        fused = optimizer.param_groups[0].get("fused") or False
+        st["step"] = mo["step"].clone().to(p.device if fused else "cpu")
 
 
 def _resolve(ckpt, path, notes):
@@ -210,8 +278,8 @@ def resume_from(out_dir, cfg, world_size):
 
     Returns None when the checkpoint fits as it is (train.py's exact resume applies). Otherwise a
     dict with model (fp32 state_dict of the single-device GPT, to load *before* the level and the
-    layout are set up), model_args, iter_num, best_val_loss and note: what carries over and what
-    restarts, for the log."""
+    layout are set up), model_args, iter_num, best_val_loss, moments (for load_moments, or None)
+    and note: what carries over and what restarts, for the log."""
     head = load_checkpoint(checkpoint_files(out_dir)[0], map_location="cpu")  # one file decides
     if same_layout(head["config"]["precision"], _layout(head), cfg, world_size):
         return None
@@ -223,18 +291,28 @@ def resume_from(out_dir, cfg, world_size):
     dst = describe_layout(cfg["precision"], cfg["tensor_parallel"], cfg["pipeline_parallel"], dp)
     how = {"bf16": "fp32", "O1": "fp32", "O2": "fp32 = fp16 master / scale",
            "O3": "fp32 from the sharded fp16 masters"}[info["precision"]]
-    fresh = ["optimizer moments (Adam m and v restart from zero)"]
+    # Moments are keyed by the single-device model's parameters: carried between single-device
+    # layouts of any level (O3 counts: its shards are glued back and re-cut); under TP/PP the
+    # optimizer holds a stage's shards in another order, and the moments restart.
+    single = lambda tp, pp: tp * pp == 1  # noqa: E731
+    moments = None
+    if single(info["layout"]["tensor_parallel"], info["layout"]["pipeline_parallel"]) and \
+            single(cfg["tensor_parallel"], cfg["pipeline_parallel"]):
+        moments = _moments(load_checkpoint(info["files"][0], map_location="cpu"))
+    fresh = [] if moments else ["optimizer moments (Adam m and v restart from zero)"]
     if "bf16" not in (info["precision"], cfg["precision"]):
         fresh.append("FP8 scaling state (amax histories)")
     if cfg["dropout"] > 0:
         fresh.append("dropout RNG stream")
-    note = (f"converting the checkpoint of iter {info['iter_num']} ({src}) to {dst}: weights carried "
-            f"over exactly ({how}); RE-INITIALIZED: {', '.join(fresh)}; the learning-rate schedule "
+    carried = f"weights exactly ({how})" + (", Adam moments (re-stored in the new level's formats)"
+                                             if moments else "")
+    note = (f"converting the checkpoint of iter {info['iter_num']} ({src}) to {dst}: carried over: "
+            f"{carried}; RE-INITIALIZED: {', '.join(fresh) or 'nothing'}; the learning-rate schedule "
             f"continues at iter {info['iter_num']}")
     for extra in info["notes"]:
         note += f"; {extra}"
     return dict(model=state, model_args=info["model_args"], iter_num=info["iter_num"],
-                best_val_loss=info["best_val_loss"], note=note)
+                best_val_loss=info["best_val_loss"], moments=moments, note=note)
 
 
 # -----------------------------------------------------------------------------
@@ -602,6 +680,6 @@ def initial_weights(cfg, world_size):
         return resume_from(cfg["out_dir"], cfg, world_size)
     state, model_args = load_pretrained(cfg["init_from"])
     model_args = {**model_args, "dropout": cfg["dropout"]}  # a training choice, not the architecture
-    return dict(model=state, model_args=model_args, iter_num=0, best_val_loss=float("inf"),
+    return dict(model=state, model_args=model_args, iter_num=0, best_val_loss=float("inf"), moments=None,
                 note=f"fine-tuning the weights of {cfg['init_from']} at precision={cfg['precision']}: "
                      "optimizer state and FP8 scaling state start fresh")

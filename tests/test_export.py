@@ -31,8 +31,9 @@ sys.path.insert(0, REPO)
 import export  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
-from nanofp8.checkpoint import (export_hf_gpt2, export_portable, freeze_fp8, load_for_inference,  # noqa: E402
-                                load_hf_gpt2, load_portable, read_checkpoint)
+from nanofp8.checkpoint import (_moments, export_hf_gpt2, export_portable, freeze_fp8,  # noqa: E402
+                                load_for_inference, load_hf_gpt2, load_moments, load_portable,
+                                read_checkpoint)
 from nanofp8.fp8 import E4M3, quantize, sqnr  # noqa: E402
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
 
@@ -92,12 +93,15 @@ def test_o2_samples_and_resumes_at_o1_and_bf16(tmp_path, capsys):
     o1 = train.main(TINY + ["precision=O1", f"out_dir={out}", "init_from=resume", "eval_only=True"])
     printed = capsys.readouterr().out
     assert "converting the checkpoint of iter 3 (precision=O2) to precision=O1" in printed
-    assert "RE-INITIALIZED: optimizer moments" in printed and "FP8 scaling state" in printed
+    assert "carried over: weights exactly (fp32 = fp16 master / scale), Adam moments" in printed
+    assert "RE-INITIALIZED: FP8 scaling state" in printed
     assert abs(o1["evals"][0][2] - hist["evals"][-1][2]) < 1e-6, (o1["evals"], hist["evals"])
     bf16 = train.main(TINY + ["precision=bf16", f"out_dir={out}", "init_from=resume", "max_iters=5"])
     assert "to precision=bf16" in capsys.readouterr().out
     assert [it for it, _ in bf16["losses"]] == [3, 4]
-    assert load_checkpoint(os.path.join(out, "ckpt.pt"))["config"]["precision"] == "bf16"
+    after = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    assert after["config"]["precision"] == "bf16"
+    assert after["optimizer"]["state"][0]["step"] == 5  # Adam's step count went on: 3 at O2, 2 at bf16
 
 
 @pytest.mark.parametrize("precision", ["bf16", "O1"])
@@ -131,8 +135,9 @@ def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     o2 = train.main(TINY + ["precision=O2", f"out_dir={out}", "init_from=resume", "max_iters=5"])
     printed = capsys.readouterr().out
     assert "(precision=O3 (2 ZeRO shards)) to precision=O2" in printed, printed
-    assert "RE-INITIALIZED: optimizer moments" in printed
+    assert "Adam moments (re-stored" in printed
     assert [it for it, _ in o2["losses"]] == [3, 4]
+    assert load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["state"][0]["step"] == 5
 
 
 def test_tp2_to_one_process(tmp_path, capsys):
@@ -145,10 +150,52 @@ def test_tp2_to_one_process(tmp_path, capsys):
     one = train.main(TINY + ["precision=bf16", f"out_dir={out}", "init_from=resume", "eval_only=True"])
     printed = capsys.readouterr().out
     assert "(precision=bf16 (tensor_parallel=2)) to precision=bf16" in printed, printed
+    assert "RE-INITIALIZED: optimizer moments" in printed  # a TP rank's optimizer: not carried
     assert abs(one["evals"][0][2] - tp_val) / tp_val < 2e-3, (one["evals"], tp_val)
     o1 = train.main(TINY + ["precision=O1", f"out_dir={out}", "init_from=resume", "max_iters=5"])
     assert [it for it, _ in o1["losses"]] == [3, 4]
     assert "ckpt.pt" in os.listdir(out)
+
+
+@pytest.mark.parametrize("v_format", ["fp16", "fp8"])
+def test_moments_between_levels(v_format):
+    """O2's moments (E4M3 m, fp16 or E4M3-sqrt v, with scales) -> fp32 for torch AdamW, exactly
+    their dequantized values; and back into a fresh O2 optimizer, re-stored to within FP8 rounding."""
+    cfg = train.load_config(TINY + ["precision=O2", f"o2_v_format={v_format}"])
+    model_args = {k: cfg[k] for k in train.MODEL_KEYS} | {"vocab_size": 84}
+
+    def built(level):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**model_args))
+        train.setup_precision(model, {**cfg, "precision": level}, "cpu")
+        return model, train.build_optimizer(model, {**cfg, "precision": level}, "cpu")
+
+    o2, opt = built("O2")
+    x = torch.randint(0, 84, (4, 32), generator=torch.Generator().manual_seed(5))
+    for _ in range(3):
+        o2(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = {"optimizer": opt.state_dict(), "model": o2.state_dict(), "model_args": model_args,
+            "config": {"o2_v_format": v_format}}
+    moments = _moments(ckpt)
+    lin = o2.blocks[1].mlp.c_fc
+    st = opt.state[lin.weight]
+    m = st["exp_avg"].float() / st["exp_avg_scale"]
+    v = st["exp_avg_sq"].float() / st["exp_avg_sq_scale"]
+    v = v.square() if v_format == "fp8" else v
+    bf16, opt32 = built("bf16")
+    load_moments(opt32, bf16, moments)
+    got = opt32.state[bf16.blocks[1].mlp.c_fc.weight]
+    assert torch.allclose(got["exp_avg"], m, rtol=1e-6, atol=0) and torch.allclose(got["exp_avg_sq"], v, rtol=1e-6, atol=0)
+    assert got["step"] == 3 and opt32.state[bf16.tok_emb.weight]["step"] == 3
+    assert torch.equal(opt32.state[bf16.tok_emb.weight]["exp_avg"], opt.state[o2.tok_emb.weight]["exp_avg"])
+    back, opt2 = built("O2")
+    load_moments(opt2, back, _moments({**ckpt, "optimizer": opt32.state_dict(), "config": {}}))
+    st2 = opt2.state[back.blocks[1].mlp.c_fc.weight]
+    assert sqnr(m, st2["exp_avg"].float() / st2["exp_avg_scale"]) > 40  # E4M3 of E4M3 values
+    v2 = st2["exp_avg_sq"].float() / st2["exp_avg_sq_scale"]
+    assert sqnr(v, v2.square() if v_format == "fp8" else v2) > 40
 
 
 # ---------------------------------------------------------------- the portable export
