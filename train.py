@@ -75,7 +75,8 @@ log_interval = 10
 eval_iters = 200  # batches per split per evaluation
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # else only when the validation loss improves
-init_from = "scratch"  # "scratch" | "resume" (from out_dir/ckpt.pt)
+init_from = "scratch"  # "scratch" | "resume" (from out_dir, any level/layout) | a directory: an
+#                       export, a Hugging Face GPT-2 or another run's out_dir (nanofp8/checkpoint.py)
 # data
 dataset = "openwebtext"
 gradient_accumulation_steps = 40  # micro-batches per optimizer step, summed over all ranks
