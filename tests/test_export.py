@@ -311,6 +311,9 @@ def test_export_cli_and_finetune_from_it(tmp_path, capsys):
     assert [it for it, _ in ft["losses"]] == [0, 1]
     # its first evaluation is the exported (FP8-weight) model's, not a fresh one's (~4.4 = ln 84)
     assert ft["evals"][0][2] < 4.2
+    # a training run's out_dir (any level) is a starting point too
+    ft2 = train.main(TINY + ["precision=bf16", f"init_from={run}", f"out_dir={tmp_path / 'ft2'}", "max_iters=1"])
+    assert abs(ft2["evals"][0][2] - ft["evals"][0][2]) < 0.02  # the same model, FP8 weights or not
 
 
 # ---------------------------------------------------------------- Hugging Face GPT-2
@@ -339,6 +342,8 @@ def test_hf_gpt2_in(hf_gpt2):
     diff = (logits(ours, x) - ref).abs().max().item()
     print(f"HF -> nanofp8: logits max diff {diff:.2e}")
     assert diff < 1e-4
+    model, info = load_for_inference(d)  # what sample.py and init_from=<dir> read
+    assert "Hugging Face GPT-2" in info["source"] and torch.equal(logits(model, x), logits(ours, x))
 
 
 @pytest.mark.parametrize("tied,bias", [(True, True), (False, False)])
