@@ -17,7 +17,8 @@ freeze it into an FP8 inference model.
 
    read_checkpoint() resolves all of these to one fp32 state_dict of the single-device GPT, so
    sample.py, the exporters and a resume at another level all start from the same thing.
-   Resolving O3 from the FP8 copy instead of the master would lose ~5 bits of every weight.
+   Resolving O3 from the FP8 copy instead of the master would keep 3 of the master's 10
+   mantissa bits (tests/test_export.py: the two are 25-40 dB apart).
 
 2. Resuming at another level or layout (resume_from): the weights carry over exactly (as fp32,
    then converted by train.py's own setup into the new level's storage and cut into the new
@@ -31,8 +32,9 @@ freeze it into an FP8 inference model.
    model.safetensors. safetensors is a JSON header plus raw bytes: no pickle, nothing executes
    when it is read, and any framework reads it. The block Linear weights are stored as what an
    FP8 GPU consumes, float8_e4m3fn, with "<name>.weight_scale" next to each: fp32, one per output
-   row, the *dequantization* factor (w = fp8.float() * weight_scale, the convention of vLLM and
-   DeepSeek-V3's files). Everything else is fp32. Nothing of nanofp8 is needed to read it:
+   row, the *dequantization* factor (w = fp8.float() * weight_scale: a multiply, as an inference
+   kernel applies it, not nanofp8's quantization scale). Everything else is fp32. Nothing of
+   nanofp8 is needed to read it:
 
        from safetensors.torch import load_file
        t = load_file("export/model.safetensors")
@@ -294,10 +296,9 @@ def resume_from(out_dir, cfg, world_size):
     # Moments are keyed by the single-device model's parameters: carried between single-device
     # layouts of any level (O3 counts: its shards are glued back and re-cut); under TP/PP the
     # optimizer holds a stage's shards in another order, and the moments restart.
-    single = lambda tp, pp: tp * pp == 1  # noqa: E731
     moments = None
-    if single(info["layout"]["tensor_parallel"], info["layout"]["pipeline_parallel"]) and \
-            single(cfg["tensor_parallel"], cfg["pipeline_parallel"]):
+    cut_before = info["layout"]["tensor_parallel"] * info["layout"]["pipeline_parallel"] > 1
+    if not cut_before and cfg["tensor_parallel"] * cfg["pipeline_parallel"] == 1:
         moments = _moments(load_checkpoint(info["files"][0], map_location="cpu"))
     fresh = [] if moments else ["optimizer moments (Adam m and v restart from zero)"]
     if "bf16" not in (info["precision"], cfg["precision"]):
