@@ -356,6 +356,8 @@ def export_portable(state, model_args, out_dir, fp8=True, extra=None):
         if name.endswith(".weight_scale"):
             continue
         t = state[name].detach().float().cpu()
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{name} holds NaN or inf values: not exported")
         if fp8 and expected[name][0] == torch.float8_e4m3fn:
             q = quantize(t, E4M3, "row")
             tensors[name] = q.data.contiguous()
@@ -531,6 +533,8 @@ def export_hf_gpt2(state, model_args, out_dir):
     for k, v in state.items():
         if k == "lm_head.weight" and c.tie_embeddings:
             continue
+        if not torch.isfinite(v).all():
+            raise CheckpointError(f"{k} holds NaN or inf values: not exported")
         tensors[_ours_to_hf(k)] = (v.t() if k.endswith(CONV1D) else v).detach().float().contiguous().cpu()
     if not c.has_bias:  # GPT-2 always has biases: zeros compute the same as none
         for i in range(c.n_layer):

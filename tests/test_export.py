@@ -296,6 +296,16 @@ def test_bad_export_files(tmp_path):
     os.remove(os.path.join(trunc, "config.json"))
     with pytest.raises(CheckpointError, match="no config.json"):
         load_portable(trunc)
+    (tmp_path / "truncated" / "config.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CheckpointError, match="is not a nanofp8 export"):
+        load_portable(trunc)
+    # and a model with a NaN is not exported in the first place
+    state = model.state_dict()
+    state["blocks.1.attn.c_proj.weight"][0, 0] = float("inf")
+    with pytest.raises(CheckpointError, match="blocks.1.attn.c_proj.weight holds NaN or inf"):
+        export_portable(state, model.config.__dict__, str(tmp_path / "inf"))
+    with pytest.raises(CheckpointError, match="blocks.1.attn.c_proj.weight holds NaN or inf"):
+        export_hf_gpt2(state, model.config.__dict__, str(tmp_path / "inf"))
 
 
 def test_export_cli_and_finetune_from_it(tmp_path, capsys):
