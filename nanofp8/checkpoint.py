@@ -483,11 +483,16 @@ def load_hf_gpt2(path):
                               "tanh GELU (gelu_new) is supported")
     if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
         raise CheckpointError(f"{path}: attention scaling other than 1/sqrt(head_dim) is not supported")
-    model_args = GPTConfig(arch="gpt2", block_size=c["n_positions"], vocab_size=c["vocab_size"],
-                           n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
-                           tie_embeddings=c.get("tie_word_embeddings", True),
-                           mlp_hidden=c.get("n_inner") or 0,
-                           norm_eps=c.get("layer_norm_epsilon", 1e-5)).__dict__
+    try:
+        model_args = GPTConfig(arch="gpt2", block_size=c["n_positions"], vocab_size=c["vocab_size"],
+                               n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
+                               tie_embeddings=c.get("tie_word_embeddings", True),
+                               mlp_hidden=c.get("n_inner") or 0,
+                               norm_eps=c.get("layer_norm_epsilon", 1e-5)).__dict__
+    except KeyError as e:
+        raise CheckpointError(f"{path}/config.json has no {e.args[0]!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}/config.json: {e}") from None
     st_path = os.path.join(path, "model.safetensors")
     if not os.path.isfile(st_path) and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
         raise CheckpointError(f"{path} has only pytorch_model.bin, a pickle: convert it to "
@@ -517,6 +522,8 @@ def _check_against_model(state, model_args, path):
     for k, v in want.items():
         if tuple(state[k].shape) != tuple(v.shape):
             raise CheckpointError(f"{path}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+        if not torch.isfinite(state[k]).all():
+            raise CheckpointError(f"{path}: {k} holds NaN or inf values")
 
 
 def export_hf_gpt2(state, model_args, out_dir):

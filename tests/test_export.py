@@ -381,6 +381,9 @@ def test_hf_bad_inputs(hf_gpt2, tmp_path):
     os.symlink(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"missing \['blocks.2"):
         load_hf_gpt2(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_head": 3}))
+    with pytest.raises(CheckpointError, match="n_embd=32 is not divisible by n_head=3"):
+        load_hf_gpt2(str(tmp_path))
     with pytest.raises(ValueError, match="arch='gpt2'"):
         export_hf_gpt2({}, GPTConfig(**ARGS, arch="llama").__dict__, str(tmp_path / "x"))
 
