@@ -536,8 +536,13 @@ def export_hf_gpt2(state, model_args, out_dir):
     if c.arch != "gpt2":
         raise ValueError(f"the Hugging Face GPT-2 layout needs arch='gpt2', this model is {c.arch!r} "
                          "(use the portable export)")
+    with torch.device("meta"):
+        keys = GPT(c).state_dict().keys()  # the weights only: no FP8 scaling buffers of an O1 run
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise CheckpointError(f"cannot export: the state has no {missing[:5]}")
     tensors = {}
-    for k, v in state.items():
+    for k, v in ((k, state[k]) for k in keys):
         if k == "lm_head.weight" and c.tie_embeddings:
             continue
         if not torch.isfinite(v).all():

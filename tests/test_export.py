@@ -429,3 +429,16 @@ def test_bench_memory_frozen(tmp_path):
     assert rows["row"]["linear_fp8_vs_bf16"] == (weights + 4 * rows_) / (2 * weights)
     assert rows["block"]["linear_fp8_vs_bf16"] < rows["row"]["linear_fp8_vs_bf16"] < 0.53
     assert rows["row"]["model_fp8_MB"] < rows["row"]["model_bf16_MB"]
+
+
+def test_o1_run_to_transformers(hf_gpt2, tmp_path, capsys):
+    """export.py --format=hf on a training run (O1: FP8 scaling buffers, which are not exported)."""
+    transformers, _, _ = hf_gpt2
+    run = str(tmp_path / "run")
+    train.main(TINY + ["precision=O1", "bias=False", f"out_dir={run}"])
+    export.main([f"--out_dir={run}", f"--to={tmp_path / 'hf'}", "--format=hf"])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    ours, _ = load_for_inference(run)
+    x = torch.randint(0, 84, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (hf(x).logits - logits(ours, x)).abs().max() < 1e-4
