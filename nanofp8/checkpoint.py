@@ -271,7 +271,7 @@ def same_layout(precision, layout, cfg, world_size):
 def describe_layout(precision, tp, pp, world):
     cut = [f"{k}={v}" for k, v in (("tensor_parallel", tp), ("pipeline_parallel", pp)) if v > 1]
     if precision == "O3":
-        cut.append(f"{world} ZeRO shards")
+        cut.append(f"{world} ZeRO shard{'' if world == 1 else 's'}")
     return f"precision={precision}" + (f" ({', '.join(cut)})" if cut else "")
 
 

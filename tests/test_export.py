@@ -118,8 +118,8 @@ def test_bf16_and_o1_sample(tmp_path, capsys, precision):
 def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     """O3 on 2 ranks: the weights come back from the sharded fp16 masters, not from the FP8 copies
     in the model state, and in the right order: cast to E4M3 they give back (all but a few
-    rounding ties of) the FP8 bytes the ranks gathered. sample.py reads them, and one process
-    resumes them at O2."""
+    rounding ties of) the FP8 bytes the ranks gathered. sample.py reads them; O3 on 1 rank
+    resumes them (shards re-cut, moments too), and so does O2 in a plain process."""
     out = str(tmp_path / "o3")
     torchrun(2, "precision=O3", f"out_dir={out}")
     state, info = read_checkpoint(out)
@@ -132,11 +132,17 @@ def test_o3_two_ranks_to_one_process(tmp_path, capsys):
         recast = quantize(state[k], E4M3).data.view(torch.uint8)  # fp16 master -> E4M3 again
         assert (recast == fp8[k].view(torch.uint8)).float().mean() > 0.99
     sample_runs(out, capsys)
+    # O3 on 1 rank: the masters and moments glued from 2 shards and cut into 1
+    printed = torchrun(1, "precision=O3", f"out_dir={out}", "init_from=resume", "max_iters=4")
+    assert "(precision=O3 (2 ZeRO shards)) to precision=O3 (1 ZeRO shard)" in printed, printed
+    shards = load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["zero_shards"]
+    assert len(shards) == 1 and shards[0]["state"][0]["step"] == 4  # Adam's count went on
+    # and O2 in a plain process
     o2 = train.main(TINY + ["precision=O2", f"out_dir={out}", "init_from=resume", "max_iters=5"])
     printed = capsys.readouterr().out
-    assert "(precision=O3 (2 ZeRO shards)) to precision=O2" in printed, printed
+    assert "(precision=O3 (1 ZeRO shard)) to precision=O2" in printed, printed
     assert "Adam moments (re-stored" in printed
-    assert [it for it, _ in o2["losses"]] == [3, 4]
+    assert [it for it, _ in o2["losses"]] == [4]
     assert load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["state"][0]["step"] == 5
 
 
