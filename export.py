@@ -7,7 +7,7 @@ Export a model out of nanofp8: plain tensors, no pickle.
 out_dir is anything sample.py reads: a training run of any level (bf16, O1, O2, O3) and any layout
 (tensor/pipeline parallel: one file per rank), an earlier export, or a Hugging Face GPT-2.
 
---format=fp8 (the default) writes the portable format of nanofp8/checkpoint.py: config.json and
+--format=fp8 (the default) writes the portable format of nanofp8/interop.py: config.json and
 model.safetensors with the block Linear weights as float8_e4m3fn plus one fp32 scale per output
 row (w = weight.float() * weight_scale), everything else fp32. About 1 byte per block weight:
 what an FP8 inference engine or a frozen RLHF reference model needs. --format=fp32 keeps every
@@ -20,8 +20,9 @@ Fine-tune from an export with train.py init_from=DIR (config/finetune_shakespear
 import os
 import sys
 
-from nanofp8.checkpoint import export_hf_gpt2, export_portable, read_any
+from nanofp8.checkpoint import read_any
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
+from nanofp8.interop import export_hf_gpt2, export_portable
 from nanofp8.model import CheckpointError
 
 # -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 #   python train.py config/finetune_shakespeare.py          # 3. fine-tune from the export at O2
 #   python sample.py --out_dir=out-finetune-shakespeare     # 4. sample
 #
-# Step 3 reads the export (safetensors + JSON, no pickle; nanofp8/checkpoint.py), not the training
+# Step 3 reads the export (safetensors + JSON, no pickle; nanofp8/interop.py), not the training
 # run: the same command fine-tunes a Hugging Face GPT-2 directory (init_from='path/to/gpt2',
 # config.json + model.safetensors) or any model exported by someone else. The architecture comes
 # from the export; everything about *training* (precision, learning rate, dropout) from here.

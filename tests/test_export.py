@@ -31,10 +31,10 @@ sys.path.insert(0, REPO)
 import export  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
-from nanofp8.checkpoint import (_moments, export_hf_gpt2, export_portable, freeze_fp8,  # noqa: E402
-                                load_for_inference, load_hf_gpt2, load_moments, load_portable,
+from nanofp8.checkpoint import (_moments, freeze_fp8, load_for_inference, load_moments,  # noqa: E402
                                 read_checkpoint)
 from nanofp8.fp8 import E4M3, quantize, sqnr  # noqa: E402
+from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable  # noqa: E402
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
 
 TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
