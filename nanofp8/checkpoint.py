@@ -51,6 +51,18 @@ from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint
 # 1. Any checkpoint -> one fp32 state_dict of the single-device GPT
 
 
+def _peek(path):
+    """A checkpoint's settings without reading its tensors: memory-mapped, so an exact resume does
+    not read the file twice (load_checkpoint's errors for a file that cannot be mapped)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(ckpt, dict) and "config" in ckpt and "precision" in ckpt["config"]:
+            return ckpt
+    except Exception:  # an old, truncated or foreign file: let load_checkpoint say what is wrong
+        pass
+    return load_checkpoint(path, map_location="cpu")
+
+
 def checkpoint_files(out_dir):
     """The files of the newest model in out_dir: [ckpt.pt], or the model-parallel ranks' files."""
     single = os.path.join(out_dir, "ckpt.pt")
@@ -59,7 +71,7 @@ def checkpoint_files(out_dir):
         raise CheckpointError(f"no checkpoint in {out_dir} (neither ckpt.pt nor ckpt-tp*-pp*.pt)")
     if os.path.isfile(single) and ranks:
         # Both layouts wrote here (a run resumed at another layout): the later iteration wins.
-        newer = load_checkpoint(ranks[0])["iter_num"] > load_checkpoint(single)["iter_num"]
+        newer = _peek(ranks[0])["iter_num"] > _peek(single)["iter_num"]
         return ranks if newer else [single]
     return [single] if os.path.isfile(single) else ranks
 
@@ -265,7 +277,7 @@ def resume_from(out_dir, cfg, world_size):
     dict with model (fp32 state_dict of the single-device GPT, to load *before* the level and the
     layout are set up), model_args, iter_num, best_val_loss, moments (for load_moments, or None)
     and note: what carries over and what restarts, for the log."""
-    head = load_checkpoint(checkpoint_files(out_dir)[0], map_location="cpu")  # one file decides
+    head = _peek(checkpoint_files(out_dir)[0])  # one file decides
     if same_layout(head["config"]["precision"], _layout(head), cfg, world_size):
         return None
     del head
