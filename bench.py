@@ -144,6 +144,53 @@ def cmd_memory(args):
     print("Training state in bytes per parameter (block Linears, then whole model), measured by "
           "walking the tensors after a backward; gemm_weight = FP8 copies held from forward to step.")
     emit("memory", rows, cols, args, {"tokens": args.tokens})
+    cmd_memory_frozen(args)
+
+
+# Frozen FP8 models (nanofp8/checkpoint.py: freeze_fp8): the weights of an inference model, or of
+# the frozen reference / reward model of RLHF or distillation, which needs no master copy at all.
+FROZEN_GRANULARITIES = ("row", "block")
+
+
+def measure_frozen(cfg, granularity):
+    """Weight bytes of the frozen FP8 model against the same model in bf16. The block Linears are
+    measured on the frozen model (E4M3 bytes + fp32 scales); the other tensors (embeddings, norms,
+    LM head) are counted at 2 B, as a bf16 inference model would hold them."""
+    from nanofp8.checkpoint import freeze_fp8
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    total = sum(p.numel() for p in model.parameters())  # a tied table once
+    _, st = freeze_fp8(model, granularity)
+    rest = total - st["weights"]
+    mb = 2**20
+    return {"granularity": granularity, "params": total,
+            "linear_bf16_MB": st["bf16"] / mb, "linear_fp8_MB": st["fp8"] / mb,
+            "linear_fp8_B_per_weight": st["fp8"] / st["weights"],
+            "linear_fp8_vs_bf16": st["fp8"] / st["bf16"],
+            "model_bf16_MB": 2 * total / mb, "model_fp8_MB": (st["fp8"] + 2 * rest) / mb,
+            "model_fp8_vs_bf16": (st["fp8"] + 2 * rest) / (2 * total)}
+
+
+def cmd_memory_frozen(args):
+    rows = []
+    for name in args.models:
+        cfg = MODELS[name]
+        if name == "llama":
+            cfg = GPTConfig(**{**cfg.__dict__, "n_layer": args.llama_layers})
+        for g in FROZEN_GRANULARITIES:
+            rows.append({"model": name if name != "llama" else f"llama-{cfg.n_layer}L", **measure_frozen(cfg, g)})
+    print("\nFrozen FP8 model (freeze_fp8: block Linears in E4M3 + fp32 scales, the rest bf16) vs the "
+          "same model in bf16, weight bytes (sample.py --fp8_weights=True prints the val-loss cost)")
+    cols = ["model", "granularity", "params", "linear_bf16_MB", "linear_fp8_MB", "linear_fp8_B_per_weight",
+            "linear_fp8_vs_bf16", "model_bf16_MB", "model_fp8_MB", "model_fp8_vs_bf16"]
+    emit("memory_frozen_fp8", rows, cols, argparse.Namespace(json=None))
+    if args.json:  # added to the file cmd_memory wrote
+        with open(args.json) as f:
+            data = json.load(f)
+        data["memory_frozen_fp8"] = rows
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
 
 
 # -----------------------------------------------------------------------------

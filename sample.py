@@ -1,18 +1,23 @@
 """
-Generate text from a checkpoint written by train.py.
+Generate text from a model: a training run's out_dir (bf16, O1, O2, O3, tensor or pipeline
+parallel: nanofp8/checkpoint.py resolves O2's scaled fp16 masters, O3's sharded masters and the
+model-parallel shards into one single-device model), a portable export (export.py), or a
+Hugging Face GPT-2 directory.
 
     python sample.py --out_dir=out-shakespeare-char-fp8
     python sample.py --out_dir=out-shakespeare-char-fp8 --start="ROMEO." --num_samples=2
     python sample.py --out_dir=out-shakespeare-char-fp8 --start=FILE:prompt.txt
     python sample.py --out_dir=out-shakespeare-char-fp8 --fp8_weights=True
 
-The model runs its matmuls in bf16 (autocast), whatever precision it was trained in: an O1
-checkpoint holds the same fp32 weights as a bf16 one, plus FP8 scaling state that only training
-needs (and that is ignored here).
+    python sample.py --out_dir=exported-shakespeare-char      # written by export.py
 
-fp8_weights=True is weight-only FP8 for inference: every Linear inside the blocks keeps its weight
-as E4M3 (1 byte per weight, plus an fp32 scale per row, per 128x128 block or per tensor) instead
-of fp32, and dequantizes it on the fly for each matmul. That is how an FP8 checkpoint shrinks a
+The model runs its matmuls in bf16 (autocast), whatever precision it was trained in: every level
+comes back as fp32 weights (exactly the trained ones: O2's master is w * scale in fp16, O3's the
+same cut into shards); FP8 scaling state is training state and is ignored here.
+
+fp8_weights=True is weight-only FP8 for inference (nanofp8.checkpoint.freeze_fp8, from any level):
+every Linear inside the blocks keeps its weight as E4M3 (1 byte per weight, plus an fp32 scale
+per row, per 128x128 block or per tensor) instead of fp32, and dequantizes it on the fly for each matmul. That is how an FP8 checkpoint shrinks a
 model's memory at serving time, and the script measures what it costs: the validation loss with
 the original weights and with the FP8 ones, on the same batches, and the bytes saved.
 """
@@ -23,14 +28,13 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
+from nanofp8.checkpoint import freeze_fp8, load_for_inference, weight_bytes
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
-from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state
+from nanofp8.model import CheckpointError
 
 # -----------------------------------------------------------------------------
-out_dir = "out"  # where train.py wrote ckpt.pt
+out_dir = "out"  # where train.py wrote ckpt.pt (or ckpt-tp*-pp*.pt), or an exported model
 start = "\n"  # the prompt, or "FILE:path" to read it from a file
 num_samples = 3
 max_new_tokens = 500
@@ -45,52 +49,6 @@ DEFAULTS = defaults_of(globals())
 # -----------------------------------------------------------------------------
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-
-
-class Fp8WeightLinear(nn.Module):
-    """A Linear whose weight lives in FP8: the E4M3 bytes and their scales, nothing else.
-    Each forward dequantizes it (one fp8 -> bf16 pass over the weight) and runs a bf16 matmul.
-    On an FP8 GPU one would hand the bytes to torch._scaled_mm instead and never dequantize;
-    dequantizing keeps this portable and isolates the one thing measured here: what the
-    rounding of the weights to 3 mantissa bits does to the model."""
-
-    def __init__(self, linear, granularity):
-        super().__init__()
-        from nanofp8.fp8 import E4M3, quantize
-
-        # quantize() contracts over the last dim, which for a (out, in) weight is the GEMM's K:
-        # "row" gives one scale per output channel, "block" one per 128x128 tile.
-        self.q = quantize(linear.weight.detach(), E4M3, granularity, block=(128, 128))
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x):
-        from nanofp8.fp8 import dequantize
-
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        return F.linear(x, dequantize(self.q, dtype), self.bias)
-
-    def nbytes(self):
-        return self.q.data.numel() * self.q.data.element_size() + self.q.scale.numel() * self.q.scale.element_size()
-
-
-def model_bytes(model):
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
-def to_fp8_weights(model, granularity):
-    """Swap the block Linears for Fp8WeightLinear. Returns (weights, bytes before, bytes after)."""
-    n_weights, before, after = 0, 0, 0
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            fqn = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and fqn.startswith("blocks."):
-                n_weights += child.weight.numel()
-                before += child.weight.numel() * child.weight.element_size()
-                new = Fp8WeightLinear(child, granularity)
-                after += new.nbytes()
-                setattr(module, child_name, new)  # the fp32 weight is now unreferenced: freed
-    return n_weights, before, after
 
 
 @torch.no_grad()
@@ -137,31 +95,28 @@ def main(argv=None):
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16)
 
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path, map_location="cpu")
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    load_model_state(model, ckpt["model"], ckpt_path)
-    model.eval().to(dev)
-    train_cfg = ckpt["config"]
-    print(f"loaded {ckpt_path}: iter {ckpt['iter_num']}, {model.num_params() / 1e6:.2f}M parameters, "
-          f"trained with precision={train_cfg['precision']}")
-    del ckpt
+    # Any level (O2/O3 masters resolved), any layout (TP/PP shards merged), or an exported model.
+    model, info = load_for_inference(out_dir, dev)
+    train_cfg = info["config"]
+    print(f"loaded {info['source']}: iter {info['iter_num']}, {model.num_params() / 1e6:.2f}M parameters")
+    for note in info["notes"]:
+        print(f"note: {note}")
 
     if fp8_weights:
-        val_path = os.path.join(REPO, "data", train_cfg["dataset"], "val.bin")
+        val_path = os.path.join(REPO, "data", train_cfg.get("dataset", "?"), "val.bin")
         val_data = np.memmap(val_path, dtype=np.uint16, mode="r") if os.path.exists(val_path) else None
-        args = (train_cfg["batch_size"], train_cfg["block_size"], fp8_eval_iters, autocast, dev)
+        args = (train_cfg.get("batch_size", 8), model.config.block_size, fp8_eval_iters, autocast, dev)
         ref = val_loss(model, val_data, *args) if val_data is not None else None
-        total_before = model_bytes(model)
+        total_before = weight_bytes(model)
         on_gpu = dev.startswith("cuda")
         allocated = torch.cuda.memory_allocated() if on_gpu else 0
-        n, before, after = to_fp8_weights(model, fp8_weight_granularity)
-        total_after = model_bytes(model) + after  # the FP8 bytes are plain attributes, not buffers
+        model, st = freeze_fp8(model, fp8_weight_granularity)  # nanofp8/checkpoint.py
+        before, after = st["fp32"], st["fp8"]
         mb = lambda b: f"{b / 2**20:.2f} MB"  # noqa: E731
-        print(f"FP8 weights ({fp8_weight_granularity} scales): {n:,} block Linear weights "
+        print(f"FP8 weights ({fp8_weight_granularity} scales): {st['weights']:,} block Linear weights "
               f"{mb(before)} (fp32) -> {mb(after)} (E4M3 + scales); saved {mb(before - after)} "
-              f"({100 * (1 - after / before):.1f}%, and {mb(before // 2 - after)} vs bf16); "
-              f"whole model {mb(total_before)} -> {mb(total_after)}")
+              f"({100 * (1 - after / before):.1f}%, and {mb(st['bf16'] - after)} vs bf16: "
+              f"{100 * (1 - after / st['bf16']):.1f}%); whole model {mb(total_before)} -> {mb(weight_bytes(model))}")
         if on_gpu:  # what the allocator really gave back, not just the arithmetic above
             print(f"GPU memory allocated: {mb(allocated)} -> {mb(torch.cuda.memory_allocated())}")
         if val_data is not None:
@@ -171,7 +126,7 @@ def main(argv=None):
         else:
             print(f"(no {val_path}: cannot compare validation losses)")
 
-    encode, decode = load_tokenizer(train_cfg["dataset"])
+    encode, decode = load_tokenizer(train_cfg.get("dataset", "openwebtext"))  # no dataset: GPT-2 BPE
     prompt = start
     if prompt.startswith("FILE:"):
         with open(prompt[5:], encoding="utf-8") as f:

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from nanofp8 import fp8, parallel
+from nanofp8.checkpoint import initial_weights, load_moments
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
 from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3, sync_fp8_wgrads
 from nanofp8.fp8 import E4M3, E5M2
@@ -86,7 +87,8 @@ log_interval = 10
 eval_iters = 200  # batches per split per evaluation
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # else only when the validation loss improves
-init_from = "scratch"  # "scratch" | "resume" (from out_dir/ckpt.pt)
+init_from = "scratch"  # "scratch" | "resume" (from out_dir, any level/layout) | a directory: an
+#                       export, a Hugging Face GPT-2 or another run's out_dir (nanofp8/checkpoint.py)
 # data
 dataset = "openwebtext"
 gradient_accumulation_steps = 40  # micro-batches per optimizer step, summed over all ranks
@@ -174,7 +176,9 @@ def load_config(argv):
     if cfg["precision"] == "bf16" and (cfg["grad_comm"] in ("e4m3", "e5m2") or cfg["mp_comm"] == "fp8"):
         raise ConfigError("precision=bf16 has no FP8 layers and sends no FP8: grad_comm must be "
                           "auto/fp32/bf16 and mp_comm auto/bf16/fp32")
-    check_choice(cfg, "init_from", ("scratch", "resume"))
+    if cfg["init_from"] not in ("scratch", "resume") and not os.path.isdir(cfg["init_from"]):
+        raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a directory with "
+                          f"exported or Hugging Face GPT-2 weights, got {cfg['init_from']!r}")
     check_choice(cfg, "arch", ("gpt2", "llama"))
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
     check_choice(cfg, "fp8_granularity", ("tensor", "row", "block"))
@@ -687,17 +691,26 @@ def main(argv=None):
     # ---- model, from scratch or from the checkpoint
     ckpt_path = checkpoint_path(cfg, groups)
     ckpt = None
-    if cfg["init_from"] == "resume":
+    # Another level or layout, or pretrained weights: fp32 weights, converted (nanofp8/checkpoint.py)
+    converted = initial_weights(cfg, world_size)
+    if converted is not None:
+        log(f"note: {converted['note']}")
+    elif cfg["init_from"] == "resume":
         ckpt = load_checkpoint(ckpt_path, map_location=device)
         if groups is not None:
             check_resume_layout(ckpt, cfg, ckpt_path, device)
+    if ckpt is not None or converted is not None:
         for k in MODEL_KEYS:  # the architecture is the checkpoint's, whatever the config says
-            if cfg[k] != ckpt["model_args"][k]:
-                log(f"note: {k}={ckpt['model_args'][k]} from the checkpoint overrides {cfg[k]!r}")
-            cfg[k] = ckpt["model_args"][k]
+            saved = (ckpt or converted)["model_args"][k]
+            if cfg[k] != saved:
+                log(f"note: {k}={saved} from the checkpoint overrides {cfg[k]!r}")
+            cfg[k] = saved
     model_args = {k: cfg[k] for k in MODEL_KEYS}
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     model = GPT(GPTConfig(**model_args))
+    if converted is not None:  # before setup_precision: it builds each level's storage from fp32
+        load_model_state(model, converted["model"], cfg["init_from"])
+        converted = {k: converted[k] for k in ("iter_num", "best_val_loss", "moments")}  # frees the weights
     precision_desc = setup_precision(model, cfg, device_type)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()  # the whole model's
     if groups is not None:
@@ -714,6 +727,10 @@ def main(argv=None):
                               "their GEMMs in FP8 on this device (see the table above)")
     optimizer = build_optimizer(model, cfg, device_type)
     iter_num, best_val_loss = 0, float("inf")
+    if converted is not None:
+        iter_num, best_val_loss = converted["iter_num"], converted["best_val_loss"]
+        if converted["moments"]:  # in the new level's formats (nanofp8/checkpoint.py)
+            load_moments(optimizer, model, converted["moments"])
     # The global RNG now only drives dropout. Each rank gets its own stream (a tensor-parallel
     # group shares one: its replicated activations must drop the same units); a resumed run
     # continues the saved one (the writers': other ranks reseed).

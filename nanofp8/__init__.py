@@ -5,4 +5,6 @@ optim.py     precision decoupling (O2): fp16 master, FP8 gradients and Adam m, f
 dist.py      FP8 collectives, FP8 data parallelism, ZeRO in FP8 (O3)
 parallel.py  FP8 tensor, sequence and pipeline parallelism
 model.py     GPT-2 and LLaMA-style models, the checkpoint format
+checkpoint.py  models out of the run: any level/layout -> one model, conversion on resume, frozen FP8
+interop.py   the portable safetensors export, Hugging Face GPT-2 in and out
 """

@@ -1,0 +1,283 @@
+"""
+Models in files other tools read: a portable FP8 export and GPT-2 in the Hugging Face layout.
+nanofp8/checkpoint.py turns any training checkpoint into the fp32 state_dict these functions take.
+
+1. A portable export (export_portable / load_portable): a directory with config.json and
+   model.safetensors. safetensors is a JSON header plus raw bytes: no pickle, nothing executes
+   when it is read, and any framework reads it. The block Linear weights are stored as what an
+   FP8 GPU consumes, float8_e4m3fn, with "<name>.weight_scale" next to each: fp32, one per output
+   row, the *dequantization* factor (w = fp8.float() * weight_scale: a multiply, as an inference
+   kernel applies it, not nanofp8's quantization scale). Everything else is fp32. Nothing of
+   nanofp8 is needed to read it:
+
+       from safetensors.torch import load_file
+       t = load_file("export/model.safetensors")
+       w = t["blocks.0.mlp.c_fc.weight"].float() * t["blocks.0.mlp.c_fc.weight_scale"]
+
+2. GPT-2 in the Hugging Face layout (load_hf_gpt2 / export_hf_gpt2): config.json and
+   model.safetensors as transformers writes them. Its Linears are Conv1D modules that store the
+   weight as (in, out), the transpose of nn.Linear's (out, in), so the four block matrices are
+   transposed on the way in and out. Our GPT-2 dialect is GPT-2: the same tanh GELU, pre-norm
+   LayerNorms, fused q/k/v and tied head, so logits agree to fp32 rounding (tests/test_export.py).
+"""
+
+import json
+import os
+import re
+
+import torch
+import torch.nn as nn
+
+from nanofp8.fp8 import E4M3, quantize
+from nanofp8.model import GPT, CheckpointError, GPTConfig
+
+# -----------------------------------------------------------------------------
+# 1. The portable export: safetensors + JSON
+
+EXPORT_FORMAT = "nanofp8-export-1"
+
+
+def _block_linear_weights(model_args):
+    """Names and shapes of the weights stored in FP8: the block Linears (the FP8 GEMMs' weights)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_args))
+    return {f"{n}.weight": tuple(m.weight.shape) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.startswith("blocks.")}
+
+
+def _expected(model_args, fp8):
+    """{name: (dtype, shape)} of every tensor an export of this model holds."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_args))
+    out = {k: (torch.float32, tuple(v.shape)) for k, v in model.state_dict().items()}
+    if model_args.get("tie_embeddings", True):
+        out.pop("lm_head.weight")  # the same tensor as tok_emb.weight, stored once
+    if fp8:
+        for name, shape in _block_linear_weights(model_args).items():
+            out[name] = (torch.float8_e4m3fn, shape)
+            out[name + "_scale"] = (torch.float32, (shape[0], 1))
+    return out
+
+
+def export_portable(state, model_args, out_dir, fp8=True, extra=None):
+    """Write state (an fp32 GPT state_dict) to out_dir/model.safetensors + out_dir/config.json.
+    fp8=True stores the block Linear weights in E4M3 with one fp32 scale per output row."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    expected = _expected(model_args, fp8)
+    tensors = {}
+    for name in expected:
+        if name.endswith(".weight_scale"):
+            continue
+        t = state[name].detach().float().cpu()
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{name} holds NaN or inf values: not exported")
+        if fp8 and expected[name][0] == torch.float8_e4m3fn:
+            q = quantize(t, E4M3, "row")
+            tensors[name] = q.data.contiguous()
+            tensors[name + "_scale"] = q.inv_scale.float().contiguous()  # dequantize: data * this
+        else:
+            tensors[name] = t.contiguous()
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    meta = {"format": EXPORT_FORMAT, "model_args": dict(model_args),
+            "fp8": {"weights": "float8_e4m3fn, one fp32 scale per output row in <name>_scale; "
+                               "w = weight.float() * weight_scale"} if fp8 else None,
+            **(extra or {})}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    return os.path.join(out_dir, "model.safetensors")
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"no {os.path.basename(path)} in {os.path.dirname(path)}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _read_safetensors(path):
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no {os.path.basename(path)} in {os.path.dirname(path)}")
+    try:
+        return load_file(path)
+    except Exception as e:  # truncated header, bad offsets, not a safetensors file at all
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+def load_portable(path):
+    """Read an export_portable directory back. Returns (fp32 state_dict of the GPT, config.json as a
+    dict). Every tensor is checked against the model config.json describes: a missing or unexpected
+    tensor, a wrong dtype or a wrong shape is a CheckpointError naming it; non-finite values too."""
+    meta = _read_json(os.path.join(path, "config.json"))
+    if meta.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{path}/config.json is not a nanofp8 export (format "
+                              f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r})")
+    try:
+        model_args = GPTConfig(**meta["model_args"]).__dict__
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}/config.json: bad model_args: {e}") from None
+    tensors = _read_safetensors(os.path.join(path, "model.safetensors"))
+    expected = _expected(model_args, bool(meta.get("fp8")))
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}/model.safetensors does not match its config.json: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+    for name, (dtype, shape) in expected.items():
+        t = tensors[name]
+        if t.dtype != dtype:
+            raise CheckpointError(f"{path}: tensor {name} is {t.dtype}, expected {dtype}")
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = t.float() * tensors[name + "_scale"]
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{path}: tensor {name} holds NaN or inf values")
+        state[name] = t
+    if model_args["tie_embeddings"]:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return state, meta
+
+
+# -----------------------------------------------------------------------------
+# 2. GPT-2 in the Hugging Face layout
+
+CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# Key renames, applied in order (the norm rule before the general block rule).
+HF_TO_OURS = [(r"^wte\.", "tok_emb."), (r"^wpe\.", "pos_emb."), (r"^ln_f\.", "norm_f."),
+              (r"^h\.(\d+)\.ln_(\d)\.", r"blocks.\1.norm_\2."), (r"^h\.(\d+)\.", r"blocks.\1.")]
+OURS_TO_HF = [(r"^tok_emb\.", "wte."), (r"^pos_emb\.", "wpe."), (r"^norm_f\.", "ln_f."),
+              (r"^blocks\.(\d+)\.norm_(\d)\.", r"h.\1.ln_\2."), (r"^blocks\.(\d+)\.", r"h.\1.")]
+
+
+def _hf_to_ours(key):
+    key = key.removeprefix("transformer.")  # GPT2LMHeadModel's prefix; GPT2Model files have none
+    for pattern, repl in HF_TO_OURS:
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def _ours_to_hf(key):
+    if key == "lm_head.weight":
+        return key
+    for pattern, repl in OURS_TO_HF:
+        key = re.sub(pattern, repl, key)
+    return "transformer." + key
+
+
+def is_hf_gpt2(path):
+    """Whether path is a directory in the Hugging Face layout (config.json of model_type gpt2)."""
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    try:
+        return _read_json(cfg).get("model_type") == "gpt2"
+    except CheckpointError:
+        return False
+
+
+def load_hf_gpt2(path):
+    """A GPT-2 in the Hugging Face layout (config.json + model.safetensors, as transformers'
+    save_pretrained writes it or as downloaded) -> (fp32 state_dict of our GPT, model_args)."""
+    c = _read_json(os.path.join(path, "config.json"))
+    if c.get("model_type") != "gpt2":
+        raise CheckpointError(f"{path}/config.json: model_type {c.get('model_type')!r}, expected 'gpt2'")
+    # Variants of the attention our model does not compute: refuse rather than be subtly wrong.
+    if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: activation_function={c['activation_function']!r}; only GPT-2's "
+                              "tanh GELU (gelu_new) is supported")
+    if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
+        raise CheckpointError(f"{path}: attention scaling other than 1/sqrt(head_dim) is not supported")
+    try:
+        model_args = GPTConfig(arch="gpt2", block_size=c["n_positions"], vocab_size=c["vocab_size"],
+                               n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
+                               tie_embeddings=c.get("tie_word_embeddings", True),
+                               mlp_hidden=c.get("n_inner") or 0,
+                               norm_eps=c.get("layer_norm_epsilon", 1e-5)).__dict__
+    except KeyError as e:
+        raise CheckpointError(f"{path}/config.json has no {e.args[0]!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}/config.json: {e}") from None
+    st_path = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(st_path) and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        raise CheckpointError(f"{path} has only pytorch_model.bin, a pickle: convert it to "
+                              "model.safetensors (transformers' save_pretrained writes one)")
+    hf = _read_safetensors(st_path)
+    state = {}
+    for k, v in hf.items():
+        if re.search(r"\.attn\.(masked_)?bias$", k):
+            continue  # old files store the causal mask as a buffer named like a bias
+        ours = _hf_to_ours(k)
+        state[ours] = v.float().t().contiguous() if ours.endswith(CONV1D) else v.float()
+    if model_args["tie_embeddings"]:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state.get("tok_emb.weight")
+    _check_against_model(state, model_args, path)
+    return state, model_args
+
+
+def _check_against_model(state, model_args, path):
+    with torch.device("meta"):
+        want = GPT(GPTConfig(**model_args)).state_dict()
+    missing = sorted(k for k in want if state.get(k) is None)
+    unexpected = sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not hold a GPT-2 of its config.json: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in want.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{path}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+        if not torch.isfinite(state[k]).all():
+            raise CheckpointError(f"{path}: {k} holds NaN or inf values")
+
+
+def export_hf_gpt2(state, model_args, out_dir):
+    """Write an fp32 GPT state_dict (arch gpt2) in the Hugging Face GPT-2 layout: transformers'
+    GPT2LMHeadModel.from_pretrained(out_dir) then computes the same logits. A model trained
+    without biases (bias=False) gets zero biases, which is the same function."""
+    from safetensors.torch import save_file
+
+    c = GPTConfig(**model_args)
+    if c.arch != "gpt2":
+        raise ValueError(f"the Hugging Face GPT-2 layout needs arch='gpt2', this model is {c.arch!r} "
+                         "(use the portable export)")
+    with torch.device("meta"):
+        keys = GPT(c).state_dict().keys()  # the weights only: no FP8 scaling buffers of an O1 run
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise CheckpointError(f"cannot export: the state has no {missing[:5]}")
+    tensors = {}
+    for k, v in ((k, state[k]) for k in keys):
+        if k == "lm_head.weight" and c.tie_embeddings:
+            continue
+        if not torch.isfinite(v).all():
+            raise CheckpointError(f"{k} holds NaN or inf values: not exported")
+        tensors[_ours_to_hf(k)] = (v.t() if k.endswith(CONV1D) else v).detach().float().contiguous().cpu()
+    if not c.has_bias:  # GPT-2 always has biases: zeros compute the same as none
+        for i in range(c.n_layer):
+            for name, width in (("attn.c_attn", 3 * c.n_embd), ("attn.c_proj", c.n_embd),
+                                ("mlp.c_fc", c.hidden), ("mlp.c_proj", c.n_embd),
+                                ("ln_1", c.n_embd), ("ln_2", c.n_embd)):
+                tensors[f"transformer.h.{i}.{name}.bias"] = torch.zeros(width)
+        tensors["transformer.ln_f.bias"] = torch.zeros(c.n_embd)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    eos = 50256 if c.vocab_size > 50256 else None
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
+              "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+              "n_inner": c.mlp_hidden or None, "activation_function": "gelu_new",
+              "layer_norm_epsilon": c.norm_eps, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+              "attn_pdrop": c.dropout, "tie_word_embeddings": c.tie_embeddings,
+              "scale_attn_weights": True, "bos_token_id": eos, "eos_token_id": eos}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,450 @@
+"""Models leaving the training run (nanofp8/checkpoint.py, export.py, sample.py, train.py init_from).
+
+What is checked, on tiny models:
+  * every level samples: bf16, O1, O2 in one process, O3 on 2 ranks and TP=2 (torchrun, gloo),
+    each through sample.py with fp8_weights=True too;
+  * the weights read back are the trained ones: O3's from the sharded fp16 masters (not the FP8
+    copies), TP's shards merged. Shown by evaluating the converted model on the evaluation batches
+    of the run that wrote it: the same validation loss;
+  * a checkpoint resumes at another level or layout (O2 -> bf16, O2 -> O1, O3 at 2 ranks -> 1
+    process, TP=2 -> 1 process), and the log says what restarts;
+  * the portable export: float8_e4m3fn weights + fp32 scales + JSON, readable with safetensors
+    alone, identical logits after export -> import; bad files fail with a message naming the
+    tensor;
+  * Hugging Face GPT-2 in and out against transformers itself (a tiny random model made here, no
+    download): logits agree to 1e-4 in fp32 both ways; init_from=<dir> fine-tunes it;
+  * frozen FP8 models: 1 byte per weight plus one fp32 scale per row, and the logits stay close.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import export  # noqa: E402
+import sample  # noqa: E402
+import train  # noqa: E402
+from nanofp8.checkpoint import (_moments, freeze_fp8, load_for_inference, load_moments,  # noqa: E402
+                                read_checkpoint)
+from nanofp8.fp8 import E4M3, quantize, sqnr  # noqa: E402
+from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable  # noqa: E402
+from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
+
+TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
+        "batch_size=4", "gradient_accumulation_steps=2", "eval_iters=2", "log_interval=1",
+        "device=cpu", "compile=False", "learning_rate=3e-3", "warmup_iters=2", "min_lr=3e-4",
+        "lr_decay_iters=8", "eval_interval=3", "max_iters=3"]
+ARGS = dict(vocab_size=84, n_layer=2, n_head=2, n_embd=32, block_size=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shakespeare():
+    data_dir = os.path.join(REPO, "data", "shakespeare_char")
+    if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.pkl")):
+        subprocess.run([sys.executable, os.path.join(data_dir, "prepare.py")], check=True)
+
+
+def torchrun(nproc, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(REPO, "train.py"), *TINY, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def val_losses(stdout):
+    return [float(line.split("val loss ")[1]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def sample_runs(out_dir, capsys):
+    """sample.py on out_dir with FP8 weights (which measures the full-precision model first)."""
+    sample.main([f"--out_dir={out_dir}", "--max_new_tokens=8", "--num_samples=1", "--start=ROMEO",
+                 "--fp8_weights=True", "--fp8_eval_iters=2"])
+    out = capsys.readouterr().out
+    assert out.count("ROMEO") == 1 and "E4M3 + scales" in out and "with FP8 weights" in out, out
+    return out
+
+
+# ---------------------------------------------------------------- every level samples and converts
+
+
+def test_o2_samples_and_resumes_at_o1_and_bf16(tmp_path, capsys):
+    """O2 -> sample (fp16 master / scale resolved), O2 -> O1 (the same evaluation loss: the
+    weights carried over exactly), O2 -> bf16 (trains on, the log names what restarts)."""
+    out = str(tmp_path / "o2")
+    hist = train.main(TINY + ["precision=O2", f"out_dir={out}"])
+    capsys.readouterr()
+    sample_runs(out, capsys)
+    state, info = read_checkpoint(out)
+    ckpt = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    k = "blocks.0.mlp.c_fc.weight"
+    assert ckpt["model"][k].dtype == torch.float16 and state[k].dtype == torch.float32
+    assert torch.equal(state[k], ckpt["model"][k].float() / ckpt["model"][k + "_scale"])
+    # O1 casts the fp32 weight to E4M3 exactly as O2 casts its fp16 master (the same values):
+    # evaluated on the same batches, the loss of the converted model is the O2 run's.
+    o1 = train.main(TINY + ["precision=O1", f"out_dir={out}", "init_from=resume", "eval_only=True"])
+    printed = capsys.readouterr().out
+    assert "converting the checkpoint of iter 3 (precision=O2) to precision=O1" in printed
+    assert "carried over: weights exactly (fp32 = fp16 master / scale), Adam moments" in printed
+    assert "RE-INITIALIZED: FP8 scaling state" in printed
+    assert abs(o1["evals"][0][2] - hist["evals"][-1][2]) < 1e-6, (o1["evals"], hist["evals"])
+    bf16 = train.main(TINY + ["precision=bf16", f"out_dir={out}", "init_from=resume", "max_iters=5"])
+    assert "to precision=bf16" in capsys.readouterr().out
+    assert [it for it, _ in bf16["losses"]] == [3, 4]
+    after = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    assert after["config"]["precision"] == "bf16"
+    assert after["optimizer"]["state"][0]["step"] == 5  # Adam's step count went on: 3 at O2, 2 at bf16
+
+
+@pytest.mark.parametrize("precision", ["bf16", "O1"])
+def test_bf16_and_o1_sample(tmp_path, capsys, precision):
+    out = str(tmp_path / precision)
+    train.main(TINY + [f"precision={precision}", f"out_dir={out}"])
+    capsys.readouterr()
+    sample_runs(out, capsys)
+    model, info = load_for_inference(out)
+    ref = load_checkpoint(os.path.join(out, "ckpt.pt"))["model"]
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def test_o3_two_ranks_to_one_process(tmp_path, capsys):
+    """O3 on 2 ranks: the weights come back from the sharded fp16 masters, not from the FP8 copies
+    in the model state, and in the right order: cast to E4M3 they give back (all but a few
+    rounding ties of) the FP8 bytes the ranks gathered. sample.py reads them; O3 on 1 rank
+    resumes them (shards re-cut, moments too), and so does O2 in a plain process."""
+    out = str(tmp_path / "o3")
+    torchrun(2, "precision=O3", f"out_dir={out}")
+    state, info = read_checkpoint(out)
+    assert info["layout"]["zero_world"] == 2
+    fp8 = load_checkpoint(os.path.join(out, "ckpt.pt"))["model"]
+    for k in ("blocks.0.attn.c_attn.weight", "blocks.1.mlp.c_proj.weight"):
+        assert fp8[k].dtype == torch.float8_e4m3fn
+        copy = fp8[k].float() / fp8[k + "_scale"]
+        assert 25 < sqnr(state[k], copy) < 40  # the E4M3 rounding of the master: not the same tensor
+        recast = quantize(state[k], E4M3).data.view(torch.uint8)  # fp16 master -> E4M3 again
+        assert (recast == fp8[k].view(torch.uint8)).float().mean() > 0.99
+    sample_runs(out, capsys)
+    # O3 on 1 rank: the masters and moments glued from 2 shards and cut into 1
+    printed = torchrun(1, "precision=O3", f"out_dir={out}", "init_from=resume", "max_iters=4")
+    assert "(precision=O3 (2 ZeRO shards)) to precision=O3 (1 ZeRO shard)" in printed, printed
+    shards = load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["zero_shards"]
+    assert len(shards) == 1 and shards[0]["state"][0]["step"] == 4  # Adam's count went on
+    # and O2 in a plain process
+    o2 = train.main(TINY + ["precision=O2", f"out_dir={out}", "init_from=resume", "max_iters=5"])
+    printed = capsys.readouterr().out
+    assert "(precision=O3 (1 ZeRO shard)) to precision=O2" in printed, printed
+    assert "Adam moments (re-stored" in printed
+    assert [it for it, _ in o2["losses"]] == [4]
+    assert load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["state"][0]["step"] == 5
+
+
+def test_tp2_to_one_process(tmp_path, capsys):
+    """TP=2 (one file per rank): sample.py merges the shards, and one process resumes them; its
+    evaluation matches the TP run's on the same batches (bf16 GEMMs cut in two: rounding only)."""
+    out = str(tmp_path / "tp2")
+    tp_val = val_losses(torchrun(2, "precision=bf16", "tensor_parallel=2", f"out_dir={out}"))[-1]
+    assert sorted(os.listdir(out)) == ["ckpt-tp0-pp0.pt", "ckpt-tp1-pp0.pt"]
+    sample_runs(out, capsys)
+    one = train.main(TINY + ["precision=bf16", f"out_dir={out}", "init_from=resume", "eval_only=True"])
+    printed = capsys.readouterr().out
+    assert "(precision=bf16 (tensor_parallel=2)) to precision=bf16" in printed, printed
+    assert "RE-INITIALIZED: optimizer moments" in printed  # a TP rank's optimizer: not carried
+    assert abs(one["evals"][0][2] - tp_val) / tp_val < 2e-3, (one["evals"], tp_val)
+    o1 = train.main(TINY + ["precision=O1", f"out_dir={out}", "init_from=resume", "max_iters=5"])
+    assert [it for it, _ in o1["losses"]] == [3, 4]
+    assert "ckpt.pt" in os.listdir(out)
+
+
+@pytest.mark.parametrize("v_format", ["fp16", "fp8"])
+def test_moments_between_levels(v_format):
+    """O2's moments (E4M3 m, fp16 or E4M3-sqrt v, with scales) -> fp32 for torch AdamW, exactly
+    their dequantized values; and back into a fresh O2 optimizer, re-stored to within FP8 rounding."""
+    cfg = train.load_config(TINY + ["precision=O2", f"o2_v_format={v_format}"])
+    model_args = {k: cfg[k] for k in train.MODEL_KEYS} | {"vocab_size": 84}
+
+    def built(level):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**model_args))
+        train.setup_precision(model, {**cfg, "precision": level}, "cpu")
+        return model, train.build_optimizer(model, {**cfg, "precision": level}, "cpu")
+
+    o2, opt = built("O2")
+    x = torch.randint(0, 84, (4, 32), generator=torch.Generator().manual_seed(5))
+    for _ in range(3):
+        o2(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = {"optimizer": opt.state_dict(), "model": o2.state_dict(), "model_args": model_args,
+            "config": {"o2_v_format": v_format}}
+    moments = _moments(ckpt)
+    lin = o2.blocks[1].mlp.c_fc
+    st = opt.state[lin.weight]
+    m = st["exp_avg"].float() / st["exp_avg_scale"]
+    v = st["exp_avg_sq"].float() / st["exp_avg_sq_scale"]
+    v = v.square() if v_format == "fp8" else v
+    bf16, opt32 = built("bf16")
+    load_moments(opt32, bf16, moments)
+    got = opt32.state[bf16.blocks[1].mlp.c_fc.weight]
+    assert torch.allclose(got["exp_avg"], m, rtol=1e-6, atol=0) and torch.allclose(got["exp_avg_sq"], v, rtol=1e-6, atol=0)
+    assert got["step"] == 3 and opt32.state[bf16.tok_emb.weight]["step"] == 3
+    assert torch.equal(opt32.state[bf16.tok_emb.weight]["exp_avg"], opt.state[o2.tok_emb.weight]["exp_avg"])
+    back, opt2 = built("O2")
+    load_moments(opt2, back, _moments({**ckpt, "optimizer": opt32.state_dict(), "config": {}}))
+    st2 = opt2.state[back.blocks[1].mlp.c_fc.weight]
+    assert sqnr(m, st2["exp_avg"].float() / st2["exp_avg_scale"]) > 40  # E4M3 of E4M3 values
+    v2 = st2["exp_avg_sq"].float() / st2["exp_avg_sq_scale"]
+    assert sqnr(v, v2.square() if v_format == "fp8" else v2) > 40
+
+
+# ---------------------------------------------------------------- the portable export
+
+
+def trained_like(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**ARGS, **kw})).eval()
+    with torch.no_grad():  # weights of a trained model's spread, not the 0.02 init
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(x, x)[0]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_export_import_identical_logits(tmp_path, arch):
+    model = trained_like(arch=arch, tie_embeddings=arch == "gpt2")
+    x = torch.randint(0, ARGS["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+    # fp32: lossless
+    export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "fp32"), fp8=False)
+    state, meta = load_portable(str(tmp_path / "fp32"))
+    back = GPT(GPTConfig(**meta["model_args"])).eval()
+    load_model_state(back, state)
+    assert torch.equal(logits(back, x), logits(model, x))
+    # FP8: what comes back is the frozen FP8 model, to the bit (the same dequantization)
+    export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "fp8"), fp8=True)
+    state, meta = load_portable(str(tmp_path / "fp8"))
+    back = GPT(GPTConfig(**meta["model_args"])).eval()
+    load_model_state(back, state)
+    ref = logits(model, x)
+    frozen, _ = freeze_fp8(model)
+    assert torch.equal(logits(back, x), logits(frozen, x))
+    assert sqnr(ref, logits(back, x)) > 25
+
+
+def test_export_is_plain_safetensors(tmp_path):
+    """No pickle, no nanofp8: the header is JSON, the block weights are F8_E4M3 with F32 scales,
+    and safetensors + one multiply give the weights back."""
+    from safetensors.torch import load_file
+
+    model = trained_like()
+    d = str(tmp_path / "exp")
+    export_portable(model.state_dict(), model.config.__dict__, d)
+    with open(os.path.join(d, "model.safetensors"), "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    assert header["blocks.0.attn.c_attn.weight"]["dtype"] == "F8_E4M3"
+    assert header["blocks.0.attn.c_attn.weight_scale"]["dtype"] == "F32"
+    assert header["blocks.0.attn.c_attn.weight_scale"]["shape"] == [96, 1]
+    assert header["tok_emb.weight"]["dtype"] == "F32" and "lm_head.weight" not in header  # tied: once
+    assert json.load(open(os.path.join(d, "config.json")))["model_args"]["n_embd"] == 32
+    t = load_file(os.path.join(d, "model.safetensors"))
+    w = t["blocks.1.mlp.c_fc.weight"].float() * t["blocks.1.mlp.c_fc.weight_scale"]
+    assert torch.equal(w, load_portable(d)[0]["blocks.1.mlp.c_fc.weight"])
+    assert sqnr(model.blocks[1].mlp.c_fc.weight, w) > 25
+
+
+def test_bad_export_files(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = trained_like()
+    d = str(tmp_path / "good")
+    export_portable(model.state_dict(), model.config.__dict__, d)
+    good = load_file(os.path.join(d, "model.safetensors"))
+
+    def broken(name, tensors):
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text(open(os.path.join(d, "config.json")).read())
+        save_file(tensors, str(bad / "model.safetensors"))
+        return str(bad)
+
+    k = "blocks.0.mlp.c_proj.weight"
+    with pytest.raises(CheckpointError, match=r"missing \['blocks.0.mlp.c_proj.weight'\]"):
+        load_portable(broken("missing", {n: v for n, v in good.items() if n != k}))
+    with pytest.raises(CheckpointError, match=rf"{k} is torch.float16, expected torch.float8_e4m3fn"):
+        load_portable(broken("dtype", {**good, k: good[k].half()}))
+    with pytest.raises(CheckpointError, match=rf"{k}_scale is torch.float64, expected torch.float32"):
+        load_portable(broken("scale_dtype", {**good, k + "_scale": good[k + "_scale"].double()}))
+    with pytest.raises(CheckpointError, match=r"tok_emb.weight has shape \(83, 32\), expected \(84, 32\)"):
+        load_portable(broken("shape", {**good, "tok_emb.weight": good["tok_emb.weight"][:83].clone()}))
+    with pytest.raises(CheckpointError, match=r"unexpected \['extra'\]"):
+        load_portable(broken("extra", {**good, "extra": torch.zeros(1)}))
+    nan = good["norm_f.weight"].clone()
+    nan[3] = float("nan")
+    with pytest.raises(CheckpointError, match="norm_f.weight holds NaN"):
+        load_portable(broken("nan", {**good, "norm_f.weight": nan}))
+    trunc = broken("truncated", good)
+    data = open(os.path.join(trunc, "model.safetensors"), "rb").read()
+    open(os.path.join(trunc, "model.safetensors"), "wb").write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_portable(trunc)
+    os.remove(os.path.join(trunc, "config.json"))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_portable(trunc)
+    (tmp_path / "truncated" / "config.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CheckpointError, match="is not a nanofp8 export"):
+        load_portable(trunc)
+    # and a model with a NaN is not exported in the first place
+    state = model.state_dict()
+    state["blocks.1.attn.c_proj.weight"][0, 0] = float("inf")
+    with pytest.raises(CheckpointError, match="blocks.1.attn.c_proj.weight holds NaN or inf"):
+        export_portable(state, model.config.__dict__, str(tmp_path / "inf"))
+    with pytest.raises(CheckpointError, match="blocks.1.attn.c_proj.weight holds NaN or inf"):
+        export_hf_gpt2(state, model.config.__dict__, str(tmp_path / "inf"))
+
+
+def test_export_cli_and_finetune_from_it(tmp_path, capsys):
+    """export.py from a run, sample.py and train.py init_from=<export> (fine-tuning in O2)."""
+    run = str(tmp_path / "run")
+    train.main(TINY + ["precision=O1", f"out_dir={run}"])
+    exp = str(tmp_path / "exported")
+    export.main([f"--out_dir={run}", f"--to={exp}"])
+    assert "exported" in capsys.readouterr().out
+    sample_runs(exp, capsys)
+    ft = train.main(TINY + ["precision=O2", f"init_from={exp}", f"out_dir={tmp_path / 'ft'}", "max_iters=2"])
+    assert "fine-tuning the weights of" in capsys.readouterr().out
+    assert [it for it, _ in ft["losses"]] == [0, 1]
+    # its first evaluation is the exported (FP8-weight) model's, not a fresh one's (~4.4 = ln 84)
+    assert ft["evals"][0][2] < 4.2
+    # a training run's out_dir (any level) is a starting point too
+    ft2 = train.main(TINY + ["precision=bf16", f"init_from={run}", f"out_dir={tmp_path / 'ft2'}", "max_iters=1"])
+    assert abs(ft2["evals"][0][2] - ft["evals"][0][2]) < 0.02  # the same model, FP8 weights or not
+
+
+# ---------------------------------------------------------------- Hugging Face GPT-2
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2(tmp_path_factory):
+    import transformers  # a test-only requirement (requirements.txt)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    d = str(tmp_path_factory.mktemp("hf"))
+    model.save_pretrained(d)
+    return transformers, model, d
+
+
+def test_hf_gpt2_in(hf_gpt2):
+    _, hf, d = hf_gpt2
+    state, model_args = load_hf_gpt2(d)
+    ours = GPT(GPTConfig(**model_args)).eval()
+    load_model_state(ours, state)
+    x = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(x).logits
+    diff = (logits(ours, x) - ref).abs().max().item()
+    print(f"HF -> nanofp8: logits max diff {diff:.2e}")
+    assert diff < 1e-4
+    model, info = load_for_inference(d)  # what sample.py and init_from=<dir> read
+    assert "Hugging Face GPT-2" in info["source"] and torch.equal(logits(model, x), logits(ours, x))
+
+
+@pytest.mark.parametrize("tied,bias", [(True, True), (False, False)])
+def test_hf_gpt2_out(hf_gpt2, tmp_path, tied, bias):
+    transformers, _, _ = hf_gpt2
+    ours = trained_like(tie_embeddings=tied, bias=bias)
+    export_hf_gpt2(ours.state_dict(), ours.config.__dict__, str(tmp_path))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    x = torch.randint(0, 84, (3, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (hf(x).logits - logits(ours, x)).abs().max().item()
+    print(f"nanofp8 -> HF (tied={tied}, bias={bias}): logits max diff {diff:.2e}")
+    assert diff < 1e-4
+    state, _ = load_hf_gpt2(str(tmp_path))  # and back
+    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
+
+
+def test_hf_bad_inputs(hf_gpt2, tmp_path):
+    _, _, d = hf_gpt2
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
+    with pytest.raises(CheckpointError, match="activation_function='relu'"):
+        load_hf_gpt2(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_layer": 3}))
+    os.symlink(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing \['blocks.2"):
+        load_hf_gpt2(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_head": 3}))
+    with pytest.raises(CheckpointError, match="n_embd=32 is not divisible by n_head=3"):
+        load_hf_gpt2(str(tmp_path))
+    with pytest.raises(ValueError, match="arch='gpt2'"):
+        export_hf_gpt2({}, GPTConfig(**ARGS, arch="llama").__dict__, str(tmp_path / "x"))
+
+
+def test_finetune_hf_gpt2(hf_gpt2, tmp_path, capsys):
+    """init_from=<Hugging Face dir>: the GPT-2 (vocabulary 96 >= the data's 84) trains in FP8."""
+    _, _, d = hf_gpt2
+    hist = train.main(TINY + ["precision=O1", f"init_from={d}", f"out_dir={tmp_path}", "max_iters=2"])
+    out = capsys.readouterr().out
+    assert "fine-tuning the weights of" in out and "vocab_size=96 from the checkpoint" in out
+    assert [it for it, _ in hist["losses"]] == [0, 1]
+
+
+# ---------------------------------------------------------------- frozen FP8 models
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor", "block"])
+def test_freeze_fp8(granularity):
+    model = trained_like(n_embd=128, n_head=4)
+    x = torch.randint(0, 84, (2, 32), generator=torch.Generator().manual_seed(4))
+    ref = logits(model, x)
+    frozen, st = freeze_fp8(model, granularity)
+    rows = 2 * (3 * 128 + 128 + 4 * 128 + 128)  # out features of the 4 Linears, 2 blocks
+    n_scales = {"row": rows, "tensor": 8, "block": 2 * (3 + 1 + 4 + 4)}[granularity]
+    assert st["weights"] == 2 * 12 * 128 * 128 and st["bf16"] == 2 * st["weights"]
+    assert st["fp8"] == st["weights"] + 4 * n_scales  # 1 byte per weight + the fp32 scales
+    assert not any(p.requires_grad for p in frozen.parameters()) and not frozen.training
+    assert sqnr(ref, logits(frozen, x)) > 20  # E4M3 weights through 2 blocks: ~25 dB
+
+
+def test_bench_memory_frozen(tmp_path):
+    """bench.py memory's frozen-model table: 1 byte per block weight + 4 per row scale, vs 2 in bf16."""
+    import argparse
+
+    import bench
+
+    out = tmp_path / "memory.json"
+    out.write_text("{}")  # cmd_memory writes the file first; this table is added to it
+    bench.cmd_memory_frozen(argparse.Namespace(models=["tiny"], llama_layers=2, json=str(out)))
+    rows = {r["granularity"]: r for r in json.loads(out.read_text())["memory_frozen_fp8"]}
+    weights, rows_ = 2 * 12 * 64 * 64, 2 * 9 * 64  # tiny: 2 blocks of width 64
+    assert rows["row"]["linear_fp8_B_per_weight"] == (weights + 4 * rows_) / weights
+    assert rows["row"]["linear_fp8_vs_bf16"] == (weights + 4 * rows_) / (2 * weights)
+    assert rows["block"]["linear_fp8_vs_bf16"] < rows["row"]["linear_fp8_vs_bf16"] < 0.53
+    assert rows["row"]["model_fp8_MB"] < rows["row"]["model_bf16_MB"]
+
+
+def test_o1_run_to_transformers(hf_gpt2, tmp_path, capsys):
+    """export.py --format=hf on a training run (O1: FP8 scaling buffers, which are not exported)."""
+    transformers, _, _ = hf_gpt2
+    run = str(tmp_path / "run")
+    train.main(TINY + ["precision=O1", "bias=False", f"out_dir={run}"])
+    export.main([f"--out_dir={run}", f"--to={tmp_path / 'hf'}", "--format=hf"])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    ours, _ = load_for_inference(run)
+    x = torch.randint(0, 84, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (hf(x).logits - logits(ours, x)).abs().max() < 1e-4
