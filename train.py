@@ -48,6 +48,7 @@ import glob
 import io
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -261,21 +262,31 @@ def init_distributed(cfg):
     _monitor_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
 
 
+def is_collective_failure(error):
+    """A collective that timed out or lost its peer (gloo raises a plain RuntimeError from inside
+    DDP's backward, a DistError elsewhere)."""
+    signs = ("Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe")
+    return torch.distributed.is_initialized() and (
+        isinstance(error, torch.distributed.DistError) or any(s in str(error) for s in signs))
+
+
 def report_collective_failure(error):
     """Called when a collective failed: name the ranks that do not answer (rank 0 finds out,
     with a short monitored barrier), print one line and leave without waiting on anyone."""
     rank = torch.distributed.get_rank()
-    who = "rank 0 names the ranks that did not answer"
+    who = "rank 0 names the ranks that do not answer"
     try:
-        torch.distributed.monitored_barrier(_monitor_group, timeout=timedelta(seconds=10), wait_all_ranks=True)
-        who = "every rank answers a barrier now"
+        torch.distributed.monitored_barrier(_monitor_group, timeout=timedelta(seconds=min(10.0, _dist_timeout)),
+                                           wait_all_ranks=True)
+        who = "all ranks answer now"
     except Exception as e:  # rank 0: "Ranks 1, 3 failed to pass monitoredBarrier in 10000 ms"
-        lines = [ln for ln in str(e).splitlines() if "failed to pass monitoredBarrier" in ln]
-        if lines:
-            who = lines[0].strip().rstrip(".").split("] ")[-1]
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    print(f"error: rank {rank}: a collective did not complete within dist_timeout={_dist_timeout:g}s "
-          f"({who}: stopped, hung or dead): {first}", file=sys.stderr, flush=True)
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+        if found:
+            ranks = found.group(1).strip()
+            who = f"rank{'s' if ',' in ranks else ''} {ranks} not answering: stopped, hung or dead"
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0].split("] ")[-1][:160]
+    print(f"error: rank {rank}: a collective did not complete within dist_timeout={_dist_timeout:g}s; "
+          f"{who} ({first})", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(3)  # not sys.exit: tearing the process group down would wait for the missing ranks
 
@@ -393,6 +404,9 @@ def setup_precision(model, cfg, device_type):
         return "bf16 autocast, fp32 master weights"
     recipe = fp8_recipe(cfg, device_type)
     names = apply_fp8(model, recipe, cfg["fp8_lm_head"])
+    if not names:  # FP8 GEMMs need both dims % 16: an "FP8" run with none would be bf16 in disguise
+        raise ConfigError(f"precision={cfg['precision']}: no block Linear can run in FP8: their widths "
+                          f"(n_embd={cfg['n_embd']}, MLP {model.config.hidden}) must be multiples of 16")
     level = cfg["precision"]
     if level == "O2":
         convert_to_o2(model)
@@ -998,9 +1012,11 @@ def main(argv=None):
     return history
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """main() as a command: one line on stderr per failure, and the exit status says which kind:
+    2 a bad config, checkpoint or dataset; 1 a run that diverged; 3 a rank that stopped answering."""
     try:
-        main()
+        main(argv)
     except ConfigError as e:  # decided alike on every rank: say it once
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -1013,7 +1029,11 @@ if __name__ == "__main__":
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except torch.distributed.DistError as e:  # a collective timed out or lost a peer
-        if not torch.distributed.is_initialized():
+    except RuntimeError as e:
+        if not is_collective_failure(e):
             raise
         report_collective_failure(e)
+
+
+if __name__ == "__main__":
+    cli()

@@ -29,6 +29,7 @@ thing.
 import glob
 import math
 import os
+import re
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -424,10 +425,11 @@ def load_checkpoint(path, map_location="cpu"):
     except Exception as e:  # truncated zip, random bytes, a pickle with forbidden objects, ...
         # Not torch's message: for a pickle holding objects it advises retrying with
         # weights_only=False, which is exactly how such a file would run its code.
-        if "Weights only load failed" in str(e):
-            why = "it holds Python objects, not only tensors and plain values"
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:
+            why = f"it holds Python objects ({found.group(1)}), not only tensors and plain values"
         else:
-            why = f"truncated or corrupt ({type(e).__name__})"
+            why = "truncated or corrupt (not the zip archive torch.save writes)"
         raise CheckpointError(f"{path} is not a nanofp8 checkpoint: {why}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
