@@ -44,7 +44,6 @@ a run that is stopped and resumed from its checkpoint (init_from='resume') sees 
 as one that never stopped, and on CPU it reproduces the same losses bit for bit.
 """
 
-import glob
 import io
 import math
 import os
