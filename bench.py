@@ -12,6 +12,10 @@ the same figures (plus machine, date and versions) as JSON.
                                 equal steps and seeds: loss curves (CSV + PNG), final val losses
     python bench.py throughput  tokens/s and peak memory, BF16 vs O1/O2
     python bench.py gemm        the kernels benchmark (python kernels.py)
+    python bench.py stats DIR   per-layer heatmaps (SQNR, underflow, saturation) over the steps and
+                                amax trends, as PNG, from DIR/fp8_stats.jsonl (train.py with
+                                fp8_stats_interval > 0); --cost: step time with the statistics off,
+                                every 100 steps and every step
 
 Nothing here is typed in by hand: every figure is measured when the command runs.
 """
@@ -381,6 +385,10 @@ THROUGHPUT_MODELS = {
     "llama-1B": (MODELS["llama"], 4, 2048),
     # what a CPU can run in seconds
     "cpu-small": (GPTConfig(arch="gpt2", n_layer=4, n_head=4, n_embd=256, vocab_size=256, block_size=128), 8, 128),
+    # config/shakespeare_char_fp8.py's model and batch
+    "shakespeare-char": (GPTConfig(arch="gpt2", n_layer=4, n_head=4, n_embd=128, vocab_size=84, block_size=64,
+                                   bias=False), 16, 64),
+    "tiny": (MODELS["tiny"], 2, 32),  # for the tests
 }
 
 
@@ -444,6 +452,147 @@ def cmd_gemm(args):
 
 
 # -----------------------------------------------------------------------------
+# stats: pictures of nanofp8/stats.py's records, and what collecting them costs
+
+STAT_PANELS = (("sqnr_db", "SQNR (dB)", "viridis"), ("underflow", "underflow (% of non-zero values)", "magma"),
+               ("saturation", "saturation (% of values)", "magma"))
+OPERAND_ORDER = ("x", "w", "dy", "xT", "wT", "dyT", "wgrad")
+
+
+def cmd_stats(args):
+    if args.cost:
+        stats_cost(args)
+    if args.out_dir:
+        for path in plot_stats(args.out_dir, args.out or args.out_dir):
+            print(f"wrote {path}")
+
+
+def plot_stats(stats_dir, out):
+    """Heatmaps (one row per metric, one column per operand; layers down, statistics steps across)
+    and amax trends (one panel per operand, one line per layer). Returns the PNG paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from nanofp8.stats import read_records
+
+    path = os.path.join(stats_dir, "fp8_stats.jsonl")
+    if not os.path.exists(path):
+        sys.exit(f"error: {path} not found: train with fp8_stats_interval > 0 and out_dir={stats_dir}")
+    recs = [r for r in read_records(path) if "sqnr_db" in r]  # the casts (not O2's stored moments)
+    if not recs:
+        sys.exit(f"error: {path} holds no cast statistics")
+    iters = sorted({r["iter"] for r in recs})
+    layers = list(dict.fromkeys(r["layer"] for r in recs))
+    ops = [o for o in OPERAND_ORDER if any(r["operand"] == o for r in recs)]
+    col, row = {it: j for j, it in enumerate(iters)}, {name: i for i, name in enumerate(layers)}
+    grid = {}
+    for key, _, _ in STAT_PANELS:
+        for op in ops:
+            grid[key, op] = np.full((len(layers), len(iters)), np.nan)
+    amax = {op: np.full((len(layers), len(iters)), np.nan) for op in ops}
+    for r in recs:
+        if r["operand"] not in ops:
+            continue
+        i, j = row[r["layer"]], col[r["iter"]]
+        for key, _, _ in STAT_PANELS:
+            v = r[key]
+            grid[key, r["operand"]][i, j] = np.nan if v is None else (v if key == "sqnr_db" else 100 * v)
+        amax[r["operand"]][i, j] = r["amax"]
+
+    os.makedirs(out, exist_ok=True)
+    fig, axes = plt.subplots(len(STAT_PANELS), len(ops), squeeze=False, layout="constrained",
+                             figsize=(3.2 * len(ops) + 2, 0.16 * len(layers) * len(STAT_PANELS) + 2))
+    ticks = np.linspace(0, len(iters) - 1, min(len(iters), 5)).round().astype(int)
+    for a, (key, title, cmap) in enumerate(STAT_PANELS):
+        vals = np.concatenate([grid[key, op].ravel() for op in ops])
+        vals = vals[np.isfinite(vals)]
+        lo, hi = (vals.min(), vals.max()) if vals.size else (0.0, 1.0)
+        if key != "sqnr_db":  # fractions: 0 is black, whatever the largest value
+            lo, hi = 0.0, max(hi, 1e-3)
+        elif hi == lo:
+            lo, hi = lo - 1, hi + 1
+        for b, op in enumerate(ops):
+            ax = axes[a][b]
+            im = ax.imshow(grid[key, op], aspect="auto", interpolation="nearest", cmap=cmap, vmin=lo, vmax=hi)
+            ax.set_title(f"{op}: {title}", fontsize=8)
+            ax.set_xticks(ticks, [str(iters[t]) for t in ticks], fontsize=6)
+            ax.set_yticks(range(len(layers)), layers if b == 0 else [""] * len(layers), fontsize=6)
+        fig.colorbar(im, ax=list(axes[a]), fraction=0.02, pad=0.01)  # one scale per metric
+    fig.suptitle(f"FP8 cast statistics per layer over training steps "
+                 f"({os.path.basename(os.path.normpath(stats_dir))})", fontsize=9)
+    heat = os.path.join(out, "fp8_stats_heatmap.png")
+    fig.savefig(heat, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(ops), squeeze=False, figsize=(3.6 * len(ops), 3.4))
+    for b, op in enumerate(ops):
+        ax = axes[0][b]
+        for i, name in enumerate(layers):
+            ax.semilogy(iters, amax[op][i], lw=0.8, label=name, color=plt.cm.viridis(i / max(1, len(layers) - 1)))
+        ax.set(title=f"amax of {op}", xlabel="iteration")
+    axes[0][0].legend(fontsize=5, ncol=2)  # colour runs with depth: first layer dark, last light
+    fig.tight_layout()
+    trend = os.path.join(out, "fp8_stats_amax.png")
+    fig.savefig(trend, dpi=110)
+    plt.close(fig)
+    return [heat, trend]
+
+
+def stats_cost(args):
+    """Mean training-step time with statistics off, every 100 steps and every step, on one model
+    and optimizer. The three settings take turns in blocks of steps, so a machine whose load
+    drifts slows them alike."""
+    from nanofp8.stats import Fp8Stats
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, batch, seq = THROUGHPUT_MODELS[args.model]
+    recipe = Recipe(backend="torch" if device == "cuda" else "emulate")
+    model, opt = build(cfg, "O1", recipe, device)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
+    ac = torch.autocast(device, dtype=torch.bfloat16)
+    settings = {"off": None, "every 100": Fp8Stats(model, 100), "every 1": Fp8Stats(model, 1)}
+    step_of = {k: 0 for k in settings}
+    spent = {k: 0.0 for k in settings}
+
+    def step(name):
+        st = settings[name]
+        if st is not None and st.due(step_of[name]):
+            st.start()
+        with ac:
+            loss = model(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if st is not None:
+            st.finish(step_of[name], opt)
+        step_of[name] += 1
+
+    for name in settings:  # warm-up
+        step(name)
+        step_of[name] = 0
+    block = max(1, min(args.steps, 20))
+    while min(step_of.values()) < args.steps:
+        for name in settings:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(min(block, args.steps - step_of[name])):
+                step(name)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            spent[name] += time.perf_counter() - t0
+    base = spent["off"] / args.steps
+    rows = [{"model": args.model, "stats": name, "steps": args.steps, "ms_per_step": 1000 * spent[name] / args.steps,
+             "vs_off": spent[name] / args.steps / base} for name in settings]
+    print(f"Step time with FP8 statistics ({args.model}, O1, {environment()['device']}, "
+          f"{'FP8 GEMMs emulated' if device == 'cpu' else 'torch._scaled_mm'}, eager)")
+    emit("stats_cost", rows, ["model", "stats", "steps", "ms_per_step", "vs_off"], args)
+
+
+# -----------------------------------------------------------------------------
 # report: the README's results section, regenerated from results/*.json
 
 
@@ -490,6 +639,11 @@ def cmd_report(args):
         parts += ["### Throughput (`bench.py throughput`)", _env_line(d["env"]), "",
                   _md_table(d["throughput"], ["model", "level", "compile", "tokens_per_s", "vs_bf16", "device_kind"],
                             {"tokens_per_s": lambda v: f"{v:,.0f}"}), ""]
+    if (d := load("stats_cost_cpu.json")):
+        parts += ["### Cost of the FP8 statistics (`bench.py stats --cost`)", _env_line(d["env"]), "",
+                  _md_table(d["stats_cost"], ["model", "stats", "steps", "ms_per_step", "vs_off"]), "",
+                  "Eager mode; on a CPU the FP8 GEMMs are emulated, so the step itself is slow and the "
+                  "ratio is the CPU's, not a GPU's.", ""]
     gpu = [f for f in sorted(os.listdir(res)) if f.startswith(("kernels_", "throughput_gpu", "parity_gpu"))] if os.path.isdir(res) else []
     if not gpu:
         parts += ["### GPU figures", "No GPU figures are published yet: none has been measured on a Hopper GPU "
@@ -529,6 +683,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no_compile", action="store_true")
     sub.add_parser("gemm")
+    p = sub.add_parser("stats")
+    p.add_argument("out_dir", nargs="?", help="a train.py out_dir holding fp8_stats.jsonl: draw it")
+    p.add_argument("--out", help="where the PNGs go (default: out_dir)")
+    p.add_argument("--cost", action="store_true", help="time steps with statistics off / every 100 / every 1")
+    p.add_argument("--model", default="shakespeare-char", choices=list(THROUGHPUT_MODELS))
+    p.add_argument("--steps", type=int, default=200, help="--cost: timed steps per setting")
     for p in sub.choices.values():
         p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p = sub.add_parser("report")
@@ -536,7 +696,7 @@ def main(argv=None):
     p.add_argument("--readme", default=os.path.join(REPO, "README.md"))
     args = ap.parse_args(argv)
     {"memory": cmd_memory, "comm": cmd_comm, "parity": cmd_parity, "throughput": cmd_throughput,
-     "gemm": cmd_gemm, "report": cmd_report}[args.cmd](args)
+     "gemm": cmd_gemm, "stats": cmd_stats, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,12 @@ micro-batches. O1 sends activations and gradients between ranks in FP8, bf16 in 
     torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py tensor_parallel=2 sequence_parallel=True \
         pipeline_parallel=2                     # 2 replicas x 2 tensor x 2 pipeline ranks
 
+Seeing the numerics (nanofp8/stats.py): at start-up every FP8 level prints a table of the Linears
+(FP8 or not, and why not), and at the end the number of GEMMs that fell back to high precision
+(fp8_strict=True makes a fallback an error). fp8_stats_interval=N records every FP8 cast's
+underflow, saturation, subnormals, SQNR and scales every N iterations to out_dir/fp8_stats.jsonl,
+logs a one-line summary and alarms, and leaves the training step bit-identical; 0 turns it off.
+
 Where the precision level touches the training loop there is one small function each:
 setup_precision (what the model's layers compute in), build_optimizer (what holds the master
 weights and moments), optimizer_step (how gradients become an update) and wrap_data_parallel (how
@@ -58,13 +64,14 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from nanofp8 import parallel
+from nanofp8 import fp8, parallel
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of, read_dataset_meta
 from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3, sync_fp8_wgrads
 from nanofp8.fp8 import E4M3, E5M2
 from nanofp8.model import (GPT, CheckpointError, GPTConfig, apply_fp8, load_checkpoint,
                            load_model_state, save_checkpoint)
 from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2
+from nanofp8.stats import Alarms, Fp8Stats, fallback_line, format_linear_table, linear_table
 
 # -----------------------------------------------------------------------------
 # Defaults: GPT-2 small (124M) on OpenWebText. Config files and key=value override them.
@@ -119,6 +126,14 @@ fp8_history_len = 16  # delayed scaling: amax history length
 fp8_amax_algo = "max"  # delayed scaling: "max" | "most_recent"
 fp8_margin = 0  # scales are divided by 2^margin (0 to 8: see check_values)
 fp8_lm_head = False  # also run the LM head in FP8
+# seeing the numerics (nanofp8/stats.py)
+fp8_stats_interval = 0  # every this many iterations: per-layer FP8 cast statistics (0 = off)
+fp8_strict = False  # a GEMM that cannot run in FP8 is an error, not a high-precision fallback
+fp8_alarm_saturation = 1e-4  # alarm: fraction of an operand's values clipped at the FP8 max ...
+fp8_alarm_underflow = 0.05  # ... fraction of its non-zero values flushed to zero ...
+fp8_alarm_sqnr_db = 15.0  # ... SQNR of its FP8 copy below this ...
+fp8_alarm_intervals = 3  # ... for this many statistics steps in a row
+fp8_alarm_amax_growth = 10.0  # alarm: an activation's or weight's amax grew this many times
 # model parallelism (torchrun; see nanofp8/parallel.py). Processes = data x tensor x pipeline.
 tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, MLP units)
 sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
@@ -164,7 +179,31 @@ def load_config(argv):
         raise ConfigError(f"config key 'device' must be 'auto', 'cpu' or 'cuda[:N]', got {cfg['device']!r}")
     check_values(cfg)
     check_model_parallel(cfg)
+    check_stats(cfg)
     return cfg
+
+
+def check_stats(cfg):
+    if cfg["fp8_stats_interval"] < 0:
+        raise ConfigError(f"config key 'fp8_stats_interval' must be >= 0 (0 = off), got {cfg['fp8_stats_interval']}")
+    try:
+        stats_alarms(cfg)
+    except ValueError as e:
+        raise ConfigError(f"fp8_alarm_* keys: {e}") from None
+    if not cfg["fp8_stats_interval"]:
+        return
+    if cfg["tensor_parallel"] * cfg["pipeline_parallel"] > 1:
+        raise ConfigError("fp8_stats_interval > 0 with tensor or pipeline parallelism: the statistics "
+                          "observe Fp8Linear, not nanofp8/parallel.py's layers; set fp8_stats_interval=0")
+    if cfg["compile"]:
+        raise ConfigError("fp8_stats_interval > 0 with compile=True: statistics are collected in eager "
+                          "mode; set compile=False (or leave compile unset: it is then off)")
+
+
+def stats_alarms(cfg):
+    return Alarms(saturation=cfg["fp8_alarm_saturation"], underflow=cfg["fp8_alarm_underflow"],
+                  sqnr_db=cfg["fp8_alarm_sqnr_db"], intervals=cfg["fp8_alarm_intervals"],
+                  amax_growth=cfg["fp8_alarm_amax_growth"])
 
 
 # The largest fp8_margin allowed. A margin m maps the amax to fp8_max / 2^m, so the top m binades of
@@ -416,6 +455,9 @@ def setup_precision(model, cfg, device_type):
     desc = (f"{level}: {len(names)} Linears in FP8 ({recipe.scaling} scaling, {recipe.granularity}, "
             f"{recipe.formats}, backend={recipe.backend}; {state}), the rest bf16 autocast")
     if cfg["fp8_lm_head"] and "lm_head" not in names:
+        if cfg["fp8_strict"]:
+            raise ConfigError(f"fp8_lm_head=True, fp8_strict=True: the LM head cannot run in FP8 "
+                              f"(vocab_size={model.config.vocab_size} is not a multiple of 16)")
         desc += f" (LM head kept bf16: vocab_size={model.config.vocab_size} is not a multiple of 16)"
     return desc
 
@@ -833,7 +875,7 @@ def main(argv=None):
     device = cfg["device"]
     device_type = device.split(":")[0]
     if cfg["compile"] is None:
-        cfg["compile"] = device_type == "cuda" and not model_parallel
+        cfg["compile"] = device_type == "cuda" and not model_parallel and not cfg["fp8_stats_interval"]
     check_accumulation(cfg, dp_size, "processes" if groups is None else "replicas")
     accum = cfg["gradient_accumulation_steps"] // dp_size  # micro-steps per rank
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
@@ -878,6 +920,13 @@ def main(argv=None):
             raise CheckpointError(f"{ckpt_path} holds non-finite values in {bad[:5]}: the run that wrote "
                                   f"it had diverged; resume from an earlier checkpoint")
     model.to(device)
+    if cfg["precision"] != "bf16":  # what really runs in FP8, and no silent fallback under strict
+        fp8.strict, rows = cfg["fp8_strict"], linear_table(model)
+        fp8.fallbacks.clear()
+        log(format_linear_table(rows))
+        if cfg["fp8_strict"] and any(r["fallback"] for r in rows):
+            raise ConfigError(f"fp8_strict=True: {[r['layer'] for r in rows if r['fallback']]} cannot run "
+                              "their GEMMs in FP8 on this device (see the table above)")
     optimizer = build_optimizer(model, cfg, device_type)
     iter_num, best_val_loss = 0, float("inf")
     # The global RNG now only drives dropout. Each rank gets its own stream (a tensor-parallel
@@ -896,6 +945,10 @@ def main(argv=None):
         ckpt = None  # free the loaded tensors
     start_iter = iter_num
     raw_model = model  # the module whose state_dict is saved (no compile or DDP wrappers)
+    stats = None  # FP8 statistics: rank 0's casts, every fp8_stats_interval iterations
+    if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and master:
+        stats = Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"], stats_alarms(cfg),
+                         append=start_iter > 0)
     if cfg["compile"]:
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
@@ -962,6 +1015,8 @@ def main(argv=None):
         if cfg["eval_only"] or iter_num >= cfg["max_iters"]:
             break
 
+        if stats is not None and stats.due(iter_num):
+            stats.start()
         if groups is None:
             # Forward and backward over the micro-batches; gradients add up in .grad. Under DDP
             # only the last micro-batch all-reduces (no_sync on the others).
@@ -989,6 +1044,8 @@ def main(argv=None):
         skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, lr,
                                       cfg, world_size, ckpt_path, log)
         history["losses"].append((iter_num, loss_value))
+        for line in stats.finish(iter_num, optimizer) if stats is not None else ():
+            log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
         now = time.time()
         step_time, step_count, t_last = step_time + now - t_last, step_count + 1, now
         if iter_num % cfg["log_interval"] == 0:
@@ -1006,6 +1063,8 @@ def main(argv=None):
             log(line)
         iter_num += 1
 
+    if cfg["precision"] != "bf16":
+        log(fallback_line())
     if ddp:
         torch.distributed.destroy_process_group()
     return history

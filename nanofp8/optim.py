@@ -101,6 +101,8 @@ class O2Linear(Fp8Linear):
         if self.wgrad is not None:
             dw = dw + dequantize(self.wgrad, torch.float32)
         self.wgrad = quantize(dw, E4M3)
+        if self.observer is not None:  # a statistics step (nanofp8/stats.py)
+            self.observer.observe_wgrad(self, dw, self.wgrad)
         return None  # nothing for autograd: .weight.grad stays None
 
     @torch.no_grad()

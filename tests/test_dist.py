@@ -9,16 +9,14 @@ parallel, which is compared with the same model trained in this process on the w
 import functools
 import math
 import os
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, quantize, sqnr
 
@@ -218,37 +216,25 @@ def run_training(rank, world, g):
     return out
 
 
-def worker(rank, port, outdir):
+def worker(rank, world, outdir):
     """One group of 4 ranks; inside it two groups of 2 ranks ([0, 1] and [2, 3]) run the 2-rank
     checks side by side, which also checks that everything uses ranks relative to its group.
-    Only [0, 1] trains. (Starting processes is what costs time here, so only 4 are started.)"""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)  # 4 ranks share 2 cores
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=120))
-    try:
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
-        out = {4: run_collectives(rank, 4, None), 2: run_collectives(rank % 2, 2, pairs[rank // 2])}
-        out[2]["dp_short"] = train_dp(rank % 2, 2, pairs[rank // 2], E5M2, steps=3)
-        out[4]["dp_short"] = train_dp(rank, 4, None, E4M3, steps=3, block=128)
-        if rank < 2:
-            out[2].update(run_training(rank, 2, pairs[0]))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    Only [0, 1] trains. (Starting processes is what costs time here, so only 4 are started.)
+    Run by conftest.spawn, which sets up and tears down the process group."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    out = {4: run_collectives(rank, 4, None), 2: run_collectives(rank % 2, 2, pairs[rank // 2])}
+    out[2]["dp_short"] = train_dp(rank % 2, 2, pairs[rank // 2], E5M2, steps=3)
+    out[4]["dp_short"] = train_dp(rank, 4, None, E4M3, steps=3, block=128)
+    if rank < 2:
+        out[2].update(run_training(rank, 2, pairs[0]))
     torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each of the 4 ranks saved: {4: its 4-rank outputs, 2: its 2-rank outputs}."""
     outdir = str(tmp_path_factory.mktemp("dist"))
-    mp.spawn(worker, args=(free_port(), outdir), nprocs=4, join=True)
+    spawn(worker, 4, outdir)
     return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(4)]
 
 

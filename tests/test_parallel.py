@@ -19,15 +19,13 @@ What "right" means here:
 
 import functools
 import os
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
 from nanofp8.fp8 import E4M3, E5M2, INPUT, Fp8Linear, Recipe, dequantize, sqnr
@@ -209,48 +207,35 @@ def train(name, groups):
             "pp_bytes": pp_bytes}
 
 
-def worker(rank, world, port, outdir):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def worker(rank, world, outdir):  # run by conftest.spawn: the process group is up
     out = {}
-    try:
-        if world == 2:
-            groups = P.make_groups(tp=2)
-            for gran in GRANS:
-                for kind in ("column", "row"):
-                    for sp in (False, True):
+    if world == 2:
+        groups = P.make_groups(tp=2)
+        for gran in GRANS:
+            for kind in ("column", "row"):
+                for sp in (False, True):
+                    for comm in ("fp32", "fp8"):
+                        out[f"layer/{gran}/{kind}/{sp}/{comm}"] = layer_check(
+                            groups, gran, kind, sp, comm)
+                    out[f"layer/{gran}/{kind}/{sp}/fp8_pot"] = layer_check(
+                        groups, gran, kind, sp, "fp8", pot=True)
+                    out[f"layer/{gran}/{kind}/{sp}/fp8_e4m3"] = layer_check(
+                        groups, gran, kind, sp, "fp8", comm_fmts=(E4M3, E4M3))
+                    if gran == "tensor":
                         for comm in ("fp32", "fp8"):
-                            out[f"layer/{gran}/{kind}/{sp}/{comm}"] = layer_check(
-                                groups, gran, kind, sp, comm)
-                        out[f"layer/{gran}/{kind}/{sp}/fp8_pot"] = layer_check(
-                            groups, gran, kind, sp, "fp8", pot=True)
-                        out[f"layer/{gran}/{kind}/{sp}/fp8_e4m3"] = layer_check(
-                            groups, gran, kind, sp, "fp8", comm_fmts=(E4M3, E4M3))
-                        if gran == "tensor":
-                            for comm in ("fp32", "fp8"):
-                                out[f"layer/{gran}/{kind}/{sp}/delayed_{comm}"] = layer_check(
-                                    groups, gran, kind, sp, comm, scaling="delayed")
-            out["sp"] = sp_collectives(groups)
-            out["bytes"] = {gran: sp_bytes(groups, gran) for gran in ("tensor", "row")}
-            for name in ("tp2", "tp2_sp"):
-                out[name] = train(name, groups)
-            out["pp2"] = train("pp2", P.make_groups(pp=2))
-        else:
-            dp_tp = P.make_groups(tp=2)
-            out["dp2_tp2"], out["dp2_tp2_sp"] = train("dp2_tp2", dp_tp), train("dp2_tp2_sp", dp_tp)
-            out["dp2_pp2"] = train("dp2_pp2", P.make_groups(pp=2))
-            out["pp2_tp2_sp"] = train("pp2_tp2_sp", P.make_groups(tp=2, pp=2))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+                            out[f"layer/{gran}/{kind}/{sp}/delayed_{comm}"] = layer_check(
+                                groups, gran, kind, sp, comm, scaling="delayed")
+        out["sp"] = sp_collectives(groups)
+        out["bytes"] = {gran: sp_bytes(groups, gran) for gran in ("tensor", "row")}
+        for name in ("tp2", "tp2_sp"):
+            out[name] = train(name, groups)
+        out["pp2"] = train("pp2", P.make_groups(pp=2))
+    else:
+        dp_tp = P.make_groups(tp=2)
+        out["dp2_tp2"], out["dp2_tp2_sp"] = train("dp2_tp2", dp_tp), train("dp2_tp2_sp", dp_tp)
+        out["dp2_pp2"] = train("dp2_pp2", P.make_groups(pp=2))
+        out["pp2_tp2_sp"] = train("pp2_tp2_sp", P.make_groups(tp=2, pp=2))
     torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +244,7 @@ def ranks(tmp_path_factory):
     res = {}
     for world in (2, 4):
         outdir = str(tmp_path_factory.mktemp(f"parallel{world}"))
-        mp.spawn(worker, args=(world, free_port(), outdir), nprocs=world, join=True)
+        spawn(worker, world, outdir)
         res[world] = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
     return res
 

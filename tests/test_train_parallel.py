@@ -15,19 +15,17 @@ What is checked:
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from conftest import spawn  # noqa: E402
 import train  # noqa: E402
 from nanofp8 import parallel  # noqa: E402
 from nanofp8.configurator import ConfigError  # noqa: E402
@@ -145,9 +143,7 @@ def test_pp_tied_embedding_copies_agree(run):
 # ---------------------------------------------------------------- train.py's replica check
 
 
-def _replica_worker(rank, world, port, out):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _replica_worker(rank, world, out):  # run by conftest.spawn: the process group is up
     groups = parallel.make_groups(tp=1, pp=1)  # 2 data-parallel replicas
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -162,14 +158,10 @@ def _replica_worker(rank, world, port, out):
     except RuntimeError as e:
         result = str(e)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def test_replica_check_sees_one_ulp(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_replica_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn(_replica_worker, 2, str(tmp_path))
     for r in range(2):
         msg = torch.load(tmp_path / f"rank{r}.pt")
         assert "data-parallel replicas hold different values of ['0.weight']" in msg, msg

@@ -3,26 +3,18 @@ losses, bit-identical weights on every rank, per-rank bytes, NaN skips and shard
 
 import copy
 import os
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from conftest import spawn
 
 from nanofp8.dist import Fp8DataParallel, O3Linear, ZeroFp8AdamW, comm_stats, convert_to_o3
 from nanofp8.fp8 import Recipe, convert_to_fp8
 from nanofp8.optim import Fp8AdamW, convert_to_o2, training_state_bytes
 
 STEPS, BATCH, LR = 12, 64, 2e-3
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_model():
@@ -74,9 +66,7 @@ def o3_step(model, dp, opt, x, y, rank, world):
     return t.item() / world, ok
 
 
-def worker(rank, world, port, outdir):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def worker(rank, world, outdir):  # run by conftest.spawn: the process group is up
     torch.manual_seed(100 + rank)  # ranks start different: the broadcast must fix that
     model, dp, opt = build_o3(world)
     x, y = data()
@@ -119,8 +109,6 @@ def worker(rank, world, port, outdir):
     if rank == 0:
         torch.save(dict(losses=losses, same=same, stats=stats, acc=acc, skipped=skipped,
                         cont=cont, resumed=resumed), os.path.join(outdir, f"result{world}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +118,7 @@ def reference():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_o3_matches_single_process_o2(world, reference, tmp_path):
-    mp.spawn(worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    spawn(worker, world, str(tmp_path))
     r = torch.load(tmp_path / f"result{world}.pt", weights_only=False)
     gaps = [abs(a - b) / b for a, b in zip(r["losses"], reference)]
     # Splitting the batch changes activation scales, and the gradients travel and are summed in
@@ -163,9 +151,7 @@ def test_o3_refuses_state_of_another_world_size():
         Fake().load_state_dict(sd)
 
 
-def o2_dp_worker(rank, world, port, outdir):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def o2_dp_worker(rank, world, outdir):
     from nanofp8.dist import sync_fp8_wgrads
     from nanofp8.optim import O2Linear
 
@@ -202,12 +188,10 @@ def o2_dp_worker(rank, world, port, outdir):
     skipped = opt.step() is False
     if rank == 0:
         torch.save(dict(losses=losses, same=same, skipped=skipped), os.path.join(outdir, "o2dp.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_o2_data_parallel_matches_single_process(reference, tmp_path):
-    mp.spawn(o2_dp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(o2_dp_worker, 2, str(tmp_path))
     r = torch.load(tmp_path / "o2dp.pt", weights_only=False)
     gaps = [abs(a - b) / b for a, b in zip(r["losses"], reference)]
     print(f"O2 data-parallel x2: max loss gap {max(gaps):.4f}")

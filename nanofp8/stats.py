@@ -1,0 +1,388 @@
+"""
+Seeing the numerics: what every FP8 cast did to its tensor, layer by layer, and what really ran
+in FP8.
+
+When an FP8 loss curve drifts from its bf16 twin, the questions are always the same: which layer,
+which tensor, and was it range (values clipped at the top, or flushed to zero at the bottom) or
+precision (too few mantissa bits)? nanofp8 owns every cast, so it can answer them for plain
+PyTorch. This file is standalone reading: fp8.py only calls it, through one `if` per quantize site.
+
+1. What is measured, per layer and per GEMM operand
+---------------------------------------------------
+A Linear's three GEMMs take six FP8 operands (fp8.py, section 3):
+
+    forward  y  = x   @ w^T        operands "x"   and "w"
+    dgrad    dx = dy  @ wT^T       operands "dy"  and "wT"
+    wgrad    dW = dyT @ xT^T       operands "dyT" and "xT"
+
+With tensor scales (and for 128x128 weight tiles) wT, xT and dyT are plain transposes of w, x and
+dy: the same values, the same statistics, recorded once. With row and 1x128 block scales they are
+separate casts along another dimension, and recorded separately. Level O2 adds "wgrad", the FP8
+weight gradient it keeps instead of .grad, and, after the optimizer step, "m" and "v", the Adam
+moments as stored (FP8 m; fp16 or FP8 v).
+
+For each cast of a high-precision source s (x * scale rounded to FP8 gives the code c):
+
+    amax         max |s|, the number the scale is made from.
+    scale        the multiply-before-cast factor; with row/block scales its min and max, and
+                 spread = log2(max / min) in binades: how differently the rows or tiles were
+                 scaled (0 for one tensor scale). A wide spread says that one scale for the
+                 tensor would have cost range.
+    underflow    fraction of the *non-zero* values of s whose code is 0: flushed to zero,
+                 their information lost. Exact zeros of s (ReLU, padding) are not counted.
+    subnormal    fraction of values whose code is a subnormal (0 < |c| < smallest normal): they
+                 kept fewer than the format's mantissa bits; the step before underflow.
+    saturation   fraction of values the clamp changed: |s * scale| beyond the largest finite
+                 value by more than half a step there (so it would have rounded above it). Those
+                 values were clipped to +-max. With current scaling the scale comes from the
+                 tensor's own amax, so nothing saturates; with delayed scaling a stale scale
+                 clips values that outgrew the history.
+    sqnr_db      10 log10(sum s^2 / sum (s - dequantized)^2): signal to quantization noise of
+                 the whole FP8 copy. Round-to-nearest into 3 (E4M3) or 2 (E5M2) mantissa bits
+                 gives about 31 and 25 dB on well-scaled data; saturation and underflow pull it
+                 lower, and a low SQNR in one layer is where to look first.
+
+The counts and sums add up: over the micro-steps of a statistics step they are summed, and the
+fractions and the SQNR are taken of the sums (SQNR of all the signal over all the noise). Each
+cast's statistics stay on the device as one small tensor until the step's records are written,
+when they all come to the CPU in one transfer.
+
+2. When, and what it costs
+--------------------------
+Every `interval` steps (train.py: fp8_stats_interval; 0, the default, turns it off) the
+collector hangs itself on every Fp8Linear as `observer` for one step; fp8.py's hooks see
+`observer is None` on all other steps and skip. Observing reads tensors and never writes them,
+so the training step is bit-identical with statistics on or off (tests/test_stats.py). Records go
+to out_dir/fp8_stats.jsonl, one JSON object per (step, layer, operand); the log gets one line per
+statistics step: the worst layer by SQNR and the saturated and underflowed totals. Statistics are
+computed in eager mode (train.py turns compile off for them).
+
+3. Alarms
+---------
+A threshold crossed once is noise; crossed for `intervals` statistics steps in a row by the same
+operand, it is a trend: saturation or underflow above its threshold, SQNR below its own. The
+amax-growth alarm follows the slow drift that Fishman et al. (Smooth-SwiGLU, 2024) traced late
+FP8 divergence to: the input of an MLP's down projection growing outliers over a long run, until
+it outgrows the format. It fires when an activation's or weight's amax has grown `amax_growth`
+times over its first recorded value, and again at every further factor.
+
+4. What ran in FP8
+------------------
+linear_table(model) lists every Linear: whether it is FP8, why not (the module filter, or a shape
+FP8 tensor cores cannot take), and its recipe and backend. fp8.py counts the GEMMs that fell back
+to high precision at run time (fp8.fallbacks, per layer); with fp8.strict = True a fallback
+raises instead of warning once.
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from . import fp8
+from .fp8 import E4M3, Fp8Format, Fp8Linear, dequantize
+
+FP16 = Fp8Format("fp16", torch.float16, 65504.0, 2.0**-14)  # O2's v: fp16 with a scale
+
+# The additive statistics of a cast, in this order, then the ones that combine by max.
+SUMS = ("n", "nonfinite", "nonzero", "underflow", "subnormal", "saturated", "signal", "noise")
+MAXES = ("amax", "neg_scale_min", "scale_max")
+
+
+def _half_step_above_max(fmt):
+    """max + half a step of the top binade: the rounding boundary a saturating cast clamps at.
+    E4M3: 448 + 16 = 464; E5M2: 57344 + 4096 = 61440."""
+    mantissa_bits = round(-math.log2(torch.finfo(fmt.dtype).eps))
+    return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - mantissa_bits) / 2
+
+
+def cast_stats(src, q):
+    """The statistics of one cast: src (the high-precision source, q.data's shape once flattened
+    to 2-D) and q (its Fp8Tensor). Returns (sums, maxes), float64 tensors on src's device."""
+    codes = q.data.float().abs()  # |s * scale| after rounding, in the format's own units
+    s = src.detach().float().reshape(codes.shape)
+    finite = torch.isfinite(s)
+    s = torch.where(finite, s, 0.0)  # a NaN/inf is counted as such and kept out of the sums
+    deq = dequantize(q, torch.float32).reshape(codes.shape)
+    deq = torch.where(finite, deq, 0.0)
+    nonzero = s != 0
+    # Saturated: the code is the format's max and s lay beyond the rounding boundary above it,
+    # i.e. |s| > |deq| * boundary / max, with |deq| = max / scale (no per-element scale needed).
+    edge = _half_step_above_max(q.fmt) / q.fmt.max
+    saturated = (codes == q.fmt.max) & (s.abs() > deq.abs() * edge)
+    f64 = torch.float64
+    sums = torch.stack([
+        torch.tensor(float(s.numel()), dtype=f64, device=s.device),
+        (~finite).sum(dtype=f64),
+        nonzero.sum(dtype=f64),
+        (nonzero & (codes == 0)).sum(dtype=f64),
+        ((codes > 0) & (codes < q.fmt.min_normal)).sum(dtype=f64),
+        saturated.sum(dtype=f64),
+        s.double().square().sum(),
+        (s.double() - deq.double()).square().sum(),
+    ])
+    scale = q.scale.double()
+    maxes = torch.stack([s.abs().amax().double(), -scale.min(), scale.max()])
+    return sums, maxes
+
+
+def summarize(sums, maxes):
+    """sums, maxes (on the CPU) -> the record's numbers: fractions, SQNR in dB, scale spread."""
+    v = dict(zip(SUMS, sums.tolist()))
+    amax, neg_min, smax = maxes.tolist()  # in the order of MAXES
+    n = max(v["n"], 1.0)
+    noise, signal = v["noise"], v["signal"]
+    sqnr = None if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
+    smin = -neg_min
+    return {"n": int(v["n"]), "amax": amax, "scale": smax if smin == smax else None,
+            "scale_min": smin, "scale_max": smax,
+            "scale_spread": math.log2(smax / smin) if smin > 0 else None,
+            "underflow": v["underflow"] / max(v["nonzero"], 1.0), "subnormal": v["subnormal"] / n,
+            "saturation": v["saturated"] / n, "sqnr_db": sqnr, "nonfinite": int(v["nonfinite"]),
+            "saturated_count": int(v["saturated"]), "underflow_count": int(v["underflow"])}
+
+
+def stored_stats(data, scale, fmt):
+    """Statistics of a tensor held only in its low-precision form (O2's Adam moments: the fp32
+    value they were cast from is gone). amax, scale, subnormal fraction, and the fraction of
+    exact zeros (zeros of the source and underflows cannot be told apart any more)."""
+    codes = data.float().abs()
+    n = codes.numel()
+    deq_amax = float(codes.amax()) / float(scale)
+    return {"n": n, "amax": deq_amax, "scale": float(scale), "zeros": float((codes == 0).sum()) / n,
+            "subnormal": float(((codes > 0) & (codes < fmt.min_normal)).sum()) / n}
+
+
+# -----------------------------------------------------------------------------
+# The collector
+
+
+@dataclass
+class Alarms:
+    saturation: float = 1e-4  # fraction of values clipped at +-max
+    underflow: float = 0.05  # fraction of non-zero values flushed to zero
+    sqnr_db: float = 15.0  # below this (E4M3 casts give ~31 dB, E5M2 ~25 dB when well scaled)
+    intervals: int = 3  # consecutive statistics steps before an alarm
+    amax_growth: float = 10.0  # activation/weight amax grown this many times since first seen
+
+    def __post_init__(self):
+        if self.intervals < 1 or self.amax_growth <= 1 or not 0 <= self.saturation <= 1 \
+                or not 0 <= self.underflow <= 1:
+            raise ValueError(f"bad alarm thresholds {self}: need intervals >= 1, amax_growth > 1, "
+                             "fractions in [0, 1]")
+
+
+class Fp8Stats:
+    """Statistics of every FP8 cast of `model`'s Fp8Linears on every `interval`-th step.
+
+    Use: `if stats.due(it): stats.start()` before the step's forward passes, and
+    `stats.finish(it, optimizer)` after its optimizer step; finish returns the lines to log."""
+
+    def __init__(self, model, interval, out_dir=None, alarms=None, append=False):
+        if interval < 0:
+            raise ValueError(f"interval must be >= 0 (0 = off), got {interval}")
+        self.model, self.interval, self.alarms = model, interval, alarms or Alarms()
+        self.path = None if out_dir is None else os.path.join(out_dir, "fp8_stats.jsonl")
+        if self.path and not append and os.path.exists(self.path):
+            os.remove(self.path)
+        self.acc = {}  # (layer, operand) -> [fmt name, sums, maxes], summed over micro-steps
+        self.streak = {}  # (layer, operand, kind) -> consecutive statistics steps over threshold
+        self.first_amax = {}  # (layer, operand) -> (iter, amax) at the first record
+        self.amax_alarmed = {}  # (layer, operand) -> growth factor already reported
+        self.records = []  # the last step's records (also written to the file)
+        self.observing = False
+
+    def due(self, it):
+        return self.interval > 0 and it % self.interval == 0
+
+    def modules(self):
+        return [m for m in self.model.modules() if isinstance(m, Fp8Linear)]
+
+    def start(self):
+        self.acc, self.observing = {}, True
+        for m in self.modules():
+            m.observer = self
+
+    # ---- called from fp8.py (and optim.py for O2's gradient) while observing
+
+    def _add(self, layer, operand, src, q):
+        sums, maxes = cast_stats(src, q)
+        key = (layer, operand)
+        if key in self.acc:
+            _, s0, m0 = self.acc[key]
+            sums, maxes = s0 + sums, torch.maximum(m0, maxes)
+        self.acc[key] = [q.fmt.name, sums, maxes]
+
+    @torch.no_grad()
+    def observe_forward(self, mod, x2, qx, qx_t, qw, qw_t):
+        w = mod.hp_weight().detach()
+        self._add(mod.fqn, "x", x2, qx)
+        self._add(mod.fqn, "w", w, qw)
+        # a transpose of the same cast (t() keeps the amax tensor) has the same statistics
+        if qx_t.amax is not qx.amax:
+            self._add(mod.fqn, "xT", x2.t(), qx_t)
+        if qw_t.amax is not qw.amax:
+            self._add(mod.fqn, "wT", w.t(), qw_t)
+
+    @torch.no_grad()
+    def observe_backward(self, mod, dy2, qdy, qdy_t):
+        self._add(mod.fqn, "dy", dy2, qdy)
+        if qdy_t is not None and qdy_t.amax is not qdy.amax:
+            self._add(mod.fqn, "dyT", dy2.t(), qdy_t)
+
+    @torch.no_grad()
+    def observe_wgrad(self, mod, dw, q):
+        self._add(mod.fqn, "wgrad", dw, q)
+
+    # ---- the end of a statistics step
+
+    def finish(self, it, optimizer=None):
+        """Stop observing; write this step's records; return the log lines (summary, alarms).
+        Returns nothing (and does nothing) when start() was not called."""
+        if not self.observing:
+            return []
+        self.observing = False
+        for m in self.modules():
+            m.observer = None
+        keys = list(self.acc)
+        if not keys:
+            return []
+        # one transfer (one device sync) for all the layers' numbers
+        packed = torch.stack([torch.cat([self.acc[k][1], self.acc[k][2]]) for k in keys]).cpu()
+        records = []
+        for k, row in zip(keys, packed):
+            rec = {"iter": it, "layer": k[0], "operand": k[1], "format": self.acc[k][0]}
+            rec.update(summarize(row[: len(SUMS)], row[len(SUMS):]))
+            records.append(rec)
+        records += self._moment_records(it, optimizer)
+        self.acc, self.records = {}, records
+        if self.path:
+            with open(self.path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        return [summary_line(it, records)] + self._check_alarms(it, records)
+
+    def _moment_records(self, it, optimizer):
+        """O2/O3: the Adam moments as stored after the step (FP8 m; fp16 or FP8 sqrt(v))."""
+        o2 = getattr(optimizer, "o2", None)
+        if not o2 or not hasattr(optimizer, "v_format"):
+            return []
+        out = []
+        for p, mod in o2.items():
+            st = optimizer.state.get(p)
+            if not st or "exp_avg_scale" not in st:
+                continue
+            vfmt = E4M3 if optimizer.v_format == "fp8" else FP16
+            for name, data, scale, fmt in (("m", st["exp_avg"], st["exp_avg_scale"], E4M3),
+                                           ("v", st["exp_avg_sq"], st["exp_avg_sq_scale"], vfmt)):
+                rec = {"iter": it, "layer": mod.fqn, "operand": name, "format": fmt.name}
+                rec.update(stored_stats(data, scale, fmt))
+                out.append(rec)
+        return out
+
+    def _check_alarms(self, it, records):
+        a, lines = self.alarms, []
+        for r in records:
+            key = (r["layer"], r["operand"])
+            checks = {"saturation": r.get("saturation", 0) > a.saturation,
+                      "underflow": r.get("underflow", 0) > a.underflow,
+                      "sqnr": r.get("sqnr_db") is not None and r["sqnr_db"] < a.sqnr_db}
+            for kind, bad in checks.items():
+                n = self.streak.get(key + (kind,), 0) + 1 if bad else 0
+                self.streak[key + (kind,)] = n
+                if n == a.intervals:  # once per streak
+                    value = r["sqnr_db"] if kind == "sqnr" else r[kind]
+                    lines.append(f"ALARM fp8 {kind}: {key[0]} {key[1]} ({r['format']}) "
+                                 f"{'below' if kind == 'sqnr' else 'above'} threshold for {n} "
+                                 f"statistics steps in a row (now {_show(kind, value)})")
+            if r["operand"] in ("x", "w") and r["amax"] > 0 and math.isfinite(r["amax"]):
+                first_it, first = self.first_amax.setdefault(key, (it, r["amax"]))
+                growth = r["amax"] / first
+                told = self.amax_alarmed.get(key, 1.0)
+                if growth >= told * a.amax_growth:
+                    self.amax_alarmed[key] = told * a.amax_growth ** math.floor(
+                        math.log(growth / told) / math.log(a.amax_growth))
+                    lines.append(f"ALARM fp8 amax growth: {key[0]} {key[1]} amax {r['amax']:.4g} is "
+                                 f"{growth:.1f}x its value at iter {first_it} ({first:.4g})")
+        return lines
+
+
+def _show(kind, v):
+    return f"{v:.1f} dB" if kind == "sqnr" else f"{100 * v:.3f}%"
+
+
+def summary_line(it, records):
+    """One line for the training log: the worst operand by SQNR, the saturated and underflowed
+    totals over every cast of the step."""
+    cast = [r for r in records if "saturation" in r]
+    if not cast:
+        return f"fp8 stats iter {it}: nothing was cast"
+    n = sum(r["n"] for r in cast)
+    sat = sum(r["saturated_count"] for r in cast)
+    und = sum(r["underflow_count"] for r in cast)
+    rated = [r for r in cast if r["sqnr_db"] is not None]
+    worst = min(rated, key=lambda r: r["sqnr_db"]) if rated else None
+    w = (f"worst SQNR {worst['sqnr_db']:.1f} dB ({worst['layer']} {worst['operand']})"
+         if worst else "every cast exact")
+    return (f"fp8 stats iter {it}: {w}, saturated {sat} of {n:,} values ({100 * sat / n:.4f}%), "
+            f"underflowed {und} ({100 * und / n:.4f}%)")
+
+
+# -----------------------------------------------------------------------------
+# What ran in FP8
+
+
+def linear_table(model):
+    """One row per nn.Linear of `model`: is it FP8, and if not why not; recipe and backend.
+    'fallback' marks an FP8 layer whose GEMMs the backend will refuse on this device: they run
+    in high precision (counted in fp8.fallbacks; an error under fp8.strict)."""
+    rows = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        k, n = m.in_features, m.out_features
+        # FP8 tensor cores (cuBLASLt) take K and N in multiples of 16: fp8.py's
+        # _torch_backend_reason applies the same rule at run time.
+        bad_shape = f"K={k}, N={n} not multiples of 16" if k % 16 or n % 16 else None
+        row = {"layer": name, "shape": f"{k}->{n}", "fp8": isinstance(m, Fp8Linear),
+               "recipe": "", "backend": "", "fallback": False}
+        if isinstance(m, Fp8Linear):
+            r = m.recipe
+            row["recipe"], row["backend"] = f"{r.scaling}/{r.granularity}/{r.formats}", r.backend
+            cuda = m.weight.is_cuda
+            if r.backend == "torch" and cuda and bad_shape:
+                row["fallback"], row["why"] = True, f"GEMM falls back to high precision: {bad_shape}"
+            elif r.backend == "emulate" or not cuda:
+                row["why"] = "FP8 values, GEMM emulated in fp32 (no FP8 tensor cores here)"
+            else:
+                row["why"] = "FP8 tensor cores"
+        else:
+            row["why"] = f"shape: {bad_shape}" if bad_shape else "filter: kept in high precision"
+        rows.append(row)
+    return rows
+
+
+def format_linear_table(rows):
+    cols = ("layer", "shape", "fp8", "recipe", "backend", "why")
+    cells = [[("yes" if r[c] else "no") if c == "fp8" else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(cell, widths)).rstrip() for cell in cells]
+    return "\n".join(lines)
+
+
+def fallback_line():
+    """The end-of-run count of GEMMs that fell back to high precision (fp8.fallbacks)."""
+    total = sum(fp8.fallbacks.values())
+    if not total:
+        return "FP8 GEMMs that fell back to high precision at run time: 0"
+    per = ", ".join(f"{k}: {v}" for k, v in sorted(fp8.fallbacks.items()))
+    return f"FP8 GEMMs that fell back to high precision at run time: {total} ({per})"
+
+
+def read_records(path):
+    """The records of an fp8_stats.jsonl file (as written by Fp8Stats)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
