@@ -170,14 +170,14 @@ def test_fp8_with_no_fp8_linear(tmp_path):
     """4: widths that are not multiples of 16 leave no Linear in FP8: an error, not an "FP8" run
     that is bf16 throughout."""
     with pytest.raises(ConfigError, match="no block Linear can run in FP8.*n_embd=40.*multiples of 16"):
-        train.main(TINY + ["n_embd=40", "n_head=2", "precision=O1", "fp8_backend=torch",
+        train.main(TINY + ["n_embd=40", "n_head=2", "precision=O1", "fp8_backend=torch", "max_iters=2",
                            f"out_dir={tmp_path}"])
 
 
 def test_vocab_size_against_the_dataset(tmp_path, capsys):
     """4: vocab_size is not silently replaced by the dataset's: too small is an error, larger pads."""
     with pytest.raises(ConfigError, match="'vocab_size' is 50, but dataset 'shakespeare_char' has 84 tokens"):
-        train.main(TINY + ["vocab_size=50", f"out_dir={tmp_path}"])
+        train.main(TINY + ["vocab_size=50", "max_iters=2", f"out_dir={tmp_path}"])
     train.main(TINY + ["vocab_size=96", "max_iters=2", "eval_interval=2", f"out_dir={tmp_path}"])
     assert "note: vocab_size=96 (the dataset's 84 tokens, padded" in capsys.readouterr().out
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["model_args"]["vocab_size"] == 96
@@ -186,7 +186,7 @@ def test_vocab_size_against_the_dataset(tmp_path, capsys):
 def test_block_size_against_the_dataset(tmp_path):
     """6: a window longer than a split is an error naming the file, before any model is built."""
     with pytest.raises(ConfigError, match=r"block_size=600000 is too long for .*val.bin: it holds 504,863"):
-        train.main(TINY + ["block_size=600000", f"out_dir={tmp_path}"])
+        train.main(TINY + ["block_size=600000", "max_iters=0", "eval_iters=1", f"out_dir={tmp_path}"])
 
 
 def test_gradient_accumulation_says_what_to_pass(monkeypatch, capsys):
@@ -196,19 +196,19 @@ def test_gradient_accumulation_says_what_to_pass(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="processes \\(2; .*pass gradient_accumulation_steps=4 or 6"):
-        train.main(TINY + ["gradient_accumulation_steps=5"])
+        train.main(TINY + ["gradient_accumulation_steps=5", "max_iters=2"])
     with pytest.raises(ConfigError, match="pass gradient_accumulation_steps=2$"):
-        train.main(TINY + ["gradient_accumulation_steps=1"])
+        train.main(TINY + ["gradient_accumulation_steps=1", "max_iters=2"])
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as e:
-        train.cli(TINY + ["gradient_accumulation_steps=5"])
+        train.cli(TINY + ["gradient_accumulation_steps=5", "max_iters=2"])
     assert e.value.code == 2 and capsys.readouterr().err == ""
 
 
 def test_exit_statuses(tmp_path, capsys):
     """11: an unknown dataset is a config error (2) like the others, in one line naming it."""
     with pytest.raises(SystemExit) as e:
-        train.cli(TINY + ["dataset=shakespeare", f"out_dir={tmp_path}"])
+        train.cli(TINY + ["dataset=shakespeare", "max_iters=2", f"out_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: config key 'dataset': unknown dataset 'shakespeare'")
     assert "'shakespeare_char'" in err and err.count("\n") == 1
