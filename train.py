@@ -1072,7 +1072,8 @@ def main(argv=None):
 
 def cli(argv=None):
     """main() as a command: one line on stderr per failure, and the exit status says which kind:
-    2 a bad config, checkpoint or dataset; 1 a run that diverged; 3 a rank that stopped answering."""
+    2 a bad config, checkpoint or dataset; 1 a run that stopped on non-finite weights or gradients.
+    Under torchrun, a collective that times out makes its rank name the ranks not answering."""
     try:
         main(argv)
     except ConfigError as e:  # decided alike on every rank: say it once

@@ -128,6 +128,10 @@ def test_skipped_steps_stop_the_run_and_never_save(tmp_path, capsys):
         train.main(common + ["max_iters=40", "init_from=resume", "learning_rate=1e30", "max_skipped_steps=3"])
     assert "not saving a checkpoint: the val loss is nan" in capsys.readouterr().out
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 2
+    with pytest.raises(SystemExit) as e:  # as a command: exit status 1, one line
+        train.cli(common + ["max_iters=40", "init_from=resume", "learning_rate=1e30", "max_skipped_steps=1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: 1 steps in a row skipped") and err.count("\n") == 1
     with pytest.raises(ConfigError, match="'learning_rate' must be finite"):
         train.load_config(["learning_rate=1e400"])
 
