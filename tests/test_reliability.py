@@ -357,7 +357,8 @@ rest = train.main(common + ["max_iters=4", f"out_dir={{out}}/stopped", "init_fro
 a = load_checkpoint(f"{{out}}/full/ckpt.pt")["model"]
 b = load_checkpoint(f"{{out}}/stopped/ckpt.pt")["model"]
 same = all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
-json.dump(dict(full=full["losses"], resumed=first["losses"] + rest["losses"], evals=[full["evals"], rest["evals"]],
+json.dump(dict(full=full["losses"], resumed=first["losses"] + rest["losses"],
+               evals=[full["evals"], rest["evals"]],
                same_weights=same), open(f"{{out}}/rank{{rank}}.json", "w"))
 # 5: rank 1 freezes in the middle of training (at its 8th batch); rank 0 must give up and name it.
 if rank == 1:
@@ -371,8 +372,8 @@ if rank == 1:
 
     train.get_batch = get_batch
 fresh_store()
-train.cli(tiny + ["precision=O1", "gradient_accumulation_steps=2", "max_iters=1000", "eval_interval=1000", "dist_timeout=4",
-                  f"out_dir={{out}}/hang"])
+train.cli(tiny + ["precision=O1", "gradient_accumulation_steps=2", "max_iters=1000", "eval_interval=1000",
+                  "dist_timeout=4", f"out_dir={{out}}/hang"])
 """
 
 
