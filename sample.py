@@ -22,15 +22,15 @@ model's memory at serving time, and the script measures what it costs: the valid
 the original weights and with the FP8 ones, on the same batches, and the bytes saved.
 """
 
+import math
 import os
-import pickle
 import sys
 
 import numpy as np
 import torch
 
 from nanofp8.checkpoint import freeze_fp8, load_for_inference, weight_bytes
-from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
+from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of, read_dataset_meta
 from nanofp8.model import CheckpointError
 
 # -----------------------------------------------------------------------------
@@ -65,13 +65,30 @@ def val_loss(model, val_data, batch_size, block_size, iters, autocast, device):
     return total / iters
 
 
-def load_tokenizer(dataset):
-    """(encode, decode): the char tables from meta.pkl if the dataset has one, else GPT-2 BPE."""
-    meta_path = os.path.join(REPO, "data", dataset, "meta.pkl")
-    if os.path.exists(meta_path):
-        with open(meta_path, "rb") as f:
-            meta = pickle.load(f)
-        stoi, itos = meta["stoi"], meta["itos"]
+def check_args(cfg):
+    """The settings' ranges, checked before the checkpoint is read; each mistake names its key."""
+    check_choice(cfg, "fp8_weight_granularity", ("tensor", "row", "block"))
+    for key, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0), ("fp8_eval_iters", 1)):
+        if cfg[key] < low:
+            raise ConfigError(f"config key '{key}' must be >= {low}, got {cfg[key]}")
+    # A negative temperature flips the distribution: it would sample the least likely tokens.
+    if not (math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0):
+        raise ConfigError(f"config key 'temperature' must be >= 0 (0 = always the top token), "
+                          f"got {cfg['temperature']}")
+    if cfg["start"].startswith("FILE:") and not os.path.isfile(cfg["start"][5:]):
+        raise ConfigError(f"config key 'start': no prompt file {cfg['start'][5:]!r}")
+
+
+def load_tokenizer(dataset, vocab_size):
+    """(encode, decode): the character tables of the dataset's meta.json if it has one, else
+    GPT-2 BPE (whose 50257 tokens a model of a smaller vocabulary cannot have been trained on)."""
+    data_dir = os.path.join(REPO, "data", dataset)
+    meta = read_dataset_meta(data_dir)
+    if meta is not None and meta["itos"] is None:
+        meta = None  # a vocabulary size only: the tokens are GPT-2 BPE
+    if meta is not None:
+        itos = meta["itos"]
+        stoi = {c: i for i, c in enumerate(itos)}
 
         def encode(s):
             unknown = sorted(set(s) - set(stoi))
@@ -79,18 +96,24 @@ def load_tokenizer(dataset):
                 raise ConfigError(f"the prompt has characters the model has never seen: {unknown}")
             return [stoi[c] for c in s]
 
-        return encode, lambda ids: "".join(itos[i] for i in ids)
+        # ids beyond the tables: a vocabulary padded past the dataset's (never trained to appear)
+        return encode, lambda ids: "".join(itos[i] if i < len(itos) else "\ufffd" for i in ids)
+    if vocab_size < 50257:
+        raise ConfigError(f"no tokenizer for this model: data/{dataset}/meta.json is missing and a "
+                          f"vocabulary of {vocab_size} tokens is not GPT-2 BPE; recreate the tables "
+                          f"with: python data/{dataset}/prepare.py")
     try:
         import tiktoken
     except ImportError:
-        sys.exit(f"error: no {meta_path}, and GPT-2 BPE needs tiktoken: pip install tiktoken")
+        raise ConfigError(f"dataset '{dataset}' uses GPT-2 BPE (no data/{dataset}/meta.json), which "
+                          f"needs tiktoken: pip install tiktoken") from None
     enc = tiktoken.get_encoding("gpt2")
     return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
 
 
 def main(argv=None):
     cfg = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    check_choice(cfg, "fp8_weight_granularity", ("tensor", "row", "block"))
+    check_args(cfg)
     globals().update(cfg)  # the settings become this module's globals, as in a plain script
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16)
@@ -126,7 +149,8 @@ def main(argv=None):
         else:
             print(f"(no {val_path}: cannot compare validation losses)")
 
-    encode, decode = load_tokenizer(train_cfg.get("dataset", "openwebtext"))  # no dataset: GPT-2 BPE
+    # no dataset (a Hugging Face GPT-2, say): GPT-2 BPE
+    encode, decode = load_tokenizer(train_cfg.get("dataset", "openwebtext"), model.config.vocab_size)
     prompt = start
     if prompt.startswith("FILE:"):
         with open(prompt[5:], encoding="utf-8") as f:

@@ -58,19 +58,20 @@ as one that never stopped, and on CPU it reproduces the same losses bit for bit.
 import io
 import math
 import os
-import pickle
+import re
 import subprocess
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import fields
+from datetime import timedelta
 
 import numpy as np
 import torch
 
 from nanofp8 import fp8, parallel
 from nanofp8.checkpoint import initial_weights, load_moments
-from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
+from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of, read_dataset_meta
 from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3, sync_fp8_wgrads
 from nanofp8.fp8 import E4M3, E5M2
 from nanofp8.model import (GPT, CheckpointError, GPTConfig, apply_fp8, load_checkpoint,
@@ -105,7 +106,7 @@ tie_embeddings = True
 mlp_hidden = 0  # 0 = the architecture's default width
 rope_theta = 10000.0
 norm_eps = 1e-5
-vocab_size = 50304  # used when the dataset has no meta.pkl (GPT-2 BPE: 50257, padded)
+vocab_size = 50304  # GPT-2 BPE (50257, padded); a dataset's meta.json sets it unless given larger
 # AdamW
 learning_rate = 6e-4
 max_iters = 600000
@@ -113,6 +114,7 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm to this (0 = no clipping)
+max_skipped_steps = 10  # stop after this many steps in a row skipped for non-finite gradients (0 = never)
 # learning rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
 decay_lr = True
 warmup_iters = 2000
@@ -133,7 +135,7 @@ fp8_formats = "hybrid"  # "hybrid" (E4M3 forward, E5M2 gradients) | "e4m3"
 fp8_backend = None  # "torch" | "emulate" | "triton"; None = torch._scaled_mm on CUDA, emulate on CPU
 fp8_history_len = 16  # delayed scaling: amax history length
 fp8_amax_algo = "max"  # delayed scaling: "max" | "most_recent"
-fp8_margin = 0  # scales are divided by 2^margin
+fp8_margin = 0  # scales are divided by 2^margin (0 to 8: see check_values)
 fp8_lm_head = False  # also run the LM head in FP8
 # seeing the numerics (nanofp8/stats.py)
 fp8_stats_interval = 0  # every this many iterations: per-layer FP8 cast statistics (0 = off)
@@ -151,6 +153,7 @@ pipeline_parallel = 1  # cut the blocks into this many stages, fed micro-batches
 device = "auto"  # "auto" (cuda if available, else cpu) | "cpu" | "cuda" | "cuda:1" ...
 compile = None  # torch.compile the model; None = on for CUDA, off for CPU
 peak_flops = 0.0  # hardware peak for MFU; 0 = look the GPU up (no MFU when unknown, e.g. CPU)
+dist_timeout = 600.0  # torchrun: seconds a collective may wait for the other ranks before the job stops
 seed = 1337
 DEFAULTS = defaults_of(globals())
 # -----------------------------------------------------------------------------
@@ -192,6 +195,7 @@ def load_config(argv):
             raise ConfigError(f"config key '{key}' must be positive, got {cfg[key]}")
     if not (cfg["device"] == "auto" or cfg["device"].split(":")[0] in ("cpu", "cuda", "mps")):
         raise ConfigError(f"config key 'device' must be 'auto', 'cpu' or 'cuda[:N]', got {cfg['device']!r}")
+    check_values(cfg)
     check_model_parallel(cfg)
     check_stats(cfg)
     return cfg
@@ -220,6 +224,47 @@ def stats_alarms(cfg):
                   amax_growth=cfg["fp8_alarm_amax_growth"])
 
 
+# The largest fp8_margin allowed. A margin m maps the amax to fp8_max / 2^m, so the top m binades of
+# the format stay empty and everything more than (dynamic range - m) binades below the amax
+# flushes to zero. E4M3 spans ~17.8 binades (2^-9 to 448): at m = 8 about 10 are left; at m >= 18
+# every value flushes, the blocks output nothing and training quietly learns a worse model.
+MAX_FP8_MARGIN = 8
+
+
+def check_values(cfg):
+    """Ranges of the numeric settings and what the machine and file system must provide: each
+    mistake is a ConfigError naming the key, before any process group or model exists."""
+    def need(ok, key, what):
+        if not ok:
+            raise ConfigError(f"config key '{key}' must be {what}, got {cfg[key]!r}")
+
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "fp8_history_len"):
+        need(cfg[key] >= 1, key, ">= 1")
+    for key in ("mlp_hidden", "warmup_iters", "lr_decay_iters", "max_skipped_steps"):
+        need(cfg[key] >= 0, key, ">= 0")
+    for key in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops", "norm_eps"):
+        need(math.isfinite(cfg[key]) and cfg[key] >= 0, key, "finite and >= 0")
+    need(0 <= cfg["dropout"] < 1, "dropout", "in [0, 1)")
+    for key in ("beta1", "beta2"):
+        need(0 <= cfg[key] < 1, key, "in [0, 1) (beta = 1 would never update the moment)")
+    need(0 <= cfg["fp8_margin"] <= MAX_FP8_MARGIN, "fp8_margin",
+         f"in [0, {MAX_FP8_MARGIN}] (m empties the top m of E4M3's ~18 binades; from ~18 on, "
+         "every value flushes to zero)")
+    need(math.isfinite(cfg["dist_timeout"]) and cfg["dist_timeout"] > 0, "dist_timeout", "> 0 seconds")
+    need(cfg["out_dir"].strip() != "", "out_dir", "a directory name")
+    need(not os.path.exists(cfg["out_dir"]) or os.path.isdir(cfg["out_dir"]), "out_dir",
+         "a directory (it is an existing file)")
+    if cfg["device"].startswith("cuda"):
+        index = cfg["device"].partition(":")[2] or "0"
+        if not index.isdigit() or not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"config key 'device' is {cfg['device']!r}, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA devices: use device=cpu (or auto)")
+    try:  # the architecture's own rules (divisibility, RoPE's even head dim)
+        GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_model_parallel(cfg):
     """The model-parallel settings that can be judged before any process starts."""
     tp, pp, sp = cfg["tensor_parallel"], cfg["pipeline_parallel"], cfg["sequence_parallel"]
@@ -240,27 +285,131 @@ def check_model_parallel(cfg):
                           "layers run eagerly (their collectives are not compiled); set compile=False")
 
 
+def check_accumulation(cfg, dp_size, what):
+    """gradient_accumulation_steps counts the micro-batches of the whole step, over all replicas."""
+    gas = cfg["gradient_accumulation_steps"]
+    if gas % dp_size:
+        low, high = gas // dp_size * dp_size, (gas // dp_size + 1) * dp_size
+        options = f"{low} or {high}" if low else f"{high}"
+        raise ConfigError(f"gradient_accumulation_steps={gas} must be divisible by the number of "
+                          f"data-parallel {what} ({dp_size}; each runs gradient_accumulation_steps / "
+                          f"{dp_size} micro-batches): pass gradient_accumulation_steps={options}")
+
+
+# -----------------------------------------------------------------------------
+# Faults under torchrun: a collective that never completes
+#
+# A rank that hangs (deadlocked, stopped, swapping, lost its GPU) leaves the others waiting inside
+# a collective. The process group gets a timeout (dist_timeout) after which the waiting collective
+# raises, and a second, gloo-only group is kept aside to find out who is missing: a
+# monitored_barrier on it reports the ranks that do not answer (a fresh group, because the one
+# whose collective timed out may be left half-way through a message). With NCCL, torch's watchdog
+# may abort the process at the same timeout with its own message instead.
+
+_monitor_group, _dist_timeout = None, None
+
+
+def init_distributed(cfg):
+    global _monitor_group, _dist_timeout
+    _dist_timeout = cfg["dist_timeout"]
+    timeout = timedelta(seconds=cfg["dist_timeout"])
+    backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
+    torch.distributed.init_process_group(backend=backend, timeout=timeout)
+    _monitor_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+
+
+def is_collective_failure(error):
+    """A collective that timed out or lost its peer (gloo raises a plain RuntimeError from inside
+    DDP's backward, a DistError elsewhere)."""
+    signs = ("Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe")
+    return torch.distributed.is_initialized() and (
+        isinstance(error, torch.distributed.DistError) or any(s in str(error) for s in signs))
+
+
+def report_collective_failure(error):
+    """Called when a collective failed: name the ranks that do not answer (rank 0 finds out,
+    with a short monitored barrier), print one line and leave without waiting on anyone."""
+    rank = torch.distributed.get_rank()
+    who = "rank 0 names the ranks that do not answer"
+    try:
+        torch.distributed.monitored_barrier(_monitor_group, timeout=timedelta(seconds=min(10.0, _dist_timeout)),
+                                           wait_all_ranks=True)
+        who = "all ranks answer now"
+    except Exception as e:  # rank 0: "Ranks 1, 3 failed to pass monitoredBarrier in 10000 ms"
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+        if found:
+            ranks = found.group(1).strip()
+            who = f"rank{'s' if ',' in ranks else ''} {ranks} not answering: stopped, hung or dead"
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0].split("] ")[-1][:160]
+    print(f"error: rank {rank}: a collective did not complete within dist_timeout={_dist_timeout:g}s; "
+          f"{who} ({first})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(3)  # not sys.exit: tearing the process group down would wait for the missing ranks
+
+
 # -----------------------------------------------------------------------------
 # Data
+
+
+def check_dataset(dataset):
+    """ConfigError unless the dataset is prepared or can be prepared here. Returns whether it
+    must be prepared first. Every rank calls it before the process group exists, so a typo in
+    `dataset` stops all of them at once instead of leaving the others waiting for rank 0."""
+    data_dir = os.path.join(REPO, "data", dataset)
+    wanted = [os.path.join(data_dir, f) for f in ("train.bin", "val.bin")]
+    if all(os.path.exists(p) for p in wanted):
+        return False
+    script = os.path.join(data_dir, "prepare.py")
+    shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else script
+    if not os.path.exists(script):
+        known = sorted(d for d in os.listdir(os.path.join(REPO, "data"))
+                       if os.path.exists(os.path.join(REPO, "data", d, "prepare.py")))
+        raise ConfigError(f"config key 'dataset': unknown dataset {dataset!r} (no {shown}); "
+                          f"the datasets are {known}")
+    if dataset not in PREPARED_ON_DEMAND:
+        raise ConfigError(f"dataset '{dataset}' is not prepared ({wanted[0]} is missing). "
+                          f"Prepare it first with:\n    python {shown}")
+    return True
 
 
 def ensure_dataset(dataset):
     """The dataset's directory, preparing it first if it is small enough to do so here."""
     data_dir = os.path.join(REPO, "data", dataset)
-    wanted = [os.path.join(data_dir, f) for f in ("train.bin", "val.bin")]
-    if all(os.path.exists(p) for p in wanted):
+    if not check_dataset(dataset):
         return data_dir
     script = os.path.join(data_dir, "prepare.py")
     shown = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else script
-    if not os.path.exists(script):
-        sys.exit(f"error: unknown dataset '{dataset}': no {shown}")
-    if dataset not in PREPARED_ON_DEMAND:
-        sys.exit(f"error: dataset '{dataset}' is not prepared ({wanted[0]} is missing). "
-                 f"Prepare it first with:\n    python {shown}")
     print(f"dataset '{dataset}' is not prepared yet: running {shown}")
     if subprocess.run([sys.executable, script]).returncode != 0:
         sys.exit(f"error: preparing dataset '{dataset}' failed (see above)")
     return data_dir
+
+
+def check_data(data, cfg, data_dir):
+    """Each split must hold at least one window of block_size + 1 tokens (a shorter one would
+    crash inside torch.randint, a far longer block_size than the text makes no sense)."""
+    for split, tokens in data.items():
+        if len(tokens) < cfg["block_size"] + 1:
+            raise ConfigError(f"block_size={cfg['block_size']} is too long for {os.path.join(data_dir, split)}"
+                              f".bin: it holds {len(tokens):,} tokens, and a batch needs windows of "
+                              f"block_size + 1; use block_size <= {len(tokens) - 1}")
+
+
+def vocab_from_meta(meta, cfg, log):
+    """The vocabulary size to build: the dataset's (meta.json), or vocab_size when it is given
+    explicitly and is at least as large (padding, e.g. to a multiple of 16 for an FP8 LM head)."""
+    if meta is None:
+        return cfg["vocab_size"]
+    need = meta["vocab_size"]
+    if cfg["vocab_size"] == DEFAULTS["vocab_size"]:
+        return need
+    if cfg["vocab_size"] < need:
+        raise ConfigError(f"config key 'vocab_size' is {cfg['vocab_size']}, but dataset '{cfg['dataset']}' "
+                          f"has {need} tokens: leave vocab_size out (or give one >= {need})")
+    if cfg["vocab_size"] != need:
+        log(f"note: vocab_size={cfg['vocab_size']} (the dataset's {need} tokens, padded; the extra "
+            f"ids never occur)")
+    return cfg["vocab_size"]
 
 
 TRAIN_STREAM, EVAL_STREAMS = 0, {"train": 1, "val": 2}
@@ -311,6 +460,9 @@ def setup_precision(model, cfg, device_type):
         return "bf16 autocast, fp32 master weights"
     recipe = fp8_recipe(cfg, device_type)
     names = apply_fp8(model, recipe, cfg["fp8_lm_head"])
+    if not names:  # FP8 GEMMs need both dims % 16: an "FP8" run with none would be bf16 in disguise
+        raise ConfigError(f"precision={cfg['precision']}: no block Linear can run in FP8: their widths "
+                          f"(n_embd={cfg['n_embd']}, MLP {model.config.hidden}) must be multiples of 16")
     level = cfg["precision"]
     if level == "O2":
         convert_to_o2(model)
@@ -542,6 +694,87 @@ def check_replicas(stage, groups):
             raise RuntimeError(f"{what} hold different values of {bad[:5]}: the replicas diverged")
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on usefully (its weights or gradients stay non-finite)."""
+
+
+# What a resumed run must share with the run that wrote the checkpoint, and what changing it would
+# do. The model's architecture is not here: it is taken from the checkpoint.
+RESUME_KEYS = {
+    "o2_v_format": "read the saved Adam v in the wrong format (fp16 v as E4M3 sqrt(v), or the reverse)",
+    "dataset": "continue the run on other data",
+    "seed": "draw other batches and dropout masks than the run it continues (the batch of "
+            "iteration i is a function of seed and i)",
+}
+
+
+def check_resume_config(saved, cfg, path, converted=False):
+    """Refuse to resume with a setting that would silently make a different run, naming both values.
+    saved: the checkpoint's config. converted: the checkpoint is converted to another level or
+    layout, whose optimizer state is stored anew, so only the data-defining keys must match."""
+    for key, why in RESUME_KEYS.items():
+        if key == "o2_v_format" and (converted or cfg["precision"] not in ("O2", "O3")):
+            continue
+        if key in saved and saved[key] != cfg[key]:
+            raise CheckpointError(f"{path} was written with {key}={saved[key]!r}; resuming with "
+                                  f"{key}={cfg[key]!r} would {why}. Pass {key}={saved[key]}, or "
+                                  f"start a new run (init_from=scratch, another out_dir)")
+
+
+@torch.no_grad()
+def nonfinite_tensors(model):
+    """Names of the floating-point parameters and buffers holding a NaN or an Inf, with one
+    device sync for the whole model (FP8 tensors are widened: isfinite has no FP8 kernel)."""
+    named = [(k, t) for k, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()]
+    if not named:
+        return []
+    ok = torch.stack([torch.isfinite(t if t.element_size() > 1 else t.float()).all() for _, t in named])
+    if bool(ok.all()):
+        return []
+    return [k for (k, _), good in zip(named, ok.tolist()) if not good]
+
+
+def weights_finite(model, group_size):
+    """Whether every rank's weights are finite (one small all-reduce under torchrun, so that all
+    ranks stop together even if only one of them went bad)."""
+    ok = torch.tensor([0.0 if nonfinite_tensors(model) else 1.0], device=next(model.parameters()).device)
+    if group_size > 1:
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def rng_state_for_checkpoint(device_type, device, group, group_size, writer):
+    """The dropout RNG of every data-parallel rank (called on all of them), for the writer to save.
+    Each rank draws its own masks, so each one's stream has to be saved for a bit-exact resume."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device_type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state()
+    if group_size > 1:
+        mine = torch.cat([rng["cpu"]] + ([rng["cuda"]] if "cuda" in rng else [])).to(device)
+        got = [torch.empty_like(mine) for _ in range(group_size)]
+        torch.distributed.all_gather(got, mine, group=group)
+        rng["ranks"] = [g.cpu() for g in got]
+    return rng if writer else None
+
+
+def restore_rng(rng, device_type, rank_in_group, group_size):
+    """Continue this rank's saved dropout stream. Returns False when the checkpoint has none for it
+    (written at another world size, or by an older version): the caller reseeds."""
+    if group_size > 1:
+        if len(rng.get("ranks", [])) != group_size:
+            return False
+        state = rng["ranks"][rank_in_group].cpu()
+        n_cpu = rng["cpu"].numel()
+        torch.set_rng_state(state[:n_cpu])
+        if device_type == "cuda" and state.numel() > n_cpu:
+            torch.cuda.set_rng_state(state[n_cpu:])
+        return True
+    torch.set_rng_state(rng["cpu"].cpu())
+    if device_type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    return True
+
+
 def checkpoint_path(cfg, groups):
     """out_dir/ckpt.pt; under model parallelism one file per (tensor, pipeline) rank, written by
     data-parallel rank 0: that rank's shards (the GPT's keys) and its optimizer state."""
@@ -567,6 +800,27 @@ def check_resume_layout(ckpt, cfg, path, device):
 
 # -----------------------------------------------------------------------------
 # Helpers
+
+
+def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, lr, cfg, world_size, ckpt_path, log):
+    """After each optimizer step: stop when the weights went non-finite, or when steps keep being
+    skipped for non-finite gradients (a run that only skips learns nothing and would keep writing
+    checkpoints). Returns the new count of skipped steps in a row."""
+    if stepped and not weights_finite(model, world_size):
+        bad = nonfinite_tensors(model)
+        raise TrainingStopped(f"the update of iteration {iter_num} (learning rate {lr:g}) made weights "
+                              f"non-finite{' (' + ', '.join(bad[:3]) + ')' if bad else ' on another rank'}: "
+                              f"stopped; {ckpt_path} is untouched: resume from it with a lower learning_rate")
+    if stepped:
+        return 0
+    skipped_in_a_row += 1
+    log(f"iter {iter_num}: step SKIPPED (grad norm {grad_norm}), {skipped_in_a_row} in a row")
+    if 0 < cfg["max_skipped_steps"] <= skipped_in_a_row:
+        raise TrainingStopped(f"{skipped_in_a_row} steps in a row skipped for non-finite gradients "
+                              f"(max_skipped_steps={cfg['max_skipped_steps']}), the last at iteration {iter_num}: "
+                              f"stopped; {ckpt_path} holds the last good state: resume from it with a lower "
+                              f"learning_rate, or look for bad data")
+    return skipped_in_a_row
 
 
 def lr_at(it, cfg):
@@ -641,12 +895,16 @@ def main(argv=None):
     ddp = int(os.environ.get("RANK", -1)) != -1  # launched by torchrun?
     if cfg["device"] == "auto":
         cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    check_dataset(cfg["dataset"])  # every rank, before one of them waits for another
     if ddp:
         rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        tp_pp = cfg["tensor_parallel"] * cfg["pipeline_parallel"]
+        if world_size % tp_pp == 0:  # (else make_parallel_groups says what is wrong)
+            check_accumulation(cfg, world_size // tp_pp, "processes" if tp_pp == 1 else "replicas")
         if cfg["device"].startswith("cuda"):
             cfg["device"] = f"cuda:{local_rank}"
             torch.cuda.set_device(cfg["device"])
-        torch.distributed.init_process_group(backend="nccl" if cfg["device"].startswith("cuda") else "gloo")
+        init_distributed(cfg)
     else:
         rank, local_rank, world_size = 0, 0, 1
     master = rank == 0
@@ -665,10 +923,7 @@ def main(argv=None):
     device_type = device.split(":")[0]
     if cfg["compile"] is None:
         cfg["compile"] = device_type == "cuda" and not model_parallel and not cfg["fp8_stats_interval"]
-    if cfg["gradient_accumulation_steps"] % dp_size:
-        what = "processes" if groups is None else "data-parallel replicas (processes / (tp * pp))"
-        raise ConfigError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be "
-                          f"divisible by the number of {what} ({dp_size})")
+    check_accumulation(cfg, dp_size, "processes" if groups is None else "replicas")
     accum = cfg["gradient_accumulation_steps"] // dp_size  # micro-steps per rank
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     if device_type == "cuda":
@@ -683,10 +938,8 @@ def main(argv=None):
         torch.distributed.barrier()  # the others wait until rank 0 has prepared the data
     data_dir = os.path.join(REPO, "data", cfg["dataset"])
     data = {s: np.memmap(os.path.join(data_dir, f"{s}.bin"), dtype=np.uint16, mode="r") for s in ("train", "val")}
-    meta_path = os.path.join(data_dir, "meta.pkl")
-    if os.path.exists(meta_path):
-        with open(meta_path, "rb") as f:
-            cfg["vocab_size"] = pickle.load(f)["vocab_size"]
+    check_data(data, cfg, data_dir)
+    cfg["vocab_size"] = vocab_from_meta(read_dataset_meta(data_dir), cfg, log)
 
     # ---- model, from scratch or from the checkpoint
     ckpt_path = checkpoint_path(cfg, groups)
@@ -694,9 +947,12 @@ def main(argv=None):
     # Another level or layout, or pretrained weights: fp32 weights, converted (nanofp8/checkpoint.py)
     converted = initial_weights(cfg, world_size)
     if converted is not None:
+        if cfg["init_from"] == "resume":
+            check_resume_config(converted["config"], cfg, ckpt_path, converted=True)
         log(f"note: {converted['note']}")
     elif cfg["init_from"] == "resume":
         ckpt = load_checkpoint(ckpt_path, map_location=device)
+        check_resume_config(ckpt["config"], cfg, ckpt_path)
         if groups is not None:
             check_resume_layout(ckpt, cfg, ckpt_path, device)
     if ckpt is not None or converted is not None:
@@ -717,6 +973,10 @@ def main(argv=None):
         model = setup_model_parallel(model, cfg, groups)  # from here on: this rank's stage
     if ckpt is not None:
         load_model_state(model, ckpt["model"], ckpt_path)
+        bad = nonfinite_tensors(model)
+        if bad:
+            raise CheckpointError(f"{ckpt_path} holds non-finite values in {bad[:5]}: the run that wrote "
+                                  f"it had diverged; resume from an earlier checkpoint")
     model.to(device)
     if cfg["precision"] != "bf16":  # what really runs in FP8, and no silent fallback under strict
         fp8.strict, rows = cfg["fp8_strict"], linear_table(model)
@@ -733,16 +993,16 @@ def main(argv=None):
             load_moments(optimizer, model, converted["moments"])
     # The global RNG now only drives dropout. Each rank gets its own stream (a tensor-parallel
     # group shares one: its replicated activations must drop the same units); a resumed run
-    # continues the saved one (the writers': other ranks reseed).
+    # continues each data-parallel rank's saved stream (one reseeds only if the checkpoint has
+    # none for it, e.g. written at another world size: then the resume is not bit-exact).
     torch.manual_seed(hash((cfg["seed"], dropout_stream)) & (2**63 - 1))
+    rng_group = None if groups is None else groups.dp_group  # the ranks whose streams a file holds
     if ckpt is not None:
         load_optimizer_state(optimizer, ckpt["optimizer"], ckpt_path, rank, world_size)
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        if writer and "rng" in ckpt:
-            torch.set_rng_state(ckpt["rng"]["cpu"].cpu())
-            if device_type == "cuda" and "cuda" in ckpt["rng"]:
-                torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu())
-        elif not writer:
+        if not ("rng" in ckpt and restore_rng(ckpt["rng"], device_type, data_rank, dp_size)):
+            log("note: the checkpoint has no dropout RNG state for this world size: reseeded, so "
+                "with dropout > 0 the resumed run differs from an uninterrupted one")
             torch.manual_seed(hash((cfg["seed"], dropout_stream, iter_num)) & (2**63 - 1))
         ckpt = None  # free the loaded tensors
     start_iter = iter_num
@@ -775,6 +1035,7 @@ def main(argv=None):
     # ---- the training loop
     history = {"losses": [], "evals": []}
     t_last, step_time, step_count = time.time(), 0.0, 0
+    skipped_in_a_row = 0
     while True:
         lr = lr_at(iter_num, cfg)
         for group in optimizer.param_groups:
@@ -793,11 +1054,12 @@ def main(argv=None):
             improved = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])
             save = iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"])
+            if save and not math.isfinite(losses["val"]):  # never replace a good checkpoint by this
+                log(f"not saving a checkpoint: the val loss is {losses['val']}")
+                save = False
             opt_state = optimizer_state_for_checkpoint(optimizer, cfg, writer) if save else None
+            rng = rng_state_for_checkpoint(device_type, device, rng_group, dp_size, writer) if save else None
             if writer and save:
-                rng = {"cpu": torch.get_rng_state()}
-                if device_type == "cuda":
-                    rng["cuda"] = torch.cuda.get_rng_state()
                 save_checkpoint({
                     "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
                     "optimizer": opt_state,
@@ -844,6 +1106,8 @@ def main(argv=None):
             if groups.dp > 1:  # log the whole batch's loss, comparable with one device's
                 torch.distributed.all_reduce(loss, group=groups.dp_group)
             loss_value = loss.item() / groups.dp
+        skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, lr,
+                                      cfg, world_size, ckpt_path, log)
         history["losses"].append((iter_num, loss_value))
         for line in stats.finish(iter_num, optimizer) if stats is not None else ():
             log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
@@ -871,9 +1135,29 @@ def main(argv=None):
     return history
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """main() as a command: one line on stderr per failure, and the exit status says which kind:
+    2 a bad config, checkpoint or dataset; 1 a run that stopped on non-finite weights or gradients.
+    Under torchrun, a collective that times out makes its rank name the ranks not answering."""
     try:
-        main()
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        main(argv)
+    except ConfigError as e:  # decided alike on every rank: say it once
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except CheckpointError as e:
+        rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+        print(f"error: {rank}{e}", file=sys.stderr)
+        sys.exit(2)
+    except TrainingStopped as e:  # diverged: every rank reaches the same verdict
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:
+        if not is_collective_failure(e):
+            raise
+        report_collective_failure(e)
+
+
+if __name__ == "__main__":
+    cli()

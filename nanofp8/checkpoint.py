@@ -280,6 +280,7 @@ def resume_from(out_dir, cfg, world_size):
     head = _peek(checkpoint_files(out_dir)[0])  # one file decides
     if same_layout(head["config"]["precision"], _layout(head), cfg, world_size):
         return None
+    saved_config = head["config"]
     del head
     state, info = read_checkpoint(out_dir)
     src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
@@ -308,7 +309,7 @@ def resume_from(out_dir, cfg, world_size):
     for extra in info["notes"]:
         note += f"; {extra}"
     return dict(model=state, model_args=info["model_args"], iter_num=info["iter_num"],
-                best_val_loss=info["best_val_loss"], moments=moments, note=note)
+                best_val_loss=info["best_val_loss"], moments=moments, note=note, config=saved_config)
 
 
 # -----------------------------------------------------------------------------

@@ -21,7 +21,10 @@ error, because 1 and True are easy to confuse in a config and the mistake would 
 """
 
 import ast
+import io
+import json
 import os
+import pickle
 import types
 
 
@@ -111,3 +114,56 @@ def defaults_of(namespace):
     str, None), in definition order. train.py and sample.py call it on their own globals()."""
     return {k: v for k, v in namespace.items()
             if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
+# -----------------------------------------------------------------------------
+# Dataset metadata: the one setting a dataset supplies (its vocabulary)
+#
+# data/<name>/prepare.py writes meta.json: {"vocab_size": int, "itos": [the token of id 0, of id
+# 1, ...]} (itos only for character-level data; GPT-2 BPE datasets have no meta file). JSON, and
+# not a pickle, because a pickle runs code when it is loaded and a dataset directory is something
+# people download. Directories prepared by older versions hold meta.pkl instead; it is still read,
+# but only through _PlainDataUnpickler, which refuses every pickle that names a Python object
+# (os.system, a class, a function): what is left can build only dicts, lists, strings and numbers.
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it refers to the Python object {module}.{name}, and only plain "
+                                     f"dicts, strings and ints are accepted")
+
+
+def read_dataset_meta(data_dir):
+    """{'vocab_size': int, 'itos': list of str or None} from data_dir/meta.json (or an old
+    meta.pkl, read safely); None when the dataset has neither (GPT-2 BPE). A damaged or foreign
+    file is a ConfigError naming it."""
+    json_path, pkl_path = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
+    if os.path.exists(json_path):
+        path = json_path
+        try:
+            with open(path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read dataset metadata {path} ({type(e).__name__}: {e}): run the "
+                              f"dataset's prepare.py again") from None
+    elif os.path.exists(pkl_path):
+        path = pkl_path
+        try:
+            with open(path, "rb") as f:
+                meta = _PlainDataUnpickler(io.BytesIO(f.read())).load()
+        except Exception as e:  # truncated (EOFError), garbage (UnpicklingError), a code payload, ...
+            raise ConfigError(f"cannot read dataset metadata {path} ({type(e).__name__}: {e}): run the "
+                              f"dataset's prepare.py again (it writes meta.json)") from None
+        if isinstance(meta, dict) and isinstance(meta.get("itos"), dict):  # old layout: {id: char}
+            meta = {**meta, "itos": [meta["itos"].get(i) for i in range(len(meta["itos"]))]}
+    else:
+        return None
+    vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    if type(vocab) is not int or vocab < 1:
+        raise ConfigError(f"dataset metadata {path} has no valid 'vocab_size' (got {vocab!r})")
+    if itos is not None and not (isinstance(itos, list) and len(itos) == vocab
+                                 and all(isinstance(c, str) for c in itos)):
+        raise ConfigError(f"dataset metadata {path}: 'itos' must list one string per token id "
+                          f"(vocab_size={vocab})")
+    return {"vocab_size": vocab, "itos": itos}

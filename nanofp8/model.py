@@ -26,8 +26,10 @@ The file ends with the checkpoint format, so that train.py and sample.py read an
 thing.
 """
 
+import glob
 import math
 import os
+import re
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -55,8 +57,17 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
+        """Reject a configuration that would build a broken model, naming the field. (n_layer=0
+        would build a model with no blocks that still trains: a bigram table, silently.)"""
         if self.arch not in ("gpt2", "llama"):
             raise ValueError(f"GPTConfig.arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mlp_hidden < 0:
+            raise ValueError(f"mlp_hidden must be >= 0 (0 = the default width), got {self.mlp_hidden}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
@@ -375,8 +386,14 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(ckpt, path):
     """Write atomically: to a temp file in the same directory, flushed to disk, then renamed over
-    the target. A crash mid-write leaves the previous checkpoint intact, never half a file."""
+    the target. A crash mid-write leaves the previous checkpoint intact, never half a file. The
+    temp files a killed writer left behind (path.tmp.<pid>, as large as a checkpoint) are removed
+    first, unless their process still runs (another job writing to the same directory)."""
     ckpt = {"format": CKPT_FORMAT, **ckpt}
+    for stale in glob.glob(glob.escape(path) + ".tmp.*"):
+        pid = stale.rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            os.remove(stale)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -389,6 +406,16 @@ def save_checkpoint(ckpt, path):
             os.remove(tmp)
 
 
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def load_checkpoint(path, map_location="cpu"):
     """Load and sanity-check a checkpoint; every failure is a CheckpointError naming the file."""
     if not os.path.isfile(path):
@@ -396,9 +423,14 @@ def load_checkpoint(path, map_location="cpu"):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, random bytes, a pickle with forbidden objects, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot read checkpoint {path} (truncated, corrupt or not a "
-                              f"nanofp8 checkpoint): {msg}") from None
+        # Not torch's message: for a pickle holding objects it advises retrying with
+        # weights_only=False, which is exactly how such a file would run its code.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:
+            why = f"it holds Python objects ({found.group(1)}), not only tensors and plain values"
+        else:
+            why = "truncated or corrupt (not the zip archive torch.save writes)"
+        raise CheckpointError(f"{path} is not a nanofp8 checkpoint: {why}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path} is not a nanofp8 checkpoint (expected format "

@@ -158,7 +158,16 @@ class Fp8AdamW(torch.optim.Optimizer):
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         self.skipped_steps = 0
 
+    def state_dict(self):
+        return {**super().state_dict(), "v_format": self.v_format}  # how exp_avg_sq is stored
+
     def load_state_dict(self, state_dict):
+        # The same bytes mean v in fp16 and sqrt(v) in E4M3: never read one as the other.
+        saved = state_dict.get("v_format", self.v_format)
+        if saved != self.v_format:
+            raise ValueError(f"optimizer state has Adam v stored as v_format={saved!r}; this "
+                             f"optimizer has v_format={self.v_format!r}")
+        state_dict = {k: v for k, v in state_dict.items() if k != "v_format"}
         # torch.optim casts loaded state to each parameter's dtype (fp16 for an O2 master), which
         # would turn FP8 moments and fp32 scales into fp16: put back the tensors as they were saved.
         super().load_state_dict(state_dict)

@@ -32,7 +32,7 @@ TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block
 @pytest.fixture(scope="session", autouse=True)
 def shakespeare():
     data_dir = os.path.join(REPO, "data", "shakespeare_char")
-    if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.pkl")):
+    if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.json")):
         subprocess.run([sys.executable, os.path.join(data_dir, "prepare.py")], check=True)
     return data_dir
 

@@ -18,7 +18,9 @@ with pip can make it: the command is printed on failure) and run this script aga
 
 Output, next to this file:
     train.bin, val.bin   uint16 token ids (one per character)
-    meta.pkl             {'vocab_size', 'itos', 'stoi'}: the character <-> id tables
+    meta.json            {"vocab_size", "itos", "source"}: itos lists the character of each id
+                         (JSON, not a pickle: loading a pickle can run code). train.py and
+                         sample.py read it with nanofp8.configurator.read_dataset_meta.
 
 The split: the last 10% of every text is validation, the first 90% training. Taking the tail of
 each text (rather than the last 10% of one long concatenation) gives validation the same mix of
@@ -27,8 +29,8 @@ plays, poems and sonnets as training.
 
 import glob
 import hashlib
+import json
 import os
-import pickle
 import subprocess
 import sys
 import tarfile
@@ -103,7 +105,6 @@ def main():
     val_text = "\n".join(p[1] for p in parts)
     chars = sorted(set(train_text) | set(val_text))
     stoi = {ch: i for i, ch in enumerate(chars)}
-    itos = {i: ch for i, ch in enumerate(chars)}
     print(f"{len(texts)} texts, {len(train_text) + len(val_text):,} characters, vocabulary of {len(chars)}")
 
     for split, text in (("train", train_text), ("val", val_text)):
@@ -112,10 +113,13 @@ def main():
         ids.tofile(tmp)
         os.replace(tmp, os.path.join(HERE, f"{split}.bin"))  # never leave half a file behind
         print(f"{split}.bin: {len(ids):,} tokens")
-    # meta.pkl last: train.py treats its presence as "preparation finished".
-    with open(os.path.join(HERE, "meta.pkl.tmp"), "wb") as f:
-        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi, "source": SDIST}, f)
-    os.replace(os.path.join(HERE, "meta.pkl.tmp"), os.path.join(HERE, "meta.pkl"))
+    # meta.json last: its presence means "preparation finished".
+    with open(os.path.join(HERE, "meta.json.tmp"), "w", encoding="utf-8") as f:
+        json.dump({"vocab_size": len(chars), "itos": chars, "source": SDIST}, f, ensure_ascii=True)
+    os.replace(os.path.join(HERE, "meta.json.tmp"), os.path.join(HERE, "meta.json"))
+    old = os.path.join(HERE, "meta.pkl")  # from an older version: meta.json now says it all
+    if os.path.exists(old):
+        os.remove(old)
     for stale in glob.glob(os.path.join(HERE, "*.tmp")):
         os.remove(stale)
 
