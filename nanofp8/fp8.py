@@ -352,7 +352,9 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
             sa = sa.expand(len(a.data), 1).contiguous()
             sb = sb.expand(len(b.data), 1).t().contiguous()  # (1, N)
     in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb,
+    # cuBLASLt wants 16-byte aligned rows; a view into a packed buffer (SP's gathered FP8 rows
+    # carry their scale behind them) is not, so it is copied (free when already contiguous).
+    out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=sa, scale_b=sb,
                            bias=bias.to(out_dtype) if in_gemm else None, out_dtype=out_dtype,
                            use_fast_accum=fast_accum)
     if bias is not None and not in_gemm:
