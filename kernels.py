@@ -122,7 +122,9 @@ def _store_fp8(q_ptrs, x, scale, mask, FP8_MAX: tl.constexpr, MBITS: tl.constexp
     t = y * up  # exact: |t| < 2^(MBITS + 1), an integer count of grid steps plus a fraction
     t = (t + 12582912.0) - 12582912.0  # adding 1.5 * 2^23 leaves no fraction bits: RNE
     r = t * down
-    r = tl.where(bits < 0, -tl.abs(r), tl.abs(r))  # keep the sign of values that round to 0
+    # keep the sign of values that round to 0. Not `-tl.abs(r)`: triton 3.6 compiles a float
+    # negation as `0 - x`, which turns -0.0 into +0.0 (0x00, not 0x80); a product by -1 keeps it.
+    r = tl.where(bits < 0, tl.abs(r) * -1.0, tl.abs(r))
     q = r.to(q_ptrs.dtype.element_ty).to(tl.uint8, bitcast=True)  # exact: r is on the grid
     q = tl.where(tl.abs(x) <= FLT_MAX, q, NAN_BYTE)  # inf/NaN input -> NaN, never +-max
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty, bitcast=True), mask=mask)

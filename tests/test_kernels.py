@@ -279,3 +279,19 @@ def test_fp8_linear_with_triton_backend(gran):
         outs.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*outs):
         assert sqnr(b, a) > 120  # fp32 summation order is the only difference
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("gran,block", GRANS)
+def test_negative_values_that_round_to_zero_are_minus_zero(dtype, gran, block):
+    # -0.0 and negatives below half the smallest subnormal must be stored as -0 (0x80), as torch's
+    # cast does. (Triton 3.6 compiled `-tl.abs(r)` as `0 - x`, which gives +0: kernels.py
+    # multiplies by -1 instead, and the sm_90 compile test checks the PTX for it.)
+    fmax = FMT[dtype].max
+    row = torch.tensor([fmax, -0.0, -1e-30, -1e-12, 0.0, 1e-30, -fmax / 2**40, 1.0] * 20)  # 160 wide
+    x = row.repeat(3, 1)
+    data, _ = kernels.quantize(x, dtype, gran, block)
+    bytes_ = data.view(torch.uint8)
+    for col, want in ((1, 0x80), (2, 0x80), (3, 0x80), (4, 0x00), (5, 0x00), (6, 0x80)):
+        assert (bytes_[:, col] == want).all(), (col, bytes_[0, col].item())
+    assert_same_quant((data, _), ref_quantize(x, dtype, gran, block))
