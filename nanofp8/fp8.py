@@ -301,11 +301,16 @@ class ScaledMMSupport:
     block: bool  # 1x128 / 128x128 block scales natively
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: asked once, a constant after
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
 def scaled_mm_support(device):
     """Feature detection for torch._scaled_mm on `device` (a torch.device)."""
     if device.type != "cuda":
         return ScaledMMSupport("cpu", fp8=True, rowwise=False, cublaslt_rowwise=False, block=False)
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device.index)
     # torch.version.cuda is the toolkit torch was built with; its cuBLASLt is that version or
     # newer, so this under-reports at worst (and then a slower path runs, never a refused call).
     cublas_129 = _version(torch.version.cuda) >= (12, 9)

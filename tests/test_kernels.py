@@ -295,3 +295,23 @@ def test_negative_values_that_round_to_zero_are_minus_zero(dtype, gran, block):
     for col, want in ((1, 0x80), (2, 0x80), (3, 0x80), (4, 0x00), (5, 0x00), (6, 0x80)):
         assert (bytes_[:, col] == want).all(), (col, bytes_[0, col].item())
     assert_same_quant((data, _), ref_quantize(x, dtype, gran, block))
+
+
+def test_no_float_negation_in_jitted_code():
+    # Triton 3.6 compiles a unary minus on a float tensor as `0 - x` (PTX sub.f32), which maps
+    # -0.0 to +0.0; triton 3.9 emits neg.f32. Checked by hand with triton 3.6.0 for sm_90:
+    # `-tl.abs(r)` -> sub.f32, `tl.abs(r) * -1.0` -> neg.f32. CI runs 3.9 only, so kernels.py
+    # is held to the form both compile right: no unary minus in @triton.jit code except on
+    # literals and constexprs (ALL_CAPS names, folded by Python before triton sees them).
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, "kernels.py")).read())
+    bad = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+                    v = node.operand
+                    if not (isinstance(v, ast.Constant) or (isinstance(v, ast.Name) and v.id.isupper())):
+                        bad.append(f"{fn.name}: {ast.unparse(node)}")
+    assert not bad, bad
