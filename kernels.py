@@ -615,9 +615,12 @@ def _benchmark(json_path=None):
     import json
     from triton.testing import do_bench
     e4m3, bf16, dev = torch.float8_e4m3fn, torch.bfloat16, "cuda"
-    names = ["triton", "triton fast", "triton block", "_scaled_mm", "_scaled_mm fast", "bf16 matmul"]
+    names = ["triton", "triton fast", "triton block", "_scaled_mm", "_scaled_mm fast", "_scaled_mm block",
+             "bf16 matmul"]
     print(f"\nGEMM TFLOPS (2*M*N*K / time) on {torch.cuda.get_device_name()}, bf16 output; "
           "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales")
+    from nanofp8.fp8 import scaled_mm_support
+    print(f"torch._scaled_mm here: {scaled_mm_support(torch.device('cuda'))}")
     print(f"{'shape':22s} {'M':>5s} {'N':>6s} {'K':>6s} " + " ".join(f"{n:>15s}" for n in names))
     results = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(),
                "torch": torch.__version__, "triton": triton.__version__, "gemm": [], "quantize": []}
@@ -631,6 +634,10 @@ def _benchmark(json_path=None):
                lambda: fp8_gemm(ta, tb, tia, tib, bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16, use_fast_accum=True),
+               # native 1x128 x 128x128 (SM90, cuBLASLt >= 12.9, torch >= 2.11), in the scale
+               # layouts nanofp8.fp8._block_scale_arg gives: (M, K/128) with strides (1, M), and
+               # the transpose of the weight's (N/128, K/128) grid; "n/a" where it is refused
+               lambda: torch._scaled_mm(ta, tb.t(), tia.t().contiguous().t(), tib.t(), out_dtype=bf16),
                lambda: torch.matmul(x, w.t())]
         row = {"shape": label, "M": M, "N": N, "K": K}
         for name, fn in zip(names, fns):

@@ -94,7 +94,7 @@ def test_stand_in_refuses_what_cuda_refuses():
     sa = fp8._block_scale_arg(ba, "a")
     assert sa.shape == (64, 2) and sa.stride() == (1, 64)
     sw = fp8._block_scale_arg(bw, "b")
-    assert sw.shape == (2, 1) or sw.stride() == (1, 2)
+    assert sw.shape == (2, 1) and sw.stride() == (1, 2)
     h100(ba.data, bw.data.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
     h100(ba.data, bt.data.t(), scale_a=sa, scale_b=fp8._block_scale_arg(bt, "b"), out_dtype=torch.float32)
     assert [c[:2] for c in h100.calls[-2:]] == [("1x128", "128x128"), ("1x128", "1x128")]
@@ -288,3 +288,25 @@ def test_tp_sp_layers_obey_the_contract(contract, one_rank_group):
     assert ("tensor", "tensor") in kinds and ("row", "row") in kinds
     if contract.support().block:
         assert ("1x128", "128x128") in kinds
+
+
+@pytest.mark.parametrize("contract", ["h100-no-native-block"], indirect=True)
+def test_triton_block_gemm_comes_before_the_loop(contract, monkeypatch):
+    # On a CUDA device where kernels.py imports, block scales without native support go to the
+    # Triton block GEMM (one launch), not to the K loop. (CPU tensors here: the Triton call is
+    # replaced by a recorder that computes the reference.)
+    used = []
+
+    def triton_gemm(a, b, out_dtype, bias, fast_accum):
+        used.append(a.granularity)
+        return fp8._gemm_emulate(a, b, out_dtype, bias)
+
+    monkeypatch.setattr(fp8, "_triton_available", lambda device: True)
+    monkeypatch.setattr(fp8, "_gemm_triton", triton_gemm)
+    layer = convert_to_fp8(nn.Linear(256, 128), Recipe(granularity="block"))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        layer(torch.randn(32, 256))
+    msgs = [str(m.message) for m in w]
+    assert used == ["block"] and not contract.calls
+    assert len(msgs) == 1 and "the Triton GEMM (kernels.py)" in msgs[0] and "block scales need" in msgs[0]
