@@ -272,7 +272,9 @@ def sqnr(ref, approx):
 #   * builds whose cuBLASLt is older than 12.9 (CUDA 12.6 wheels) run row x row on a CUTLASS
 #     kernel that writes bf16/fp16 only and wants mat2 in E4M3 (ValueError otherwise).
 #   * CPU: torch 2.11's kernel takes one-element (tensor) scales only; 2.13 also takes rows. We use
-#     only what both take.
+#     only what both take, and run the fp32 reference for the others (a CPU has no FP8 units, so
+#     nothing is lost). Its dequantize-and-multiply matches the reference; on CPUs with AMX, torch
+#     sends FP8 GEMMs to oneDNN instead, which applies the scales in another order.
 
 _warned = set()
 
@@ -314,8 +316,8 @@ def scaled_mm_support(device):
     # torch.version.cuda is the toolkit torch was built with; its cuBLASLt is that version or
     # newer, so this under-reports at worst (and then a slower path runs, never a refused call).
     cublas_129 = _version(torch.version.cuda) >= (12, 9)
-    fp8 = (major, minor) >= (8, 9)
-    return ScaledMMSupport("cuda", fp8=fp8, rowwise=fp8,
+    has_fp8 = (major, minor) >= (8, 9)
+    return ScaledMMSupport("cuda", fp8=has_fp8, rowwise=has_fp8,
                            cublaslt_rowwise=cublas_129 and major >= 9,
                            block=major == 9 and cublas_129 and _version(torch.__version__) >= (2, 11))
 
