@@ -255,6 +255,11 @@ def _gemm_configs():
     if INTERPRET or not torch.cuda.is_available():
         # the interpreter cannot time configs: one is enough (and small tiles keep it quick)
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": KBLOCK, "GROUP_M": 8})]
+    return hopper_gemm_configs()
+
+
+def hopper_gemm_configs():
+    """Every config of any variant; _prune_gemm_configs keeps the call's own."""
     every = sorted(set(_TILES_16BIT + _TILES_FP32 + _TILES_POINTER))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": KBLOCK, "GROUP_M": 8},
                           num_stages=s, num_warps=w) for bm, bn, s, w in every]

@@ -315,3 +315,20 @@ def test_no_float_negation_in_jitted_code():
                     if not (isinstance(v, ast.Constant) or (isinstance(v, ast.Name) and v.id.isupper())):
                         bad.append(f"{fn.name}: {ast.unparse(node)}")
     assert not bad, bad
+
+
+def test_autotuner_tries_exactly_the_configs_of_the_variant():
+    # What the autotuner may run on a GPU is what tests/test_sm90_compile.py compiled and checked
+    configs = kernels.hopper_gemm_configs()
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        c = torch.empty(1, dtype=out_dtype)
+        for tma in (True, False):
+            for fast, blockwise, b_rows in ((True, False, 1), (False, False, 1), (False, True, 128),
+                                            (False, True, 1)):
+                kept = kernels._prune_gemm_configs(configs, {"c_ptr": c}, USE_TMA=tma, FAST_ACCUM=fast,
+                                                   BLOCKWISE=blockwise, A_SCALE_ROWS=1, B_SCALE_ROWS=b_rows)
+                got = {(k.kwargs["BLOCK_M"], k.kwargs["BLOCK_N"], k.num_stages, k.num_warps) for k in kept}
+                want = set(kernels.hopper_gemm_tiles(c.element_size(), tma, fast, blockwise, b_rows == 1))
+                assert got == want and got, (out_dtype, tma, fast, blockwise, b_rows)
+                if out_dtype == torch.float32 and tma:  # 3 stages of 128x256 need 279,576 B
+                    assert all(s <= 2 for bm, bn, s, w in got if bm * bn >= 128 * 256)
