@@ -181,8 +181,9 @@ def test_every_recipe_obeys_the_contract_and_matches_emulate(contract):
         assert {("1x128", "128x128"), ("1x128", "1x128")} <= modes  # forward/dgrad, wgrad
     # bias only ever inside a bf16/fp16 GEMM of its own dtype
     assert all(c[5] is None or (c[4] == c[5] and c[4] != torch.float32) for c in contract.calls)
-    # fast accumulation only in the forward GEMM (bf16 or fp32 out, E4M3 x E4M3) and never in a block mode
+    # fast accumulation: only E4M3 x E4M3 (the forward GEMM), never in a block mode
     assert not any(c[6] and "1x128" in c[:2] for c in contract.calls)
+    assert all(c[2] == c[3] == torch.float8_e4m3fn for c in contract.calls if c[6])
 
 
 @pytest.mark.parametrize("contract", ["h100"], indirect=True)
