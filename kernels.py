@@ -122,7 +122,9 @@ def _store_fp8(q_ptrs, x, scale, mask, FP8_MAX: tl.constexpr, MBITS: tl.constexp
     t = y * up  # exact: |t| < 2^(MBITS + 1), an integer count of grid steps plus a fraction
     t = (t + 12582912.0) - 12582912.0  # adding 1.5 * 2^23 leaves no fraction bits: RNE
     r = t * down
-    r = tl.where(bits < 0, -tl.abs(r), tl.abs(r))  # keep the sign of values that round to 0
+    # keep the sign of values that round to 0. Not `-tl.abs(r)`: triton 3.6 compiles a float
+    # negation as `0 - x`, which turns -0.0 into +0.0 (0x00, not 0x80); a product by -1 keeps it.
+    r = tl.where(bits < 0, tl.abs(r) * -1.0, tl.abs(r))
     q = r.to(q_ptrs.dtype.element_ty).to(tl.uint8, bitcast=True)  # exact: r is on the grid
     q = tl.where(tl.abs(x) <= FLT_MAX, q, NAN_BYTE)  # inf/NaN input -> NaN, never +-max
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty, bitcast=True), mask=mask)
@@ -218,18 +220,60 @@ def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, R, C, n_col_tiles,
 # The persistent FP8 GEMM
 
 
+# Tile configs for Hopper, (BLOCK_M, BLOCK_N, num_stages, num_warps), chosen per variant.
+# BLOCK_K = 128 bytes of fp8 fills a 128-byte swizzled shared-memory row, and it must equal the
+# scaling tile width anyway. Shared memory per block = stages x (BLOCK_M + BLOCK_N) x 128 B of
+# operand tiles + the BLOCK_M x BLOCK_N output tile the TMA store is staged from (2 or 4 bytes
+# per value) + barriers; an H100 block gets at most 232,448 B. So an fp32 output (the wgrad
+# GEMM) gets 2 stages at 128x256 (230,416 B), not 3 (279,576 B).
+# Registers (255 per thread at most): promotion keeps a second fp32 accumulator live next to the
+# wgmma one, and block scaling also keeps each stage's scales, so 128x256 spills with either,
+# 256x128 with block scales (216-264 B), and 128x128 when both operands have 1x128 scales
+# (568 B). The pointer path (rows not 16-byte aligned) holds its operands in registers: only
+# 64x64 does not spill. tests/test_sm90_compile.py compiles every entry for sm_90 and checks
+# shared memory, spills and the instructions used (figures above: triton 3.9, ptxas -v).
+_TILES_16BIT = [(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (64, 128, 4, 4)]
+_TILES_FP32 = [(128, 256, 2, 8), (256, 128, 2, 8), (128, 128, 4, 8), (64, 128, 4, 4)]
+_TILES_POINTER = [(64, 64, 5, 4)]
+
+
+def hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128=False):
+    """The (BLOCK_M, BLOCK_N, num_stages, num_warps) configs the autotuner tries on Hopper for
+    one GEMM variant: output element size (2 or 4), TMA or pointer path, accumulation mode,
+    and for block scales whether both operands have 1x128 scales (wgrad) or one is 128x128."""
+    if not use_tma:
+        return _TILES_POINTER
+    tiles = _TILES_FP32 if out_bytes == 4 else _TILES_16BIT
+    if blockwise or not fast_accum:
+        tiles = [t for t in tiles if t[:2] != (128, 256)]
+    if blockwise:
+        tiles = [t for t in tiles if t[:2] != (256, 128) and not (both_1x128 and t[:2] == (128, 128))]
+    return tiles
+
+
 def _gemm_configs():
     if INTERPRET or not torch.cuda.is_available():
         # the interpreter cannot time configs: one is enough (and small tiles keep it quick)
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": KBLOCK, "GROUP_M": 8})]
-    # Hopper, fp8: BLOCK_K = 128 bytes fills a 128-byte swizzled shared-memory row, and it must
-    # equal the scaling tile width anyway. Stages x (BM + BN) x 128 B must fit in ~227 KB.
-    # Large tiles suit fast accumulation; promotion (and block scaling) keeps a second fp32
-    # accumulator live, which spills at 128x256, so the smaller tiles win there.
-    shapes = [(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (128, 128, 3, 8),
-              (128, 128, 4, 4), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 5, 4)]
+    return hopper_gemm_configs()
+
+
+def hopper_gemm_configs():
+    """Every config of any variant; _prune_gemm_configs keeps the call's own."""
+    every = sorted(set(_TILES_16BIT + _TILES_FP32 + _TILES_POINTER))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": KBLOCK, "GROUP_M": 8},
-                          num_stages=s, num_warps=w) for bm, bn, s, w in shapes]
+                          num_stages=s, num_warps=w) for bm, bn, s, w in every]
+
+
+def _prune_gemm_configs(configs, named_args, **kwargs):
+    """Keep the configs of this call's variant (the autotuner key includes the dtypes)."""
+    if len(configs) == 1:  # the interpreter's single config
+        return configs
+    both_1x128 = kwargs["A_SCALE_ROWS"] == 1 and kwargs["B_SCALE_ROWS"] == 1
+    want = set(hopper_gemm_tiles(named_args["c_ptr"].element_size(), kwargs["USE_TMA"],
+                                 kwargs["FAST_ACCUM"], kwargs["BLOCKWISE"], both_1x128))
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
+                                   c.num_warps) in want]
 
 
 @triton.jit
@@ -265,7 +309,8 @@ def _k_block_scales(ptr, safe_offs, start, ki, stride_r, stride_k, ROWS: tl.cons
 
 
 @triton.autotune(configs=_gemm_configs(),
-                 key=["M", "N", "K", "BLOCKWISE", "FAST_ACCUM", "USE_TMA", "HAS_BIAS"])
+                 key=["M", "N", "K", "BLOCKWISE", "FAST_ACCUM", "USE_TMA", "HAS_BIAS"],
+                 prune_configs_by={"early_config_prune": _prune_gemm_configs})
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
                      stride_sam, stride_sak, stride_sbn, stride_sbk,
@@ -501,8 +546,16 @@ def quantize(x, fmt_dtype, granularity="tensor", block=(1, KBLOCK), margin=0, po
     rows_per_prog = tr if tr > 1 else max(1, min(4096 // tc, 32))
     _quantize_tiles_kernel[(triton.cdiv(R, rows_per_prog), triton.cdiv(C, tc))](
         x2, data, scale, R, C, scale.shape[1], **fmt, TILE_R=tr, TILE_C=tc, BLOCK_R=rows_per_prog,
-        num_warps=8 if rows_per_prog * tc >= 8192 else 4)  # a 128x128 tile is 16K values
+        num_warps=tile_warps(rows_per_prog * tc))
     return data, scale
+
+
+def tile_warps(values):
+    """Warps for a program that holds `values` elements. A 128x128 tile (16K values) at 8 warps
+    is 64 values a thread and spills 8-16 bytes on sm_90; 16 warps would cap registers at 128 a
+    thread and spill 40. It stays at 8: this kernel casts weights, once per optimizer step, and
+    is bound by memory (tests/test_sm90_compile.py allows this one exception)."""
+    return 8 if values >= 8192 else 4
 
 
 def quantize_transpose(x, fmt_dtype, margin=0, power_of_two=False):
@@ -567,9 +620,12 @@ def _benchmark(json_path=None):
     import json
     from triton.testing import do_bench
     e4m3, bf16, dev = torch.float8_e4m3fn, torch.bfloat16, "cuda"
-    names = ["triton", "triton fast", "triton block", "_scaled_mm", "_scaled_mm fast", "bf16 matmul"]
+    names = ["triton", "triton fast", "triton block", "_scaled_mm", "_scaled_mm fast", "_scaled_mm block",
+             "bf16 matmul"]
     print(f"\nGEMM TFLOPS (2*M*N*K / time) on {torch.cuda.get_device_name()}, bf16 output; "
           "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales")
+    from nanofp8.fp8 import scaled_mm_support
+    print(f"torch._scaled_mm here: {scaled_mm_support(torch.device('cuda'))}")
     print(f"{'shape':22s} {'M':>5s} {'N':>6s} {'K':>6s} " + " ".join(f"{n:>15s}" for n in names))
     results = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(),
                "torch": torch.__version__, "triton": triton.__version__, "gemm": [], "quantize": []}
@@ -583,6 +639,10 @@ def _benchmark(json_path=None):
                lambda: fp8_gemm(ta, tb, tia, tib, bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16, use_fast_accum=True),
+               # native 1x128 x 128x128 (SM90, cuBLASLt >= 12.9, torch >= 2.11), in the scale
+               # layouts nanofp8.fp8._block_scale_arg gives: (M, K/128) with strides (1, M), and
+               # the transpose of the weight's (N/128, K/128) grid; "n/a" where it is refused
+               lambda: torch._scaled_mm(ta, tb.t(), tia.t().contiguous().t(), tib.t(), out_dtype=bf16),
                lambda: torch.matmul(x, w.t())]
         row = {"shape": label, "M": M, "N": N, "K": K}
         for name, fn in zip(names, fns):

@@ -54,7 +54,8 @@ Where the amax comes from:
     costs one extra read of the tensor.
   * delayed scaling: the amax of the last H steps (the history), as Transformer Engine does.
     The scale used at step t comes only from steps before t; the amax of step t is recorded
-    afterwards. Values can outgrow a stale scale, and then they saturate.
+    afterwards, by the same pass that casts. Values can outgrow a stale scale, and then they
+    saturate. The first step has no history and uses the stored scale (1.0), as TE does.
 
 How many scales:
   * "tensor": one scale for the whole tensor.
@@ -268,12 +269,37 @@ def sqnr(ref, approx):
 
 # -----------------------------------------------------------------------------
 # 3. The scaled GEMM, three ways: out = dequantize(a) @ dequantize(b).T (+ bias)
+#
+# torch._scaled_mm is strict on CUDA and lenient on CPU, and CI has no GPU. So the rules of the
+# CUDA kernel (aten/src/ATen/native/cuda/ScaledBlas.cpp, torch >= 2.11) are written down here and
+# every call is checked against them before it is made: a GEMM the kernel would refuse is never
+# attempted, it goes to a named alternative, and the reason is reported once per layer. The
+# tests replace torch._scaled_mm and `scaled_mm_support` with a strict stand-in of the CUDA
+# kernel (tests/cuda_contract.py), so the calls made on an H100 are the calls checked on a CPU.
+#
+# The rules, for out = mat1 @ mat2 with mat1 = a (M, K) row-major, mat2 = b^T (K, N) column-major:
+#   * K, N multiples of 16; fp32 scales (the *inverse* scales); never e5m2 x e5m2 (ValueError).
+#   * scale modes, tried in this order: tensor x tensor (one element each), row x row
+#     (scale_a (M, 1), scale_b (1, N)), then block pairs on SM90 with cuBLASLt >= 12.9 only:
+#     1x128 (scale_a (M, ceil(K/128)) with strides (1, M); for b (ceil(K/128), N) contiguous) and
+#     128x128 (for a (ceil(M/128), ceil(K/128)) contiguous; for b the transpose of b's
+#     (ceil(N/128), ceil(K/128)) grid). 128x128 x 128x128 is not a pair; block modes refuse
+#     use_fast_accum.
+#   * no bias with fp32 output; a bias is bf16/fp16 and has the output's dtype.
+#   * builds whose cuBLASLt is older than 12.9 (CUDA 12.6 wheels) run row x row on a CUTLASS
+#     kernel that writes bf16/fp16 only and wants mat2 in E4M3 (ValueError otherwise).
+#   * CPU: torch 2.11's kernel takes one-element (tensor) scales only; 2.13 also takes rows. We use
+#     only what both take, and run the fp32 reference for the others (a CPU has no FP8 units, so
+#     nothing is lost). Its dequantize-and-multiply matches the reference; on CPUs with AMX, torch
+#     sends FP8 GEMMs to oneDNN instead, which applies the scales in another order.
 
 _warned = set()
 
 
 def _warn_once(key, msg):
-    if key not in _warned:
+    # Under torch.compile this would be traced: mutating the set makes dynamo recompile. The
+    # choice itself depends only on shapes, dtypes and the device, so eager calls report it.
+    if key not in _warned and not torch.compiler.is_compiling():
         _warned.add(key)
         warnings.warn(msg, stacklevel=3)
 
@@ -284,48 +310,102 @@ fallbacks = {}
 strict = False
 
 
-def _fell_back(name, reason):
+def _fell_back(name, reason, alt="a high-precision GEMM of the FP8 values"):
     if strict:
         raise RuntimeError(f"nanofp8: layer {name}: torch._scaled_mm cannot run this GEMM ({reason}), "
                            "and strict mode (fp8_strict=True) forbids a high-precision fallback")
     fallbacks[name] = fallbacks.get(name, 0) + 1
     _warn_once((name, reason), f"nanofp8: layer {name}: torch._scaled_mm cannot run this GEMM "
-               f"({reason}); falling back to a high-precision GEMM of the FP8 values")
+               f"({reason}); falling back to {alt}")
+
+
+def _version(text):
+    """'2.13.0+cpu' -> (2, 13); '12.6' -> (12, 6); None -> (0, 0)."""
+    parts = (text or "0.0").split("+")[0].split(".")
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts[:2])
+
+
+@dataclass(frozen=True)
+class ScaledMMSupport:
+    """What torch._scaled_mm takes on one kind of device (the rules above)."""
+    device: str  # "cuda": the CUDA rules apply (dims multiples of 16, bias rules); "cpu": lenient
+    fp8: bool  # any FP8 GEMM at all (CUDA: compute capability 8.9 or newer)
+    rowwise: bool  # per-row scales
+    cublaslt_rowwise: bool  # row x row runs on cuBLASLt (>= 12.9): any output dtype, any mat2 format
+    block: bool  # 1x128 / 128x128 block scales natively
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: asked once, a constant after
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def scaled_mm_support(device):
+    """Feature detection for torch._scaled_mm on `device` (a torch.device)."""
+    if device.type != "cuda":
+        return ScaledMMSupport("cpu", fp8=True, rowwise=False, cublaslt_rowwise=False, block=False)
+    major, minor = _capability(device.index)
+    # torch.version.cuda is the toolkit torch was built with; its cuBLASLt is that version or
+    # newer, so this under-reports at worst (and then a slower path runs, never a refused call).
+    cublas_129 = _version(torch.version.cuda) >= (12, 9)
+    has_fp8 = (major, minor) >= (8, 9)
+    return ScaledMMSupport("cuda", fp8=has_fp8, rowwise=has_fp8,
+                           cublaslt_rowwise=cublas_129 and major >= 9,
+                           block=major == 9 and cublas_129 and _version(torch.__version__) >= (2, 11))
 
 
 def _gemm_emulate(a, b, out_dtype, bias):
     """The reference: dequantize both operands to fp32 and multiply. Slow, simple, exact.
     With block scales the fp32 partial sums are added one 128-wide slice of K at a time, the
-    order in which a block-scaled kernel promotes them (see _gemm_torch)."""
+    order in which a block-scaled kernel promotes them. The bias is added to the fp32 product
+    before the output cast, as the GEMM kernels' epilogues do."""
     a32 = a.data.float() * _per_element(a, a.inv_scale)
     b32 = b.data.float() * _per_element(b, b.inv_scale)
     if a.granularity == "block":
         k = a32.shape[1]
         out = sum(a32[:, k0 : k0 + BLOCK] @ b32[:, k0 : k0 + BLOCK].t() for k0 in range(0, k, BLOCK))
-        out = out if bias is None else out + bias.float()
     else:
-        out = a32 @ b32.t() if bias is None else torch.addmm(bias.float(), a32, b32.t())
+        out = a32 @ b32.t()
+    out = out if bias is None else out + bias.float()
     return out.to(out_dtype)
 
 
+def _block_scale_arg(q, operand):
+    """q's inverse block scales laid out as torch._scaled_mm wants them for `operand` "a" (mat1)
+    or "b" (mat2 = q^T). q.inv_scale is the (row tiles, K tiles) grid, contiguous."""
+    s = q.inv_scale
+    if q.block[0] == 1:  # 1x128: a (M, Kt) with strides (1, M); b (Kt, N) contiguous
+        return s.t().contiguous().t() if operand == "a" else s.t().contiguous()
+    return s if operand == "a" else s.t()  # 128x128: a (Mt, Kt) contiguous; b (Kt, Nt) strides (1, Kt)
+
+
 def _gemm_torch(a, b, out_dtype, bias, fast_accum):
-    """torch._scaled_mm: FP8 tensor cores on CUDA (the cuBLASLt kernel), a correct but slow
-    dequantize-and-multiply on CPU. It takes per-tensor or row-wise scales; for block scales
-    we run one GEMM per 128-wide slice of K, each with row-wise scales, and sum in fp32:
-    the same "promote to fp32 every 128 of K" that DeepSeek-V3 does by hand on Hopper."""
-    if a.granularity != "block":
-        sa = a.inv_scale
-        sb = b.inv_scale if b.granularity == "tensor" else b.inv_scale.t()
-        if not a.data.is_cuda and a.granularity == "tensor":
-            # On CPU, torch routes per-tensor E4M3 x E4M3 through a slow oneDNN kernel that also
-            # applies the scales in another order; the same scales repeated per row take its
-            # dequantize-and-multiply path: ~10x faster, and it dequantizes as "emulate" does.
-            # repeat, not expand().contiguous(): with one row, expand leaves a stride of 0, which
-            # _scaled_mm refuses.
-            sa = sa.reshape(1, 1).repeat(a.data.shape[0], 1)
-            sb = sb.reshape(1, 1).repeat(1, b.data.shape[0])
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, bias=bias,
-                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    """One torch._scaled_mm call (the operands already passed _scaled_mm_refusal)."""
+    if a.granularity == "block":
+        sa, sb = _block_scale_arg(a, "a"), _block_scale_arg(b, "b")
+        fast_accum = False  # block modes refuse it; they promote to fp32 every 128 of K anyway
+    else:
+        sa, sb = a.inv_scale, b.inv_scale
+        if a.granularity == "row" or b.granularity == "row":
+            # a tensor scale next to a row scale is repeated per row: row x row is a mode, mixed is not
+            # (a fresh column, not expand().contiguous(): with one row that keeps a stride of 0,
+            # which _scaled_mm refuses)
+            sa = sa.reshape(-1, 1) * torch.ones(len(a.data), 1, device=sa.device)
+            sb = (sb.reshape(-1, 1) * torch.ones(len(b.data), 1, device=sb.device)).t()  # (1, N)
+    in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
+    # cuBLASLt wants 16-byte aligned rows; a view into a packed buffer (SP's gathered FP8 rows
+    # carry their scale behind them) is not, so it is copied (free when already contiguous).
+    out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=sa, scale_b=sb,
+                           bias=bias.to(out_dtype) if in_gemm else None, out_dtype=out_dtype,
+                           use_fast_accum=fast_accum)
+    if bias is not None and not in_gemm:
+        out = out + bias.float()  # the fp32 output takes the bias outside the GEMM, in fp32
+    return out
+
+
+def _gemm_block_loop(a, b, out_dtype, bias):
+    """Block scales without native support: one row-wise _scaled_mm per 128-wide slice of K,
+    fp32 outputs summed in fp32 (the "promote every 128 of K" of DeepSeek-V3, done by hand)."""
     k = a.data.shape[1]
     # every row's scale for each 128-wide slice of K: (M, K tiles) and (N, K tiles)
     ia = _expand_tiles(a.inv_scale, (a.block[0], 1), (len(a.data), a.inv_scale.shape[1]))
@@ -336,8 +416,7 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
         part = torch._scaled_mm(a.data[:, ks], b.data[:, ks].t(), scale_a=ia[:, j : j + 1].contiguous(),
                                 scale_b=ib[:, j : j + 1].t().contiguous(), out_dtype=torch.float32)
         out = part if out is None else out + part
-    if bias is not None:
-        out = out + bias.float()
+    out = out if bias is None else out + bias.float()
     return out.to(out_dtype)
 
 
@@ -351,14 +430,48 @@ def _gemm_triton(a, b, out_dtype, bias, fast_accum):
                             fast_accum=fast_accum)
 
 
-def _torch_backend_reason(a, b):
-    """Why torch._scaled_mm cannot take these operands (None if it can). cuBLASLt wants the
-    contraction dim and the output columns in multiples of 16; the CPU path takes anything."""
-    if not a.data.is_cuda:
-        return None
+def _triton_available(device):
+    if device.type != "cuda":
+        return False
+    try:
+        import kernels  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _shape_refusal(a, b, sup):
     k, n = a.data.shape[1], b.data.shape[0]
-    if k % 16 or n % 16:  # (k % 16 == 0 also makes every 128-slice of K a multiple of 16)
+    if sup.device == "cuda" and (k % 16 or n % 16):
         return f"dims K={k}, N={n} are not multiples of 16"
+    if a.fmt is E5M2 and b.fmt is E5M2:
+        return "e5m2 x e5m2 is not a supported pair"
+    return None
+
+
+def _scaled_mm_refusal(a, b, out_dtype, sup):
+    """Why torch._scaled_mm on a device with support `sup` would refuse out = a @ b.T (None if
+    it takes it), by the rules at the top of this section."""
+    if not sup.fp8:
+        return "this GPU has no FP8 tensor cores (compute capability 8.9 or newer needed)"
+    reason = _shape_refusal(a, b, sup)
+    if reason:
+        return reason
+    grans = {a.granularity, b.granularity}
+    if "block" in grans:
+        if not sup.block:
+            return ("block scales need torch >= 2.11 on an SM90 GPU with cuBLASLt >= 12.9 "
+                    f"(this device: {sup.device}, torch {torch.__version__}, CUDA {torch.version.cuda})")
+        if a.block[0] > 1 and b.block[0] > 1:
+            return "128x128 x 128x128 block scales are not a supported pair"
+        return None
+    if "row" in grans:
+        if not sup.rowwise:
+            return f"torch._scaled_mm on {sup.device} takes only per-tensor scales (torch 2.11)"
+        if not sup.cublaslt_rowwise and out_dtype == torch.float32:
+            return "row-wise scales with fp32 output need cuBLASLt >= 12.9 (older: bf16/fp16 only)"
+        if not sup.cublaslt_rowwise and b.fmt is not E4M3:
+            return "row-wise scales with an E5M2 second operand need cuBLASLt >= 12.9"
     return None
 
 
@@ -367,7 +480,12 @@ BACKENDS = ("torch", "emulate", "triton")
 
 def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, name="?"):
     """out (M, N) = dequantize(a) @ dequantize(b).T (+ bias), accumulated in fp32.
-    a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K."""
+    a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K.
+
+    backend="torch": torch._scaled_mm where its rules allow the call (block scales natively on
+    SM90 with cuBLASLt >= 12.9). Otherwise, reported once per layer with the reason: the Triton
+    GEMM on CUDA when kernels.py imports, then for block scales one row-wise GEMM per 128 of K,
+    then the fp32 reference."""
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}")
     if (a.granularity == "block") != (b.granularity == "block"):
@@ -378,17 +496,27 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
         return _gemm_triton(a, b, out_dtype, bias, fast_accum)
     if backend != "torch":
         raise ValueError(f"unknown GEMM backend {backend!r}; expected one of {BACKENDS}")
-    reason = _torch_backend_reason(a, b)
+    sup = scaled_mm_support(a.data.device)
+    reason, refused = _scaled_mm_refusal(a, b, out_dtype, sup), False
     if reason is None:
         try:
             return _gemm_torch(a, b, out_dtype, bias, fast_accum)
-        except RuntimeError as e:  # a layout/dtype combination this torch build does not take
-            # (Under torch.compile this `try` is traced, not run: a combination only the kernel
-            # rejects then fails the compiled step instead of falling back here. The shape rule
-            # of _torch_backend_reason is decided while tracing and still falls back.)
-            reason = str(e).splitlines()[0]
-    _fell_back(name, reason)
-    return _gemm_emulate(a, b, out_dtype, bias)
+        except (RuntimeError, ValueError) as e:  # a rule missing above: say so, loudly, once
+            # (Under torch.compile this `try` is traced, not run: only the rules above, decided
+            # while tracing, can fall back there; a refusal by the kernel fails the step.)
+            reason, refused = "refused by torch._scaled_mm: " + str(e).splitlines()[0], True
+    if _triton_available(a.data.device):
+        alt, fn = "the Triton GEMM (kernels.py)", lambda: _gemm_triton(a, b, out_dtype, bias, fast_accum)
+    elif a.granularity == "block" and sup.cublaslt_rowwise and not _shape_refusal(a, b, sup):
+        kt = -(-a.data.shape[1] // BLOCK)
+        alt = (f"{kt} row-wise GEMMs (one per 128 of K) with fp32 outputs summed in fp32: "
+               f"{kt}x the launches and {kt} x M x N x 8 bytes of extra traffic")
+        fn = lambda: _gemm_block_loop(a, b, out_dtype, bias)
+    else:
+        alt, fn = "a high-precision GEMM of the FP8 values", lambda: _gemm_emulate(a, b, out_dtype, bias)
+    if sup.device == "cuda" or refused:  # a CPU's choices are all emulations: nothing is lost
+        _fell_back(name, reason, alt)  # counted for the statistics; an error under fp8_strict
+    return fn()
 
 
 # -----------------------------------------------------------------------------
@@ -511,7 +639,7 @@ class Fp8Linear(nn.Linear):
     the scaling state of its three tensor roles (input, weight, grad-output) as buffers:
 
         amax_history (3, H)  newest first, zeros where not yet filled
-        history_count (3,)   how many entries are valid (warm-up: 0 -> just-in-time scaling)
+        history_count (3,)   how many entries are valid (0: the stored scale is used)
         scale        (3,)    the scale last used (what a NaN amax falls back to)
         nonfinite    (3,)    how many non-finite amaxes were seen and kept out of the history
     """
@@ -582,17 +710,19 @@ class Fp8Linear(nn.Linear):
 
     @torch.no_grad()
     def delayed_quantize(self, role, x2, fmt):
-        """Delayed scaling: quantize with the scale from the amax history of earlier steps, then
-        record this step's amax. Before any history exists, scale just in time (MS-AMP's warm-up)."""
+        """Delayed scaling in one pass: the scale comes from the amax history of earlier steps
+        only, so it is known before the cast, and the amax of this step is measured by the same
+        pass that casts (quantize measures it anyway) and recorded afterwards. Before any finite
+        amax is in the history, the stored scale is used (1.0 at initialisation, as in
+        Transformer Engine); the first step's amax then fills the history. Nothing here reads the
+        current tensor to choose its scale, so one fused read-cast-reduce kernel can do it all."""
         r, hist, n = self.recipe, self.amax_history[role], self.history_count[role]
         past = hist.max() if r.amax_algo == "max" else hist[0]
-        amax = x2.abs().amax()
         prev = self.scale[role]
-        from_past = compute_scale(past, fmt, r.margin, r.power_of_two, fallback=prev)
-        just_in_time = compute_scale(amax, fmt, r.margin, r.power_of_two, fallback=prev)
-        scale = torch.where(n > 0, from_past, just_in_time)
+        scale = torch.where(n > 0, compute_scale(past, fmt, r.margin, r.power_of_two, fallback=prev), prev)
         q = quantize(x2, fmt, "tensor", scale=scale)
         if self.training:  # evaluation reads the state but never writes it
+            amax = q.amax
             finite = torch.isfinite(amax)
             hist.copy_(torch.where(finite, torch.cat([amax.reshape(1).float(), hist[:-1]]), hist))
             n.copy_(torch.where(finite, (n + 1).clamp(max=hist.numel()), n))

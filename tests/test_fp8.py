@@ -149,7 +149,7 @@ def test_delayed_scaling_window_max():
     layer = _delayed_layer(history_len=3)
     amaxes = [1, 2, 4, 0.5, 0.25, 0.25, float("nan"), 8, 1]
     s = lambda a: np.float32(448.0 / a).item()
-    expected = [s(1),  # step 0, history {}: no history yet -> just in time
+    expected = [1.0,  # step 0, history {}: no history yet -> the stored scale (1.0)
                 s(1),  # step 1, {1}: this step's amax 2 saturates, as it does with delayed scaling
                 s(2),  # step 2, {2, 1}
                 s(4),  # step 3, {4, 2, 1}
@@ -167,13 +167,43 @@ def test_delayed_scaling_window_max():
 def test_delayed_scaling_most_recent_and_margin():
     layer = _delayed_layer(history_len=4, amax_algo="most_recent", margin=1)
     s = lambda a: np.float32(448.0 / a / 2).item()
-    assert _scales_used(layer, [1, 4, 2, 8]) == [s(1), s(1), s(4), s(2)]
+    assert _scales_used(layer, [1, 4, 2, 8]) == [1.0, s(1), s(4), s(2)]
 
 
 def test_delayed_scaling_nan_first_step_keeps_old_scale():
     layer = _delayed_layer()
-    assert _scales_used(layer, [float("nan"), 2]) == [1.0, np.float32(224.0).item()]
-    assert layer.history_count[INPUT].item() == 1
+    # a NaN amax is not recorded, so step 1 still has no history and keeps the stored scale
+    assert _scales_used(layer, [float("nan"), 2, 3]) == [1.0, 1.0, np.float32(224.0).item()]
+    assert layer.history_count[INPUT].item() == 2
+
+
+def test_delayed_scaling_is_one_pass_and_scale_ignores_the_current_tensor():
+    # The scale comes from the history only: a spike in this step's tensor does not change it
+    # (it saturates, as delayed scaling does), and the tensor is reduced exactly once (the amax
+    # recorded for the next step), so one fused cast-and-reduce kernel can do the whole job.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.reductions = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("amax", "max", "aminmax", "norm") and args[0].numel() >= self.numel:
+                self.reductions.append(name)
+            return func(*args, **(kwargs or {}))
+
+    layer = _delayed_layer(history_len=4)
+    _scales_used(layer, [2.0])  # step 0 fills the history
+    x = torch.full((4, 8), 2.0)
+    x[0, 0] = 1e4  # a spike this step
+    with Reads(x.numel()) as mode:
+        q = layer.delayed_quantize(INPUT, x, E4M3)
+    assert q.scale.item() == np.float32(448.0 / 2.0).item()  # from the history, not the spike
+    assert q.data.float()[0, 0].item() == 448.0  # saturated, not inf
+    assert mode.reductions == ["amax"], mode.reductions
+    assert layer.amax_history[INPUT, 0].item() == 1e4  # the spike is recorded for the next step
 
 
 def test_delayed_scaling_eval_does_not_write_state():

@@ -279,3 +279,56 @@ def test_fp8_linear_with_triton_backend(gran):
         outs.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*outs):
         assert sqnr(b, a) > 120  # fp32 summation order is the only difference
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("gran,block", GRANS)
+def test_negative_values_that_round_to_zero_are_minus_zero(dtype, gran, block):
+    # -0.0 and negatives below half the smallest subnormal must be stored as -0 (0x80), as torch's
+    # cast does. (Triton 3.6 compiled `-tl.abs(r)` as `0 - x`, which gives +0: kernels.py
+    # multiplies by -1 instead, and the sm_90 compile test checks the PTX for it.)
+    fmax = FMT[dtype].max
+    row = torch.tensor([fmax, -0.0, -1e-30, -1e-12, 0.0, 1e-30, -fmax / 2**40, 1.0] * 20)  # 160 wide
+    x = row.repeat(3, 1)
+    data, _ = kernels.quantize(x, dtype, gran, block)
+    bytes_ = data.view(torch.uint8)
+    for col, want in ((1, 0x80), (2, 0x80), (3, 0x80), (4, 0x00), (5, 0x00), (6, 0x80)):
+        assert (bytes_[:, col] == want).all(), (col, bytes_[0, col].item())
+    assert_same_quant((data, _), ref_quantize(x, dtype, gran, block))
+
+
+def test_no_float_negation_in_jitted_code():
+    # Triton 3.6 compiles a unary minus on a float tensor as `0 - x` (PTX sub.f32), which maps
+    # -0.0 to +0.0; triton 3.9 emits neg.f32. Checked by hand with triton 3.6.0 for sm_90:
+    # `-tl.abs(r)` -> sub.f32, `tl.abs(r) * -1.0` -> neg.f32. CI runs 3.9 only, so kernels.py
+    # is held to the form both compile right: no unary minus in @triton.jit code except on
+    # literals and constexprs (ALL_CAPS names, folded by Python before triton sees them).
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, "kernels.py")).read())
+    bad = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+                    v = node.operand
+                    if not (isinstance(v, ast.Constant) or (isinstance(v, ast.Name) and v.id.isupper())):
+                        bad.append(f"{fn.name}: {ast.unparse(node)}")
+    assert not bad, bad
+
+
+def test_autotuner_tries_exactly_the_configs_of_the_variant():
+    # What the autotuner may run on a GPU is what tests/test_sm90_compile.py compiled and checked
+    configs = kernels.hopper_gemm_configs()
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        c = torch.empty(1, dtype=out_dtype)
+        for tma in (True, False):
+            for fast, blockwise, b_rows in ((True, False, 1), (False, False, 1), (False, True, 128),
+                                            (False, True, 1)):
+                kept = kernels._prune_gemm_configs(configs, {"c_ptr": c}, USE_TMA=tma, FAST_ACCUM=fast,
+                                                   BLOCKWISE=blockwise, A_SCALE_ROWS=1, B_SCALE_ROWS=b_rows)
+                got = {(k.kwargs["BLOCK_M"], k.kwargs["BLOCK_N"], k.num_stages, k.num_warps) for k in kept}
+                want = set(kernels.hopper_gemm_tiles(c.element_size(), tma, fast, blockwise, b_rows == 1))
+                assert got == want and got, (out_dtype, tma, fast, blockwise, b_rows)
+                if out_dtype == torch.float32 and tma:  # 3 stages of 128x256 need 279,576 B
+                    assert all(s <= 2 for bm, bn, s, w in got if bm * bn >= 128 * 256)

@@ -1,0 +1,202 @@
+"""A strict stand-in for torch._scaled_mm as CUDA runs it, for tests on a machine without a GPU.
+
+torch._scaled_mm on CPU is lenient: it takes layouts, scale shapes and bias dtypes that the CUDA
+kernel refuses. A test that passes on CPU therefore proves little about the first run on an H100.
+This module checks every call against the CUDA rules and then computes the result the way
+nanofp8's fp32 reference does (same primitives, so results can be compared bit for bit).
+
+The rules, written from the checks in aten/src/ATen/native/cuda/ScaledBlas.cpp and
+aten/src/ATen/cuda/CUDABlas.cpp of torch 2.11 and later (our own code, not a copy), in the order
+the kernel applies them; ValueError where the kernel raises ValueError (TORCH_CHECK_VALUE),
+NotImplementedError where it raises that, RuntimeError otherwise:
+
+  1. The device needs compute capability 8.9 or 9.x and newer.           RuntimeError
+  2. mat1 and mat2 are matrices with matching inner dims.                  RuntimeError
+  3. The scales pick a mode pair, in this order (first match wins):      RuntimeError if none
+       tensor  x tensor   fp32, one element each
+       row     x row      scale_a (M, 1) contiguous, scale_b (1, N) contiguous, fp32
+       128x128 x 1x128, 1x128 x 128x128, 1x128 x 1x128 (never 128x128 x 128x128), fp32, where
+       1x128 for mat1 is (M, ceil(K/128)) with strides (1, M), and for mat2 (ceil(K/128), N)
+       with strides (N, 1); 128x128 for mat1 is (ceil(M/128), ceil(K/128)) with strides
+       (ceil(K/128), 1), and for mat2 (ceil(K/128), ceil(N/128)) with strides (1, ceil(K/128)).
+       A stride is not checked along a dim of size 1.
+  4. A bias has N elements.                                                 RuntimeError
+  5. K % 16 == 0, and both dims of mat2 are multiples of 16.                RuntimeError
+  6. Both operands are FP8; e5m2 x e5m2 is refused.                         ValueError
+  7. Bias: none with fp32 output; bf16 or fp16; bf16 output needs a bf16 bias, fp16 output
+     an fp16 bias.                                                          RuntimeError
+  8. Row x row without cuBLASLt >= 12.9 (or below SM90) runs a CUTLASS kernel: output bf16 or
+     fp16 only, mat2 E4M3 only.                                             ValueError
+  9. Block modes need SM90 exactly, cuBLASLt >= 12.9 and torch >= 2.11   NotImplementedError
+     and refuse use_fast_accum.                                             RuntimeError
+ 10. cuBLASLt on SM90 multiplies row-major mat1 by column-major mat2 only, with 16-byte aligned
+     data and leading dimensions.                                           RuntimeError
+
+Use: `contract = CudaScaledMM(...)`; `contract.install(monkeypatch)` replaces torch._scaled_mm and
+nanofp8.fp8.scaled_mm_support; `contract.calls` lists (mode_a, mode_b, dtype_a, dtype_b,
+out_dtype, bias dtype or None, use_fast_accum) of every accepted call; `contract.refusals` every
+refused one (which nanofp8 must never make).
+"""
+
+import torch
+
+from nanofp8 import fp8
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _size_stride(s, dim, size, stride):
+    return s.size(dim) == size and (size <= 1 or s.stride(dim) == stride)
+
+
+def _mode_of(t, s, which):
+    """Which of the modes that `which` lists the (operand, scale) pair satisfies (None if none).
+    t is given as (rows, K): mat1 itself, or mat2 transposed (with its scale transposed)."""
+    rows, k = t.shape
+    kt = _cdiv(k, 128)
+    if s.dtype != torch.float32:
+        return None
+    if which == "tensor":
+        return "tensor" if s.numel() == 1 else None
+    if which == "row":
+        return "row" if s.dim() == 2 and tuple(s.shape) == (rows, 1) and s.is_contiguous() else None
+    if s.dim() != 2:
+        return None
+    if which == "1x128":
+        ok = _size_stride(s, 0, rows, 1) and _size_stride(s, 1, kt, rows)
+        return "1x128" if ok else None
+    ok = _size_stride(s, 0, _cdiv(rows, 128), kt) and _size_stride(s, 1, kt, 1)
+    return "128x128" if ok else None
+
+
+PAIRS = [("tensor", "tensor"), ("row", "row"), ("128x128", "1x128"), ("1x128", "128x128"),
+         ("1x128", "1x128")]
+
+
+class CudaScaledMM:
+    """torch._scaled_mm with the CUDA rules. sm: compute capability; cublaslt: (major, minor);
+    torch_block: whether the simulated torch has native block scales (torch >= 2.11)."""
+
+    def __init__(self, sm=(9, 0), cublaslt=(12, 9), torch_block=True):
+        self.sm, self.cublaslt, self.torch_block = sm, cublaslt, torch_block
+        self.calls, self.refusals = [], []
+
+    def support(self, device=None):
+        """What nanofp8.fp8.scaled_mm_support would report on the simulated device."""
+        fp8_ok = self.sm >= (8, 9)
+        new = self.cublaslt >= (12, 9)
+        return fp8.ScaledMMSupport("cuda", fp8=fp8_ok, rowwise=fp8_ok,
+                                   cublaslt_rowwise=new and self.sm[0] >= 9,
+                                   block=self.sm[0] == 9 and new and self.torch_block)
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch, "_scaled_mm", self)
+        monkeypatch.setattr(fp8, "scaled_mm_support", self.support)
+        return self
+
+    def __call__(self, mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                 use_fast_accum=False):
+        try:
+            modes = self._check(mat1, mat2, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+        except Exception as e:
+            self.refusals.append(f"{type(e).__name__}: {e}")
+            raise
+        out_dtype = out_dtype or mat1.dtype
+        self.calls.append((*modes, mat1.dtype, mat2.dtype, out_dtype,
+                           None if bias is None else bias.dtype, use_fast_accum))
+        return self._compute(mat1, mat2, scale_a, scale_b, bias, out_dtype, modes)
+
+    def _check(self, mat1, mat2, scale_a, scale_b, bias, out_dtype, fast):
+        if self.sm < (8, 9):
+            raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute "
+                               "capability >= 9.0 or 8.9")
+        if mat1.dim() != 2 or mat2.dim() != 2:
+            raise RuntimeError("mat1 and mat2 must be matrices")
+        (M, K), (K2, N) = mat1.shape, mat2.shape
+        if K != K2:
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({M}x{K} and {K2}x{N})")
+        for ma, mb in PAIRS:
+            if (_mode_of(mat1, scale_a, ma) == ma and _mode_of(mat2.t(), scale_b.t(), mb) == mb):
+                modes = (ma, mb)
+                break
+        else:
+            raise RuntimeError(f"Invalid scaling configuration: scale_a {tuple(scale_a.shape)} "
+                               f"strides {scale_a.stride()} {scale_a.dtype}, scale_b "
+                               f"{tuple(scale_b.shape)} strides {scale_b.stride()} {scale_b.dtype}")
+        if bias is not None and bias.numel() != N:
+            raise RuntimeError(f"Bias must be size {N} but got {bias.numel()}")
+        if K % 16:
+            raise RuntimeError(f"Expected trailing dimension of mat1 to be divisible by 16 ({M}x{K})")
+        if K2 % 16 or N % 16:
+            raise RuntimeError(f"mat2 shape ({K2}x{N}) must be divisible by 16")
+        if mat1.dtype not in FP8 or mat2.dtype not in FP8:
+            raise RuntimeError(f"Expected Float8 matrices, got {mat1.dtype} and {mat2.dtype}")
+        if mat1.dtype == mat2.dtype == torch.float8_e5m2:
+            raise ValueError("Multiplication of two Float8_e5m2 matrices is not supported")
+        out = out_dtype or mat1.dtype
+        if bias is not None:
+            if out == torch.float32:
+                raise RuntimeError("Bias is not supported when out_dtype is set to Float32")
+            if bias.dtype not in (torch.bfloat16, torch.float16):
+                raise RuntimeError(f"Bias must be BFloat16 or Half, but got {bias.dtype}")
+            if out == torch.bfloat16 and bias.dtype != torch.bfloat16:
+                raise RuntimeError(f"Bias must be BFloat16 to compute BFloat16 output, got {bias.dtype}")
+            if out == torch.float16 and bias.dtype != torch.float16:
+                raise RuntimeError(f"Bias must be Float16 to compute Float16 output, got {bias.dtype}")
+        cublaslt_129 = self.cublaslt >= (12, 9)
+        if modes == ("row", "row") and (self.sm[0] < 9 or not cublaslt_129):
+            if out not in (torch.bfloat16, torch.float16):
+                raise ValueError("row-wise scaling on the CUTLASS kernel writes bf16/fp16 only")
+            if mat2.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"row-wise scaling on the CUTLASS kernel needs mat2 float8_e4m3fn, "
+                                 f"got {mat2.dtype}")
+        if "1x128" in modes:
+            if self.sm[0] != 9:
+                raise NotImplementedError("DeepSeek style (1x128, 128x128) scaling only supported "
+                                          "in CUDA for SM90")
+            if not cublaslt_129 or not self.torch_block:
+                raise NotImplementedError("DeepSeek style (1x128, 128x128) scaling requires "
+                                          "cublasLt >= 12.9")
+            if fast:
+                raise RuntimeError("use_fast_accum is not supported with block-wise scaling")
+        if mat1.stride(1) != 1 or mat1.stride(0) < max(K, 1):
+            raise RuntimeError(f"mat1 must be row-major, got strides {mat1.stride()}; only "
+                               "multiplication of row-major and column-major matrices is supported")
+        if mat2.stride(0) != 1 or mat2.stride(1) < max(K, 1):
+            raise RuntimeError(f"mat2 must be column-major, got strides {mat2.stride()}; only "
+                               "multiplication of row-major and column-major matrices is supported")
+        for name, t, ld in (("mat1", mat1, mat1.stride(0)), ("mat2", mat2, mat2.stride(1))):
+            if t.data_ptr() % 16 or (ld * t.element_size()) % 16:
+                raise RuntimeError(f"{name}: data and leading dimension must be 16-byte aligned "
+                                   f"(pointer offset {t.data_ptr() % 16}, leading dimension {ld})")
+        return modes
+
+    @staticmethod
+    def _compute(mat1, mat2, scale_a, scale_b, bias, out_dtype, modes):
+        """fp32 dequantize-and-multiply, in the order nanofp8.fp8._gemm_emulate uses."""
+        (M, K), N = mat1.shape, mat2.shape[1]
+        b_nk = mat2.t()  # (N, K), row-major, like the Fp8Tensor it came from
+
+        def per_element(t, s, mode, rows):
+            r = torch.arange(rows)[:, None]
+            c = torch.arange(K)[None, :] // 128
+            if mode == "tensor":
+                return s.reshape(())
+            if mode == "row":
+                return s.reshape(rows, 1)
+            if mode == "1x128":
+                return s[r, c]
+            return s[r // 128, c]
+
+        a32 = mat1.float() * per_element(mat1, scale_a, modes[0], M)
+        b32 = b_nk.float().contiguous() * per_element(b_nk, scale_b.t(), modes[1], N)
+        if modes[0] in ("tensor", "row"):
+            out = a32 @ b32.t()
+        else:
+            out = sum(a32[:, k0 : k0 + 128] @ b32[:, k0 : k0 + 128].t() for k0 in range(0, K, 128))
+        out = out if bias is None else out + bias.float()
+        return out.to(out_dtype)

@@ -1,0 +1,313 @@
+"""Every torch._scaled_mm call nanofp8 makes obeys the CUDA contract (tests/cuda_contract.py).
+
+Without a GPU, the calls an H100 would see are checked on CPU by a strict stand-in of the CUDA
+kernel, installed in place of torch._scaled_mm (and of fp8.scaled_mm_support, so nanofp8 takes
+the decisions it would take on that device). For four simulated devices, H100 with cuBLASLt
+12.9 and torch >= 2.11 (native block scales), H100 with cuBLASLt 12.6 (CUDA 12.6 wheels: row-wise
+on CUTLASS, bf16/fp16 only), H100 with a torch without native block scales, and an SM89 GPU:
+
+* every recipe (current/delayed x tensor/row/block x hybrid/e4m3), with and without bias, in fp32
+  and under bf16 autocast, forward and backward, and the TP/SP layers of nanofp8/parallel.py
+  inside a GPT: the stand-in refuses nothing;
+* GEMMs the device cannot run are never attempted: they go to a named alternative, reported
+  once per layer with the reason;
+* the results are bit-exact with backend "emulate" (the stand-in computes with its primitives);
+* block scales run natively (one call per GEMM, 1x128 / 128x128 modes) where supported, and
+  as one row-wise GEMM per 128 of K (its cost named in the warning) where the torch lacks them.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from cuda_contract import CudaScaledMM
+from nanofp8 import fp8
+from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, scaled_gemm, sqnr
+
+DEVICES = {"h100": dict(sm=(9, 0), cublaslt=(12, 9)),
+           "h100-cuda12.6": dict(sm=(9, 0), cublaslt=(12, 6)),
+           "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_block=False),
+           "sm89": dict(sm=(8, 9), cublaslt=(12, 9))}
+RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in ("tensor", "row", "block")
+           for f in ("hybrid", "e4m3")] + [dict(scaling="delayed", formats=f) for f in ("hybrid", "e4m3")]
+
+
+@pytest.fixture
+def contract(monkeypatch, request):
+    fp8._warned.clear()
+    return CudaScaledMM(**DEVICES[request.param]).install(monkeypatch)
+
+
+# -- the stand-in itself -------------------------------------------------------------
+
+
+def _ops(M=64, N=48, K=256, fa=E4M3, fb=E4M3, gran="tensor", bb=(1, 128), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = quantize(torch.randn(M, K, generator=g), fa, gran, (1, 128))
+    b = quantize(torch.randn(N, K, generator=g), fb, gran, bb)
+    return a, b
+
+
+def test_stand_in_refuses_what_cuda_refuses():
+    h100, old = CudaScaledMM(), CudaScaledMM(cublaslt=(12, 6))
+    a, b = _ops()
+    s1 = torch.ones(())
+    ok = dict(scale_a=a.inv_scale, scale_b=b.inv_scale)
+    h100(a.data, b.data.t(), out_dtype=torch.bfloat16, **ok)  # the reference call is accepted
+    cases = [  # (stand-in, call kwargs, exception, message)
+        (h100, dict(bias=torch.zeros(48), out_dtype=torch.float32), RuntimeError, "Float32"),
+        (h100, dict(bias=torch.zeros(48), out_dtype=torch.bfloat16), RuntimeError, "BFloat16 or Half"),
+        (h100, dict(bias=torch.zeros(48, dtype=torch.float16), out_dtype=torch.bfloat16), RuntimeError, "BFloat16"),
+        (h100, dict(bias=torch.zeros(48, dtype=torch.bfloat16), out_dtype=torch.float16), RuntimeError, "Float16"),
+    ]
+    for sim, kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            sim(a.data, b.data.t(), **ok, **kw)
+    with pytest.raises(RuntimeError, match="column-major"):  # mat2 must be column-major
+        h100(a.data, b.data.t().contiguous(), **ok, out_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="row-major"):
+        h100(a.data.t().contiguous().t(), b.data.t(), **ok, out_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="divisible by 16"):
+        h100(a.data[:, :200], b.data[:, :200].t(), **ok, out_dtype=torch.bfloat16)
+    e5a, e5b = _ops(fa=E5M2, fb=E5M2)
+    with pytest.raises(ValueError, match="Float8_e5m2"):
+        h100(e5a.data, e5b.data.t(), scale_a=s1, scale_b=s1, out_dtype=torch.bfloat16)
+    # row-wise: fine on cuBLASLt 12.9 in fp32; the CUTLASS kernel of older builds says ValueError
+    ra, rb = _ops(gran="row")
+    rows = dict(scale_a=ra.inv_scale, scale_b=rb.inv_scale.t().contiguous())
+    h100(ra.data, rb.data.t(), **rows, out_dtype=torch.float32)
+    old(ra.data, rb.data.t(), **rows, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        old(ra.data, rb.data.t(), **rows, out_dtype=torch.float32)
+    ra5, rb5 = _ops(gran="row", fa=E4M3, fb=E5M2)
+    with pytest.raises(ValueError, match="e4m3"):
+        old(ra5.data, rb5.data.t(), scale_a=ra5.inv_scale, scale_b=rb5.inv_scale.t().contiguous(),
+            out_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # (M, 1) next to a scalar
+        h100(ra.data, rb.data.t(), scale_a=ra.inv_scale, scale_b=s1, out_dtype=torch.bfloat16)
+    # block scales: the layouts of fp8._block_scale_arg are the ones accepted
+    ba, bw = _ops(gran="block", bb=(128, 128))
+    _, bt = _ops(gran="block", bb=(1, 128))
+    sa = fp8._block_scale_arg(ba, "a")
+    assert sa.shape == (64, 2) and sa.stride() == (1, 64)
+    sw = fp8._block_scale_arg(bw, "b")
+    assert sw.shape == (2, 1) and sw.stride() == (1, 2)
+    h100(ba.data, bw.data.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+    h100(ba.data, bt.data.t(), scale_a=sa, scale_b=fp8._block_scale_arg(bt, "b"), out_dtype=torch.float32)
+    assert [c[:2] for c in h100.calls[-2:]] == [("1x128", "128x128"), ("1x128", "1x128")]
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # (M, Kt) row-major: wrong strides
+        h100(ba.data, bt.data.t(), scale_a=ba.inv_scale, scale_b=fp8._block_scale_arg(bt, "b"),
+             out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # 128x128 x 128x128 is no pair
+        wa = quantize(torch.randn(128, 256), E4M3, "block", (128, 128))
+        h100(wa.data, bw.data.t(), scale_a=fp8._block_scale_arg(wa, "a"), scale_b=sw,
+             out_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fast_accum"):
+        h100(ba.data, bw.data.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=True)
+    with pytest.raises(NotImplementedError, match="12.9"):
+        old(ba.data, bw.data.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="SM90"):
+        CudaScaledMM(sm=(8, 9))(ba.data, bw.data.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+
+
+def test_stand_in_computes_the_scaled_product():
+    # against fp64 dequantize-and-multiply: only fp32 summation error may remain
+    h100 = CudaScaledMM()
+    for gran, bb in (("tensor", (1, 128)), ("row", (1, 128)), ("block", (128, 128)), ("block", (1, 128))):
+        a, b = _ops(M=130, N=96, K=400, gran=gran, bb=bb)
+        bias = torch.randn(96).to(torch.bfloat16)
+        if gran == "block":
+            sa, sb = fp8._block_scale_arg(a, "a"), fp8._block_scale_arg(b, "b")
+        else:
+            sa = a.inv_scale.expand(130, 1).contiguous()
+            sb = b.inv_scale.expand(96, 1).t().contiguous()
+        out = h100(a.data, b.data.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=torch.bfloat16)
+        exact = dequantize(a).double() @ dequantize(b).double().t() + bias.double()
+        assert sqnr(exact, out) > 45  # bf16 output rounding (~52 dB), nothing else
+        out32 = h100(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        assert sqnr(exact - bias.double(), out32) > 120
+
+
+# -- nanofp8 under the stand-in ------------------------------------------------------
+
+
+def _run_layer(recipe, bias, dtype, seed=0):
+    torch.manual_seed(seed)
+    layer = convert_to_fp8(nn.Linear(256, 192, bias=bias), recipe)
+    x = (torch.randn(2, 80, 256) * 3).requires_grad_()  # 160 tokens: wgrad has 2 K tiles
+    outs = []
+    for step in range(2):  # two steps: delayed scaling then has a history
+        layer.zero_grad()
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y = layer(x)
+        y.float().square().sum().backward()
+        outs.append((y.detach(), x.grad.clone(), layer.weight.grad.clone()))
+    return outs
+
+
+@pytest.mark.parametrize("contract", list(DEVICES), indirect=True)
+def test_every_recipe_obeys_the_contract_and_matches_emulate(contract):
+    sim = contract.support()
+    for kw in RECIPES:
+        for bias in (True, False):
+            for dtype in (torch.float32, torch.bfloat16):
+                fp8._warned.clear()
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    got = _run_layer(Recipe(**kw, backend="torch"), bias, dtype)
+                want = _run_layer(Recipe(**kw, backend="emulate"), bias, dtype)
+                case = f"{kw} bias={bias} {dtype}"
+                for step_got, step_want in zip(got, want):
+                    for g_, w_ in zip(step_got, step_want):
+                        assert torch.equal(g_, w_), case
+                msgs = [str(m.message) for m in w if "nanofp8" in str(m.message)]
+                assert len(msgs) == len(set(msgs)), f"{case}: a fallback reported twice: {msgs}"
+                assert all("layer linear" in m and "refused" not in m for m in msgs), msgs
+                if kw.get("granularity") == "block":
+                    if sim.block:
+                        assert not msgs, msgs  # native: nothing falls back
+                    elif sim.cublaslt_rowwise:
+                        assert msgs and all("row-wise GEMMs (one per 128 of K)" in m for m in msgs)
+                    else:
+                        assert msgs and all("high-precision GEMM" in m for m in msgs)
+    assert not contract.refusals, contract.refusals[:3]
+    modes = {c[:2] for c in contract.calls}
+    assert ("tensor", "tensor") in modes
+    if sim.block:
+        assert {("1x128", "128x128"), ("1x128", "1x128")} <= modes  # forward/dgrad, wgrad
+    # bias only ever inside a bf16/fp16 GEMM of its own dtype
+    assert all(c[5] is None or (c[4] == c[5] and c[4] != torch.float32) for c in contract.calls)
+    # fast accumulation: only E4M3 x E4M3 (the forward GEMM), never in a block mode
+    assert not any(c[6] and "1x128" in c[:2] for c in contract.calls)
+    assert all(c[2] == c[3] == torch.float8_e4m3fn for c in contract.calls if c[6])
+
+
+@pytest.mark.parametrize("contract", ["h100"], indirect=True)
+def test_native_block_scaling_is_one_call_per_gemm(contract):
+    torch.manual_seed(0)
+    layer = convert_to_fp8(nn.Linear(768, 3072), Recipe(granularity="block"))
+    x = torch.randn(256, 768, requires_grad=True)
+    layer(x).sum().backward()
+    # forward, dgrad, wgrad: three calls, though K/128 = 6 (forward), 24 (dgrad), 2 (wgrad).
+    # (With a single K tile, <= 128 tokens in wgrad, a 1x128 scale *is* a row scale, and the
+    # kernel takes the call as row x row: the same numbers.)
+    assert [c[:2] for c in contract.calls] == [("1x128", "128x128"), ("1x128", "128x128"),
+                                              ("1x128", "1x128")]
+    assert [c[4] for c in contract.calls] == [torch.float32] * 3
+
+
+@pytest.mark.parametrize("contract", ["h100-no-native-block"], indirect=True)
+def test_block_loop_warns_once_with_its_cost(contract):
+    torch.manual_seed(0)
+    layer = convert_to_fp8(nn.Linear(3072, 768), Recipe(granularity="block"))
+    x = torch.randn(32, 3072)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            layer(x)
+    msgs = [str(m.message) for m in w]
+    assert len(msgs) == 1 and "24 row-wise GEMMs" in msgs[0] and "layer linear" in msgs[0], msgs
+    assert len(contract.calls) == 3 * 24 and not contract.refusals
+
+
+@pytest.mark.parametrize("contract", ["h100"], indirect=True)
+def test_unsupported_shapes_are_never_attempted(contract):
+    # K = 200 is no multiple of 16: the GEMM is not tried (it would raise), it falls back, once
+    layer = convert_to_fp8(nn.Linear(200, 96), Recipe())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        layer(torch.randn(8, 200))
+        layer(torch.randn(8, 200))
+    msgs = [str(m.message) for m in w]
+    assert len(msgs) == 1 and "K=200" in msgs[0] and "high-precision" in msgs[0]
+    assert not contract.calls and not contract.refusals
+    e5 = quantize(torch.randn(16, 64), E5M2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        scaled_gemm(e5, e5, torch.bfloat16, name="direct")
+    assert "e5m2 x e5m2" in str(w[0].message) and not contract.refusals
+
+
+@pytest.mark.parametrize("contract", ["h100"], indirect=True)
+def test_a_refusal_the_rules_missed_is_caught_and_reported(contract, monkeypatch):
+    # ValueError as well as RuntimeError (several CUDA checks raise ValueError)
+    def refuse(*a, **k):
+        raise ValueError("some rule nanofp8 does not know")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    layer = convert_to_fp8(nn.Linear(64, 32), Recipe())
+    x = torch.randn(8, 64)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y = layer(x)
+    msgs = [str(m.message) for m in w]
+    assert len(msgs) == 1 and "refused by torch._scaled_mm: some rule" in msgs[0]
+    ref = convert_to_fp8(nn.Linear(64, 32), Recipe(backend="emulate"))
+    ref.load_state_dict(layer.state_dict())
+    assert torch.equal(y, ref(x))
+
+
+@pytest.fixture
+def one_rank_group():
+    # TP/SP layers with a group of one rank: every GEMM call is the real one, communication is
+    # the identity. (Multi-rank runs are tests/test_parallel.py's job.)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.new_group([0])
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("contract", ["h100", "h100-cuda12.6"], indirect=True)
+def test_tp_sp_layers_obey_the_contract(contract, one_rank_group):
+    # parallelize() leaves a one-rank model alone, so the TP blocks are built as it builds them
+    from nanofp8.model import GPT, GPTConfig
+    from nanofp8.parallel import TPAttention, TPLinear, TPMLP
+
+    for gran in ("tensor", "row", "block"):
+        for sp in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                torch.manual_seed(0)
+                cfg = GPTConfig(block_size=64, vocab_size=128, n_layer=1, n_head=2, n_embd=128)
+                model = GPT(cfg)
+                rec = Recipe(granularity=gran)
+                blk = model.blocks[0]
+                make = lambda w, b, kind: TPLinear(w, b, kind, one_rank_group, sp, rec, "fp8", kind)  # noqa: E731
+                blk.attn, blk.mlp = TPAttention(blk.attn, 0, 1, make), TPMLP(blk.mlp, 0, 1, make)
+                idx = torch.randint(0, 128, (4, 64))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                    logits, loss = model(idx, idx)
+                loss.backward()
+                assert torch.isfinite(loss)
+    assert not contract.refusals, contract.refusals[:3]
+    kinds = {c[:2] for c in contract.calls}
+    assert ("tensor", "tensor") in kinds and ("row", "row") in kinds
+    if contract.support().block:
+        assert ("1x128", "128x128") in kinds
+
+
+@pytest.mark.parametrize("contract", ["h100-no-native-block"], indirect=True)
+def test_triton_block_gemm_comes_before_the_loop(contract, monkeypatch):
+    # On a CUDA device where kernels.py imports, block scales without native support go to the
+    # Triton block GEMM (one launch), not to the K loop. (CPU tensors here: the Triton call is
+    # replaced by a recorder that computes the reference.)
+    used = []
+
+    def triton_gemm(a, b, out_dtype, bias, fast_accum):
+        used.append(a.granularity)
+        return fp8._gemm_emulate(a, b, out_dtype, bias)
+
+    monkeypatch.setattr(fp8, "_triton_available", lambda device: True)
+    monkeypatch.setattr(fp8, "_gemm_triton", triton_gemm)
+    layer = convert_to_fp8(nn.Linear(256, 128), Recipe(granularity="block"))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        layer(torch.randn(32, 256))
+    msgs = [str(m.message) for m in w]
+    assert used == ["block"] and not contract.calls
+    assert len(msgs) == 1 and "the Triton GEMM (kernels.py)" in msgs[0] and "block scales need" in msgs[0]

@@ -1,0 +1,164 @@
+"""Every Triton kernel of kernels.py compiles for an H100 (sm_90), on a machine without a GPU.
+
+triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) runs the whole compiler offline,
+down to ptxas (bundled with triton). For every GEMM variant (output dtype x accumulation mode x
+TMA or pointer path) and every tile config that kernels.py's autotuner may pick for it, and for
+every quantizer, this checks what would otherwise first be seen on the GPU:
+
+* it compiles; the GEMMs use Hopper's wgmma (`wgmma.mma_async`), the TMA path really loads with
+  TMA (`cp.async.bulk.tensor`);
+* shared memory per block is within the H100's 232,448 bytes (a config over it fails to launch);
+* ptxas reports zero spilled registers (spills to local memory cost bandwidth in the main loop),
+  except a few bytes in the 128x128 weight-tile quantizer (see kernels.tile_warps);
+* the quantizers restore the sign with `neg.f32` (triton 3.6 compiled `-x` as a subtraction,
+  which stores -0 as +0; see tests/test_kernels.py).
+
+What it cannot check: speed, and correctness of the compiled code (the interpreter tests in
+tests/test_kernels.py run the same source). Those await a GPU: `python kernels.py`.
+"""
+
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (opt-in maximum)
+
+triton = pytest.importorskip("triton")
+
+
+def _gemm_variants():
+    """(name, signature dtypes, constexprs, warps, stages) for every GEMM the autotuner may run."""
+    sys.path.insert(0, ROOT)
+    import kernels
+
+    out = []
+    modes = {"fast": dict(BLOCKWISE=False, FAST_ACCUM=True, A_SCALE_ROWS=1, B_SCALE_ROWS=1),
+             "promote": dict(BLOCKWISE=False, FAST_ACCUM=False, A_SCALE_ROWS=1, B_SCALE_ROWS=1),
+             "block-1x128x128x128": dict(BLOCKWISE=True, FAST_ACCUM=False, A_SCALE_ROWS=1, B_SCALE_ROWS=128),
+             "block-1x128x1x128": dict(BLOCKWISE=True, FAST_ACCUM=False, A_SCALE_ROWS=1, B_SCALE_ROWS=1)}
+    for out_t in ("bf16", "fp16", "fp32"):
+        for mode, flags in modes.items():
+            for tma in (True, False):
+                tiles = kernels.hopper_gemm_tiles(4 if out_t == "fp32" else 2, tma, flags["FAST_ACCUM"],
+                                                  flags["BLOCKWISE"], flags["B_SCALE_ROWS"] == 1)
+                for bm, bn, stages, warps in tiles:
+                    # the forward GEMM is E4M3 x E4M3; dgrad and wgrad put an E5M2 gradient first
+                    a_t = "fp8e4nv" if mode == "fast" else "fp8e5"
+                    sig = {"a_ptr": f"*{a_t}", "b_ptr": "*fp8e4nv", "c_ptr": f"*{out_t}",
+                           "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": f"*{out_t}",
+                           "M": "i32", "N": "i32", "K": "i32", "stride_sam": "i32", "stride_sak": "i32",
+                           "stride_sbn": "i32", "stride_sbk": "i32"}
+                    const = dict(flags, USE_TMA=tma, HAS_BIAS=True, ROUND_BF16=False, NUM_SMS=132,
+                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8)
+                    name = f"gemm {out_t} {mode} {'tma' if tma else 'pointer'} {bm}x{bn} s{stages} w{warps}"
+                    out.append((name, "_fp8_gemm_kernel", sig, const, warps, stages))
+    return out
+
+
+def _quantizer_variants():
+    """Each quantizer once per input dtype / format pairing that changes its code, with the
+    block sizes kernels.quantize launches for rows of >= 1024 values."""
+    sys.path.insert(0, ROOT)
+    import kernels
+    fmt = {"e4m3": ("fp8e4nv", dict(FP8_MAX=448.0, MBITS=3, EMIN=-6)),
+           "e5m2": ("fp8e5", dict(FP8_MAX=57344.0, MBITS=2, EMIN=-14))}
+    out = [("amax bf16", "_amax_partial_kernel", {"x_ptr": "*bf16", "partial_ptr": "*fp32", "n": "i32"},
+            dict(BLOCK=4096), 4, 3)]
+    for f, x_t in (("e4m3", "bf16"), ("e5m2", "fp32")):
+        ty, consts = fmt[f]
+        common = dict(consts, MARGIN_MUL=1.0, POW2=False)
+        for write_t in (False, True):
+            out.append((f"cast tensor {f} {x_t} transpose={write_t}", "_cast_tensor_kernel",
+                        {"x_ptr": f"*{x_t}", "q_ptr": f"*{ty}", "qt_ptr": f"*{ty}", "partial_ptr": "*fp32",
+                         "scale_ptr": "*fp32", "R": "i32", "C": "i32", "P": "i32"},
+                        dict(common, WRITE_T=write_t, P_BLOCK=1024, BLOCK_R=64 if write_t else 16,
+                             BLOCK_C=64 if write_t else 256), 4, 3))
+        out.append((f"rows {f} {x_t}", "_quantize_rows_kernel",
+                    {"x_ptr": f"*{x_t}", "q_ptr": f"*{ty}", "scale_ptr": "*fp32", "R": "i32", "C": "i32"},
+                    dict(common, BLOCK_R=4, BLOCK_C=1024), 4, 3))
+        for tr, br in ((1, 32), (128, 128)):  # as kernels.quantize launches them
+            warps = kernels.tile_warps(br * 128)
+            out.append((f"tiles {tr}x128 {f} {x_t}", "_quantize_tiles_kernel",
+                        {"x_ptr": f"*{x_t}", "q_ptr": f"*{ty}", "scale_ptr": "*fp32", "R": "i32", "C": "i32",
+                         "n_col_tiles": "i32"},
+                        dict(common, TILE_R=tr, TILE_C=128, BLOCK_R=br), warps, 3))
+    return out
+
+
+def _compile(job):
+    """Compile one variant for sm_90 (in a worker process); returns what the test checks."""
+    name, kernel, sig, const, warps, stages = job
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    sys.path.insert(0, ROOT)
+    import kernels
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    fn = getattr(kernels, kernel)
+    while not isinstance(fn, triton.runtime.JITFunction):  # under the autotuner
+        fn = fn.fn
+    target = GPUTarget("cuda", 90, 32)
+    opts = make_backend(target).parse_options({"num_warps": warps, "num_stages": stages}).__dict__
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    t0 = time.time()
+    k = triton.compile(ASTSource(fn, sig, const), target=target, options=opts)
+    ptx = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:  # ptxas -v: registers and spills
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o",
+                            os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    regs = re.search(r"Used (\d+) registers", log)
+    return dict(name=name, shared=k.metadata.shared, spills=int(spill.group(1)) + int(spill.group(2)),
+                regs=int(regs.group(1)), wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+                neg=bool(re.search(r"\bneg\.f32", ptx)),
+                seconds=time.time() - t0)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    jobs = _gemm_variants() + _quantizer_variants()
+    t0 = time.time()
+    # fresh processes: this one may hold kernels.py imported for the interpreter (test_kernels.py)
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        res = list(pool.map(_compile, jobs))
+    print(f"\n{len(res)} kernels compiled for sm_90 in {time.time() - t0:.0f} s")
+    for r in res:
+        print(f"  {r['name']:48s} shared {r['shared']:6d} B  regs {r['regs']:3d}  spills {r['spills']:4d} B")
+    return res
+
+
+def test_every_gemm_variant_compiles_for_sm90(compiled):
+    gemms = [r for r in compiled if r["name"].startswith("gemm")]
+    assert len(gemms) >= 24
+    for r in gemms:
+        assert r["wgmma"], f"{r['name']}: no wgmma.mma_async"
+        assert r["tma"] == (" tma " in r["name"]), f"{r['name']}: TMA expected only on the TMA path"
+        assert r["shared"] <= H100_SHARED, f"{r['name']}: {r['shared']} B of shared memory"
+        assert r["spills"] == 0, f"{r['name']}: {r['spills']} B spilled"
+
+
+def test_every_quantizer_compiles_for_sm90(compiled):
+    quant = [r for r in compiled if not r["name"].startswith("gemm")]
+    assert len(quant) >= 11
+    for r in quant:
+        # The one documented exception (kernels.tile_warps): the 128x128 weight-tile quantizer
+        # spills a few bytes (8 for bf16 -> e4m3, 16 for fp32 -> e5m2 with triton 3.9).
+        allowed = 16 if r["name"].startswith("tiles 128x128") else 0
+        assert r["shared"] <= H100_SHARED and r["spills"] <= allowed, r
+        if "cast" in r["name"] or "tiles" in r["name"] or "rows" in r["name"]:
+            assert r["neg"], f"{r['name']}: the sign restore is not a neg.f32"
