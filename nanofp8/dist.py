@@ -672,8 +672,9 @@ class ZeroFp8AdamW(Fp8AdamW):
         coef = torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0)
         for t in shards + others:
             t.mul_(coef.to(t.dtype))
-        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v)
+        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v), the O2 update
         new = []
+        number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.o2:
@@ -681,7 +682,8 @@ class ZeroFp8AdamW(Fp8AdamW):
                     g = shards[index[p]]
                     w = _loaded(st["master"], st["master_scale"])
                     w = self._decoupled_update(st, w, g, group)
-                    st["master"], st["master_scale"] = to_fp16_scaled(w)
+                    gen = self.rounding_generator(number[p], st["step"].item(), w.device)
+                    st["master"], st["master_scale"] = to_fp16_scaled(w, generator=gen)
                     new.append((p, w))
                 elif p.grad is not None:
                     if not self.state[p]:

@@ -57,26 +57,52 @@ MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12
 
 
 def _fp16_scale(amax, target):
-    """Power-of-two scale putting amax near `target` in fp16 (1.0 when amax is 0 or bad)."""
+    """Power-of-two scale putting amax near `target` in fp16 (1.0 when amax is 0 or bad). The
+    exponent stays within +-126, so the scale is a finite fp32 number even for an amax of 1e-36
+    (a v of tiny gradients squared): such a tensor keeps what fp16 can hold under 2^126."""
     amax = amax.detach().double()
     good = torch.isfinite(amax) & (amax > 0)
     exp = torch.floor(torch.log2(target / torch.where(good, amax, torch.ones_like(amax))))
+    exp = exp.clamp(-126, 126)
     return torch.where(good, torch.exp2(exp), torch.ones_like(amax)).float()
 
 
-def to_fp16_scaled(x, target=MASTER_HEADROOM):
-    """(x * s in fp16, s) with s a power of two: exact rescaling, no subnormals for the bulk."""
+def to_fp16_scaled(x, target=MASTER_HEADROOM, generator=None):
+    """(x * s in fp16, s) with s a power of two: exact rescaling, no subnormals for the bulk.
+    Rounds to nearest, or stochastically (see (5) above) when a generator is given."""
     s = _fp16_scale(x.abs().amax(), target)
-    return (x.float() * s).half(), s
+    y = x.float() * s
+    if generator is not None:
+        y = round_stochastic_fp16(y, generator)
+    return y.half(), s
+
+
+def round_stochastic_fp16(y, generator):
+    """fp32 y -> fp32 values that fp16 holds exactly, rounded up or down with probabilities that
+    make the result unbiased. An fp32 significand has 13 bits more than an fp16 one: add a random
+    integer below 2^13 to the bit pattern (sign-magnitude, so this adds to the magnitude; a carry
+    moves to the next binade, as it should) and clear those 13 bits. The value goes up one fp16
+    spacing with probability (dropped bits) / 2^13, which is its distance to the lower neighbour
+    in spacings. Exact for fp16's normal range; the scale keeps every value the update can move
+    there (below 2^-14, 2^26 under the tensor's amax, the final cast rounds to nearest)."""
+    bits = y.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 13, y.shape, generator=generator, device=y.device, dtype=torch.int32)
+    return ((bits + noise) & ~((1 << 13) - 1)).view(torch.float32)
+
+
+GRAD_ACCUM = ("fp16", "fp8")
 
 
 class O2Linear(Fp8Linear):
     """Fp8Linear whose weight is stored as an fp16 master (values * weight_scale) and whose weight
     gradient is kept in FP8 (`.wgrad`, an Fp8Tensor) instead of in `.weight.grad`.
 
-    `.weight` is the fp16 storage; `hp_weight()` gives the true fp32 weight."""
+    `.weight` is the fp16 storage; `hp_weight()` gives the true fp32 weight. grad_accum (see (6)
+    above): "fp16" sums micro-steps in a scaled fp16 buffer that becomes the FP8 gradient when
+    `.wgrad` is first read; "fp8" re-quantizes the FP8 sum after every micro-step."""
 
     cache_weight = True  # cast once per step: the optimizer's set_weight() frees the cast
+    grad_accum = "fp16"
 
     @classmethod
     def from_fp8_linear(cls, lin):
@@ -96,30 +122,63 @@ class O2Linear(Fp8Linear):
     def hp_weight(self):
         return self.weight.float() * self.weight_scale.reciprocal()
 
+    @property
+    def wgrad(self):
+        """The weight gradient as an Fp8Tensor (E4M3, one tensor scale), or None. Reading it ends
+        an fp16 accumulation: the sum is cast to E4M3 once, and the buffer is freed."""
+        if self._wgrad_acc is not None:
+            self._wgrad = quantize(_loaded(*self._wgrad_acc), E4M3)
+            self._wgrad_acc = None
+        return self._wgrad
+
+    @wgrad.setter
+    def wgrad(self, q):
+        self._wgrad, self._wgrad_acc = q, None
+
+    def wgrad_nbytes(self):
+        """Bytes the gradient holds now (the FP8 tensor, or the fp16 buffer while accumulating)."""
+        if self._wgrad_acc is not None:
+            return sum(_nbytes(t) for t in self._wgrad_acc)
+        return _fp8_nbytes(self._wgrad)
+
     def take_wgrad(self, dw):
-        # Gradient accumulation: dequantize the running sum, add, re-quantize with a fresh scale.
-        if self.wgrad is not None:
-            dw = dw + dequantize(self.wgrad, torch.float32)
-        self.wgrad = quantize(dw, E4M3)
+        """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum."""
+        dw = dw.float()
+        if self.grad_accum == "fp8":  # dequantize the FP8 sum, add, re-quantize: 1 B, compounds
+            if self.wgrad is not None:
+                dw = dw + dequantize(self.wgrad, torch.float32)
+            self.wgrad = quantize(dw, E4M3)
+            return None
+        if self._wgrad_acc is not None:
+            dw = dw + _loaded(*self._wgrad_acc)
+        elif self._wgrad is not None:  # a sum already cast (read mid-accumulation): go on from it
+            dw = dw + dequantize(self._wgrad, torch.float32)
+        self._wgrad, self._wgrad_acc = None, to_fp16_scaled(dw, FP16_MAX / 4)
         return None  # nothing for autograd: .weight.grad stays None
 
     @torch.no_grad()
-    def set_weight(self, w):
-        """Store a new fp32 weight as the scaled fp16 master (bumps the version: FP8 recast)."""
-        master, s = to_fp16_scaled(w)
+    def set_weight(self, w, generator=None):
+        """Store a new fp32 weight as the scaled fp16 master (bumps the version: FP8 recast),
+        rounded stochastically with `generator` if given."""
+        master, s = to_fp16_scaled(w, generator=generator)
         self.weight.copy_(master)
         self.weight_scale.copy_(s)
         self.free_weight_cache()
 
 
-def convert_to_o2(model, cls=None):
+def convert_to_o2(model, cls=None, grad_accum="fp16"):
     """Swap every Fp8Linear of the model for an O2Linear (fp16 master, FP8 gradient), or for
-    another subclass `cls` built by cls.from_fp8_linear (O3Linear, nanofp8/dist.py)."""
+    another subclass `cls` built by cls.from_fp8_linear (O3Linear, nanofp8/dist.py).
+    grad_accum: "fp16" or "fp8", how micro-steps are summed (see (6) above)."""
+    if grad_accum not in GRAD_ACCUM:
+        raise ValueError(f"grad_accum={grad_accum!r}; expected one of {GRAD_ACCUM}")
     cls = cls or O2Linear
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is Fp8Linear:
-                setattr(parent, name, cls.from_fp8_linear(child))
+                new = cls.from_fp8_linear(child)
+                new.grad_accum = grad_accum
+                setattr(parent, name, new)
     return model
 
 
@@ -145,16 +204,29 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     State per O2 weight: exp_avg (E4M3) + exp_avg_scale, exp_avg_sq (fp16, or E4M3 holding
     sqrt(v) when v_format="fp8") + exp_avg_sq_scale, step. Other parameters: exp_avg,
-    exp_avg_sq (fp32), step."""
+    exp_avg_sq (fp32), step. `seed` picks the stream of stochastic rounding (see (5) above)."""
+
+    rank = 0  # O3 (nanofp8/dist.py) sets its data-parallel rank: each shard rounds differently
 
     def __init__(self, params, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 v_format="fp16"):
+                 v_format="fp16", seed=0):
         if v_format not in ("fp16", "fp8"):
             raise ValueError(f"v_format={v_format!r}; expected 'fp16' or 'fp8'")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.v_format = v_format
+        self.v_format, self.seed = v_format, seed
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         self.skipped_steps = 0
+        self._generators = {}  # device -> the generator re-seeded for every rounding
+
+    def rounding_generator(self, index, step, device):
+        """The generator for the stochastic rounding of parameter number `index` (counted over
+        the param groups) at `step`: seeded from (seed, step, index, rank) alone, so the same
+        step draws the same numbers in a resumed run, whatever else used the global generator."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        key = ((self.seed * 1_000_003 + int(step)) * 1_000_003 + index) * 1_000_003 + self.rank
+        return gen.manual_seed(key % 2**63)
 
     def load_state_dict(self, state_dict):
         # torch.optim casts loaded state to each parameter's dtype (fp16 for an O2 master), which
@@ -202,13 +274,19 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def _decoupled_update(self, st, w, g, group):
         """One AdamW step of an fp32 weight w from FP8 m and fp16 (or FP8 sqrt) v held in st;
-        stores the new moments back into st and returns the new w."""
+        stores the new moments back into st and returns the new w (fp32, not yet rounded)."""
         m = _loaded(st["exp_avg"], st["exp_avg_scale"])
         v = _loaded(st["exp_avg_sq"], st["exp_avg_sq_scale"])
         if self.v_format == "fp8":
             v = v.square()  # stored as sqrt(v)
         st["step"] += 1
-        w = adamw_math(w, g, m, v, st["step"].item(), group)
+        t = st["step"].item()
+        adam_moments(m, v, g, group["betas"])
+        # (3): no |m| beyond what Adam's recursion allows next to this v (m = 0 where v is 0)
+        lim = v.sqrt().mul_(adam_ratio_bound(t, *group["betas"]))
+        torch.minimum(m, lim, out=m)
+        torch.maximum(m, lim.neg_(), out=m)
+        w = adamw_apply(w, m, v, t, group)
         st["exp_avg"], st["exp_avg_scale"] = _stored(m, "fp8")
         vs = v.sqrt() if self.v_format == "fp8" else v
         st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(vs, self.v_format)
@@ -224,6 +302,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         if not self.grads_finite():
             self.skipped_steps += 1
             return False
+        number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for group in self.param_groups:
             for p in group["params"]:
                 g = self._grad(p)
@@ -232,23 +311,46 @@ class Fp8AdamW(torch.optim.Optimizer):
                 if not self.state[p]:
                     self._init_state(p)
                 if p in self.o2:
-                    mod = self.o2[p]
-                    mod.set_weight(self._decoupled_update(self.state[p], mod.hp_weight(), g, group))
+                    mod, st = self.o2[p], self.state[p]
+                    w = self._decoupled_update(st, mod.hp_weight(), g, group)
+                    mod.set_weight(w, self.rounding_generator(number[p], st["step"].item(), p.device))
                 else:
                     self._fp32_update(p, g, group)
         return True
+
+
+def adam_ratio_bound(t, b1, b2):
+    """The largest |m_t| / sqrt(v_t) Adam's moments can reach after t steps from zero, whatever
+    the gradients. By Cauchy-Schwarz on m_t = (1-b1) sum_i b1^(t-i) g_i, with
+    b1^(t-i) = (b1 / sqrt(b2))^(t-i) * sqrt(b2)^(t-i):
+        |m_t| <= (1-b1) / sqrt(1-b2) * sqrt(sum_{j<t} (b1^2/b2)^j) * sqrt(v_t).
+    (0.9, 0.95): 0.45 at t=1, 1.17 in the limit; (0.9, 0.999): 3.2 at t=1, 7.3 in the limit."""
+    r = b1 * b1 / b2
+    terms = t if r == 1 else (1 - r**t) / (1 - r)
+    return (1 - b1) / math.sqrt(1 - b2) * math.sqrt(terms)
+
+
+def adam_moments(m, v, g, betas):
+    """Adam's moment recursions, in place, in torch.optim.AdamW's operations and order."""
+    b1, b2 = betas
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+
+
+def adamw_apply(w, m, v, t, group):
+    """The AdamW update of w from the moments after step t (decay first, as torch does)."""
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    w = w * (1 - lr * wd)
+    denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+    return w.addcdiv(m, denom, value=-lr / (1 - b1**t))
 
 
 def adamw_math(w, g, m, v, t, group):
     """AdamW on fp32 tensors: updates m and v in place, returns the new w. The operations and
     their order are torch.optim.AdamW's (single-tensor path), so fp32 parameters come out
     bit-identical to it."""
-    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    w = w * (1 - lr * wd)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-    return w.addcdiv(m, denom, value=-lr / (1 - b1**t))
+    adam_moments(m, v, g, group["betas"])
+    return adamw_apply(w, m, v, t, group)
 
 
 @torch.no_grad()
@@ -312,7 +414,7 @@ def training_state_bytes(model, optimizer, is_block_linear=None):
         if p.grad is not None:
             row["grad"] += _nbytes(p.grad)
         if isinstance(m, O2Linear):
-            row["grad"] += _fp8_nbytes(m.wgrad)
+            row["grad"] += m.wgrad_nbytes()  # without ending an accumulation
             row["weight"] += _nbytes(m.weight_scale)
         if isinstance(m, Fp8Linear) and m._w_cache is not None:
             row["gemm_weight"] += sum(_fp8_nbytes(q) for q in m._w_cache[1] if q is not None)
