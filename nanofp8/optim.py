@@ -4,42 +4,69 @@ it tolerates, as FP8-LM (MS-AMP) does. For the Linear weights of the transformer
 
     state                 | bf16 baseline | O2 here                       | why this precision is enough
     ----------------------+---------------+-------------------------------+------------------------------
-    master weight         | fp32  4 B     | fp16 + per-tensor scale  2 B  | see (1)
+    master weight         | fp32  4 B     | fp16 + per-tensor scale  2 B  | see (1), (5)
     weight for the GEMMs  | bf16 (cast)   | E4M3, cast once per step      | fp8.py: the GEMM inputs
-    weight gradient       | fp32  4 B     | E4M3 + per-tensor scale  1 B  | see (2)
+    weight gradient       | fp32  4 B     | E4M3 + per-tensor scale  1 B  | see (2), (6)
+      ... while summing micro-steps       | fp16 + per-tensor scale  2 B  | see (6)
     Adam first moment m   | fp32  4 B     | E4M3 + per-tensor scale  1 B  | see (3)
     Adam second moment v  | fp32  4 B     | fp16 + per-tensor scale  2 B  | see (4)
-                                    total:  16 B  ->  6 B per parameter
+                                    total:  16 B  ->  7 B per parameter between backward and step,
+                                                      6 B once the step has read the gradient
+
+`v_format="fp8"` takes 1 B off v, `grad_accum="fp8"` 1 B off the gradient sum (at a price in
+accuracy, (6)): 5 B with both. `bench.py memory` measures every combination.
 
 Embeddings, norms, biases and the LM head are few parameters and numerically touchy; they keep
-fp32 master weights and fp32 Adam state, exactly as in the bf16 run.
+fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to torch.optim.AdamW.
 
-(1) Master weights need mantissa, not range. An update is lr * m / sqrt(v), about lr in size,
-    often 1e-3 to 1e-4 of the weight it is added to. bf16's 8-bit significand rounds such an
-    update away (relative precision 2^-8 = 4e-3); fp16's 11 bits keep it (5e-4). fp16's narrow
-    range is what the scale is for: the master is stored as w * s, with s a power of two that
-    puts amax(w) at 2^12 (far below fp16's max 65504, and 2^26 above its smallest normal), so
-    no weight overflows and none of the small ones go subnormal. Powers of two rescale exactly.
+(1) Master weights need mantissa, not range. fp16 has 11 significant bits; the range is what the
+    scale is for: the master is stored as w * s, with s a power of two that puts amax(w) near
+    2^12 (far below fp16's max 65504, and 2^26 above its smallest normal). Powers of two rescale
+    exactly.
 (2) The weight gradient only feeds Adam, which normalizes it: the update is m / sqrt(v), so a
-    relative error in g of a few percent moves the update by a few percent, the same order as
-    the noise of a mini-batch gradient. E4M3 (3 mantissa bits) with a per-tensor scale is enough.
-(3) m is a running average of gradients with the same spread as g, and it too enters the update
-    only through m / sqrt(v): E4M3 with a per-tensor scale, as for the gradient.
-(4) v is a running average of g^2, whose dynamic range is twice that of g in binades: squared
-    small gradients would underflow FP8 entirely, and v sits in a *denominator*, where a value
-    flushed to zero turns into an exploding step. fp16 (40 binades with subnormals) with a scale
-    holds it. Option `v_format="fp8"` (beyond FP8-LM, 5 B per parameter) stores sqrt(v) in E4M3
-    instead: the square root halves the dynamic range back to that of g, and the update needs
-    only sqrt(v) anyway.
-
-Gradient accumulation over micro-steps: the FP8 gradient is re-quantized with a fresh scale after
-each micro-step (dequantize, add the new fp32 gradient, quantize). The scale follows the growing
-sum, so the error per micro-step is relative to the running sum and does not compound into drift;
-tests/test_optim.py measures it. No wider buffer is kept, so the gradient stays at 1 B.
+    relative error in g of a few percent moves the update by a few percent, the order of the
+    noise of a mini-batch gradient. E4M3 with a per-tensor scale (about 31.5 dB) is enough:
+    tests/test_optim.py measures the summed update of 30 steps within 22 dB of fp32 AdamW's.
+(3) m is a running average of gradients and enters the update only through m / sqrt(v): E4M3
+    with a per-tensor scale, as for the gradient. But m and v round independently, each under
+    its own scale, and after a spike they disagree: v's scale follows the spike for ~1/(1-b2)
+    steps, m's for ~1/(1-b1), so an entry can hold a stored m != 0 next to a stored v of 0. If
+    its next gradient is 0 (an E4M3 gradient flushes small entries beside a spike), the update
+    is lr * m_hat / eps: hundreds of thousands of times AdamW's. The guard costs no byte: after
+    the moment updates (in fp32), m is clamped to +-adam_ratio_bound(t) * sqrt(v), the largest
+    ratio |m| / sqrt(v) that Adam's recursions can reach from any gradient sequence (a
+    Cauchy-Schwarz bound, below). An update is then never larger than one fp32 AdamW can make,
+    and where v is 0, m is 0. fp32 moments obey the bound (a gradient growing by b2/b1 per step
+    meets it), so the clamp only moves moments that disagree. tests/test_o2_numerics.py checks
+    the bound and replays the spike, and 20 seeded adversarial sequences, against fp32 AdamW.
+(4) v is a running average of g^2, twice the dynamic range of g in binades, and it sits in a
+    denominator. fp16 (40 binades with subnormals) with a scale holds it. Option v_format="fp8"
+    (beyond FP8-LM) stores sqrt(v) in E4M3 instead: the square root halves the dynamic range back
+    to that of g, and the update needs only sqrt(v). What underflows either format is covered by
+    the bound of (3).
+(5) Rounding to nearest into fp16 drops every change below half a spacing (2^-11 to 2^-12 of
+    the weight): an update of 1e-4 of the weight, and every step of weight decay at GPT-2's
+    lr * wd = 6e-6, would vanish (FP8-LM's fp16 master has this flaw). So the new master is
+    rounded stochastically: up with probability equal to its distance from the lower fp16
+    neighbour, in spacings. The expected stored weight is then the fp32 one, and small updates
+    and decay add up on average (tests: 1e-4 relative updates kept to within 10%, 1000 steps of
+    decay within 5% of fp32's shrink). The random numbers come from a generator seeded by
+    (seed, step, parameter number, rank), never the global one, so a resumed run draws the same
+    numbers and is bit-identical to one that never stopped. No byte is stored for it.
+(6) Gradient accumulation. Re-quantizing an FP8 running sum after every micro-step adds one
+    rounding error per micro-step, of the size of the partial sum: over 16 equal micro-steps
+    the sum comes out about 9 dB worse than one E4M3 cast of the fp32 sum. By default
+    (grad_accum="fp16") micro-steps are summed in a scaled fp16 buffer (8 more significant bits
+    than E4M3), and the sum is cast to E4M3 once, when something first reads `.wgrad`
+    (clipping, communication, the step): within 1.5 dB of one cast at 1, 4, 16 and 40 micro-
+    steps, also with rows 1e6 apart. The buffer costs 1 B per parameter while micro-steps
+    accumulate. grad_accum="fp8" keeps the gradient at 1 B throughout, and its error compounds
+    as above.
 
 Non-finite gradients: before any state is touched, one check over every gradient (a single
 device-to-host sync per step) decides whether the step is taken. If any is NaN or inf, the step is
-skipped and counted (`optimizer.skipped_steps`), and no scale, moment or weight changes.
+skipped and counted (`optimizer.skipped_steps`), and no scale, moment or weight changes. A scale
+computed from a tiny amax stays a finite power of two (at most 2^126).
 
 The optimizer math itself runs in fp32 on dequantized copies, one tensor at a time, with the
 same betas, lr, weight decay and schedule as torch.optim.AdamW.

@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, dequantize, quantize, sqnr
-from nanofp8.optim import Fp8AdamW, O2Linear, convert_to_o2
+from nanofp8.optim import (Fp8AdamW, O2Linear, adam_moments, adam_ratio_bound, convert_to_o2,
+                           to_fp16_scaled)
 
 N = 256
 BETAS = (0.9, 0.95)  # GPT-2's (train.py)
@@ -180,6 +181,31 @@ def test_fuzz_adversarial_sequences_o2(betas):
             worst = max(worst, ratio)
             assert ratio <= 2, (seed, v_format, max_abs(ups), max_abs(ref))
     print(f"fuzz O2 betas {betas}: largest O2 update / largest AdamW update = {worst:.3f}")
+
+
+def test_adam_ratio_bound_holds_and_is_met():
+    """fp32 Adam moments never exceed adam_ratio_bound; a gradient growing by b2/b1 per step
+    meets it; its values for GPT-2's and torch's default betas are those the docstring gives."""
+    for betas in ((0.9, 0.95), (0.9, 0.999), (0.5, 0.2)):
+        gen = torch.Generator().manual_seed(0)
+        m, v = torch.zeros(1000, dtype=torch.float64), torch.zeros(1000, dtype=torch.float64)
+        worst = torch.zeros(1000, dtype=torch.float64)
+        grow = torch.ones(1000, dtype=torch.float64)
+        for t in range(1, 80):
+            g = torch.randn(1000, generator=gen, dtype=torch.float64) * 10 ** (4 * torch.rand(1000, generator=gen, dtype=torch.float64) - 2)
+            g[:10] = grow[:10]  # entries 0..9: the sequence that meets the bound
+            grow *= betas[1] / betas[0]
+            adam_moments(m, v, g, betas)
+            worst = torch.maximum(worst, m.abs() / v.sqrt() / adam_ratio_bound(t, *betas))
+        assert worst.max() <= 1 + 1e-12 and worst[:10].min() >= 1 - 1e-12
+    assert abs(adam_ratio_bound(1, 0.9, 0.95) - 0.447) < 1e-3 and abs(adam_ratio_bound(10**4, 0.9, 0.95) - 1.165) < 1e-3
+    assert abs(adam_ratio_bound(1, 0.9, 0.999) - 3.162) < 1e-3 and abs(adam_ratio_bound(10**5, 0.9, 0.999) - 7.27) < 1e-2
+
+
+def test_fp16_scale_of_a_tiny_tensor_is_finite():
+    """v of gradients of 1e-18 is 1e-37: its scale must stay a finite power of two."""
+    data, s = to_fp16_scaled(torch.full((4,), 1e-37))
+    assert torch.isfinite(s) and s == 2.0**126 and torch.isfinite(data).all()
 
 
 # -----------------------------------------------------------------------------

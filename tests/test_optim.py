@@ -165,8 +165,9 @@ def test_gradient_accumulation_default_and_fp8_option(grad_accum):
     exact = torch.stack(micro).double().sum(0)
     once = sqnr(exact, dequantize(quantize(exact.float(), E4M3)))
     got = sqnr(exact, dequantize(lin.wgrad))
-    # Observed: one cast 31.6 dB; default 31.6 dB; "fp8" 22.4 dB.
+    # Observed: one cast 31.5 dB; default 31.5 dB; "fp8" 22.2 dB.
     print(f"16 micro-steps, grad_accum={grad_accum}: {got:.1f} dB, one cast {once:.1f} dB")
+    assert once > 30
     if grad_accum == "fp16":
         assert got > once - 0.5
     else:
