@@ -25,7 +25,7 @@ from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.optim import (Fp8AdamW, O2Linear, adam_moments, adam_ratio_bound, convert_to_o2,
                            to_fp16_scaled)
 
-N = 256
+N = 128
 BETAS = (0.9, 0.95)  # GPT-2's (train.py)
 
 
@@ -48,18 +48,22 @@ def o3_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS):
                                   v_format=v_format)
 
 
-def adamw_updates(w0, grads, lr=1e-3, wd=0.0, betas=BETAS):
-    """fp32 torch.optim.AdamW on the same gradients: the update of every step."""
+def adamw_run(w0, grads, lr=1e-3, wd=0.0, betas=BETAS, keep=()):
+    """fp32 torch.optim.AdamW on the same gradients: (final weight, largest update of any entry
+    at any step, {step: update} for the steps in `keep`)."""
     w = nn.Parameter(w0.clone())
     opt = torch.optim.AdamW([w], lr=lr, betas=betas, weight_decay=wd)
-    out = []
-    for g in grads:
+    largest, kept = 0.0, {}
+    for t, g in enumerate(grads):
         before = w.detach().clone()
-        if g is not None and torch.isfinite(g).all():  # O2 skips a non-finite step; so does this
+        if torch.isfinite(g).all():  # O2 skips a non-finite step; so does this
             w.grad = g.clone()
             opt.step()
-        out.append(w.detach() - before)
-    return out
+        upd = w.detach() - before
+        largest = max(largest, upd.abs().max().item())
+        if t in keep:
+            kept[t] = upd
+    return w.detach(), largest, kept
 
 
 def sr_slack(w):
@@ -83,11 +87,11 @@ def ref_shard(t, rank, world):
     return flat[rank * c : (rank + 1) * c]
 
 
-def run_updates(mod, opt, grads, rank=0, world=1):
-    """Feed each gradient (one micro-step) and step; the per-step update of this rank's master,
-    and whether every state tensor stayed finite."""
-    ups, finite = [], True
-    for g in grads:
+def run_updates(mod, opt, grads, rank=0, world=1, keep=()):
+    """Feed each gradient (one micro-step) and step: (largest update of this rank's master at
+    any step, whether every state tensor stayed finite, {step: update} for the steps in keep)."""
+    largest, finite, kept = 0.0, True, {}
+    for t, g in enumerate(grads):
         before = master_of(mod, opt)
         mod.take_wgrad(g)
         if world > 1:
@@ -95,11 +99,14 @@ def run_updates(mod, opt, grads, rank=0, world=1):
         else:
             opt.step()
         opt.zero_grad()
-        ups.append(master_of(mod, opt) - before)
+        upd = master_of(mod, opt) - before
+        largest = max(largest, upd.abs().max().item())
+        if t in keep:
+            kept[t] = upd
         for v in opt.state[mod.weight].values():
             finite &= bool(torch.isfinite(v.float()).all())
     finite &= bool(torch.isfinite(master_of(mod, opt)).all())
-    return ups, finite
+    return largest, finite, kept
 
 
 def spike_grads(size, at, steps=60, n=N):
@@ -113,7 +120,7 @@ def spike_grads(size, at, steps=60, n=N):
     return out
 
 
-def adversarial_grads(seed, steps=30, shape=(64, 128)):
+def adversarial_grads(seed, steps=30, shape=(32, 64)):
     """A seeded gradient sequence mixing spikes, zeros, tiny values, sign flips, rows 1e6 apart
     and (rarely) a non-finite entry."""
     gen = torch.Generator().manual_seed(seed)
@@ -141,10 +148,6 @@ def adversarial_grads(seed, steps=30, shape=(64, 128)):
     return out
 
 
-def max_abs(ts):
-    return max(t.detach().abs().max().item() for t in ts)
-
-
 # -----------------------------------------------------------------------------
 # 1. Moments that cannot disagree
 
@@ -154,15 +157,15 @@ def max_abs(ts):
 def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at):
     lin = fresh_linear()
     grads = spike_grads(size, at)
-    ref = adamw_updates(lin.weight.detach(), grads)
-    mod, opt = o2_of(lin, v_format)
-    ups, finite = run_updates(mod, opt, grads)
     t = at[1]
+    _, ref, ref_at = adamw_run(lin.weight.detach(), grads, keep=(t,))
+    mod, opt = o2_of(lin, v_format)
+    largest, finite, at_t = run_updates(mod, opt, grads, keep=(t,))
     print(f"spike {size:g} at {at}, v {v_format}: update of [1,1] at step {t}: AdamW "
-          f"{ref[t][1, 1].item():.3g}, O2 {ups[t].view(N, N)[1, 1].item():.3g}; largest update "
-          f"AdamW {max_abs(ref):.3g}, O2 {max_abs(ups):.3g}")
+          f"{ref_at[t][1, 1].item():.3g}, O2 {at_t[t].view(N, N)[1, 1].item():.3g}; largest update "
+          f"AdamW {ref:.3g}, O2 {largest:.3g}")
     assert finite
-    assert max_abs(ups) <= 2 * max_abs(ref) + sr_slack(lin.weight), (max_abs(ups), max_abs(ref))
+    assert largest <= 2 * ref + sr_slack(lin.weight), (largest, ref)
 
 
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999)])
@@ -171,15 +174,15 @@ def test_fuzz_adversarial_sequences_o2(betas):
     for seed in range(20):
         grads = adversarial_grads(seed)
         torch.manual_seed(seed)
-        lin = nn.Linear(128, 64, bias=False)
-        ref = adamw_updates(lin.weight.detach(), grads, betas=betas, wd=0.1)
+        lin = nn.Linear(64, 32, bias=False)
+        _, ref, _ = adamw_run(lin.weight.detach(), grads, betas=betas, wd=0.1)
         for v_format in ("fp16", "fp8"):
             mod, opt = o2_of(lin, v_format, betas=betas, wd=0.1)
-            ups, finite = run_updates(mod, opt, grads)
+            largest, finite, _ = run_updates(mod, opt, grads)
             assert finite, (seed, v_format)
-            ratio = (max_abs(ups) - sr_slack(lin.weight)) / max_abs(ref)
+            ratio = (largest - sr_slack(lin.weight)) / ref
             worst = max(worst, ratio)
-            assert ratio <= 2, (seed, v_format, max_abs(ups), max_abs(ref))
+            assert ratio <= 2, (seed, v_format, largest, ref)
     print(f"fuzz O2 betas {betas}: largest O2 update / largest AdamW update = {worst:.3f}")
 
 
@@ -215,10 +218,10 @@ def test_fp16_scale_of_a_tiny_tensor_is_finite():
 def test_weight_decay_survives_the_fp16_master():
     """Decay only (zero gradients), GPT-2's lr and weight decay: 1000 steps shrink the weights by
     0.60% in fp32 AdamW; the fp16 master must shrink within 5% of that (relative)."""
-    lin = fresh_linear()
+    lin = fresh_linear(n=64)
     w0 = lin.weight.detach().clone()
-    zeros = [torch.zeros(N, N)] * 1000
-    ref = w0 + torch.stack(adamw_updates(w0, zeros, lr=6e-5, wd=0.1)).sum(0)
+    zeros = [torch.zeros(64, 64)] * 1000
+    ref = adamw_run(w0, zeros, lr=6e-5, wd=0.1)[0]
     mod, opt = o2_of(lin, lr=6e-5, wd=0.1)
     start = mod.hp_weight().norm()
     run_updates(mod, opt, zeros)
@@ -237,7 +240,7 @@ def test_small_relative_updates_survive_the_fp16_master():
     with torch.no_grad():
         lin.weight.copy_(w0)
     grads = [-torch.sign(w0)] * 50  # every step moves every |w| up by lr (m_hat / sqrt(v_hat) = 1)
-    ref = torch.stack(adamw_updates(w0, grads, lr=1e-4)).sum(0)
+    ref = adamw_run(w0, grads, lr=1e-4)[0] - w0
     mod, opt = o2_of(lin, lr=1e-4)
     start = mod.hp_weight()
     run_updates(mod, opt, grads)
@@ -343,16 +346,16 @@ def o3_worker(rank, world, port, outdir):
     for v_format in ("fp16", "fp8"):
         lin = fresh_linear()
         grads = spike_grads(1e5, (0, 40))
-        ref = adamw_updates(lin.weight.detach(), grads)
+        _, ref, _ = adamw_run(lin.weight.detach(), grads)
         mod, opt = o3_of(lin, v_format)
-        ups, finite = run_updates(mod, opt, grads, rank, world)
-        res[f"spike_{v_format}"] = dict(o3=_max_all(max_abs(ups)), ref=max_abs(ref),
-                                        finite=_min_all(finite), slack=sr_slack(lin.weight))
+        largest, finite, _ = run_updates(mod, opt, grads, rank, world)
+        res[f"spike_{v_format}"] = dict(o3=_max_all(largest), ref=ref, finite=_min_all(finite),
+                                        slack=sr_slack(lin.weight))
     # decay only
-    lin = fresh_linear(n=128)
+    lin = fresh_linear(n=64)
     w0 = lin.weight.detach().clone()
-    zeros = [torch.zeros(128, 128)] * 1000
-    ref = w0 + torch.stack(adamw_updates(w0, zeros, lr=6e-5, wd=0.1)).sum(0)
+    zeros = [torch.zeros(64, 64)] * 1000
+    ref = adamw_run(w0, zeros, lr=6e-5, wd=0.1)[0]
     mod, opt = o3_of(lin, lr=6e-5, wd=0.1)
     start = master_of(mod, opt).square().sum()
     run_updates(mod, opt, zeros, rank, world)
@@ -364,12 +367,12 @@ def o3_worker(rank, world, port, outdir):
     for seed in range(20):
         grads = adversarial_grads(seed)
         torch.manual_seed(seed)
-        lin = nn.Linear(128, 64, bias=False)
-        ref = adamw_updates(lin.weight.detach(), grads, wd=0.1)
+        lin = nn.Linear(64, 32, bias=False)
+        _, ref, _ = adamw_run(lin.weight.detach(), grads, wd=0.1)
         mod, opt = o3_of(lin, wd=0.1)
-        ups, finite = run_updates(mod, opt, grads, rank, world)
+        largest, finite, _ = run_updates(mod, opt, grads, rank, world)
         finite_all &= finite
-        worst = max(worst, (max_abs(ups) - sr_slack(lin.weight)) / max_abs(ref))
+        worst = max(worst, (largest - sr_slack(lin.weight)) / ref)
     res["fuzz"] = dict(worst=_max_all(worst), finite=_min_all(finite_all))
     # resume: 8 steps straight, or 4 + checkpoint + 4 in a fresh optimizer
     grads = spike_grads(1e5, (2,), steps=8, n=64)
