@@ -5,7 +5,8 @@ torch.optim.AdamW on the same gradient sequence:
 - updates far below the fp16 master's spacing, and weight decay, must survive on average;
 - gradient accumulation over many micro-steps must cost no more than one E4M3 cast of the sum;
 - seeded adversarial sequences leave no non-finite state and no oversized update;
-- an interrupted and resumed run is bit-identical.
+- an interrupted and resumed run is bit-identical (a guard for the stochastic rounding, whose
+  numbers must come from (step, parameter) alone; rounding to nearest passed it trivially).
 
 O3 runs on 2 gloo ranks, every scenario in one spawn."""
 
