@@ -3,8 +3,9 @@ Evidence for nanofp8, from one script. Each subcommand prints a table and, with 
 the same figures (plus machine, date and versions) as JSON.
 
     python bench.py memory      bytes per parameter of the training state, and activation bytes
-                                per token, for bf16 / O1 / O2 / O2 with FP8 v, measured by walking
-                                the real tensors (nanofp8/optim.py: training_state_bytes)
+                                per token, for bf16 / O1 / O2 (with FP8 v, with FP8 gradient
+                                accumulation), measured by walking the real tensors
+                                (nanofp8/optim.py: training_state_bytes)
     python bench.py comm        bytes each rank puts on the wire per parameter per step, for the
                                 bf16 baseline (fp32 gradient all-reduce, as nanoGPT's DDP), O1,
                                 O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/dist.py),
@@ -36,7 +37,7 @@ import torch.nn as nn
 
 from nanofp8.fp8 import Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
-from nanofp8.optim import Fp8AdamW, activation_bytes, convert_to_o2, training_state_bytes
+from nanofp8.optim import Fp8AdamW, O2Linear, activation_bytes, convert_to_o2, training_state_bytes
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -83,7 +84,9 @@ MODELS = {
     # for the tests: runs in seconds
     "tiny": GPTConfig(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=128, block_size=64),
 }
-LEVELS = ("bf16", "O1", "O2", "O2-fp8v")
+# O2 variants: "-fp8v" stores sqrt(v) in E4M3 (o2_v_format="fp8"), "-fp8acc" sums micro-steps in
+# FP8 instead of in an fp16 buffer (convert_to_o2(grad_accum="fp8"); nanofp8/optim.py, (6)).
+LEVELS = ("bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc")
 
 
 def build(cfg, level, recipe=None, device="cpu"):
@@ -93,10 +96,10 @@ def build(cfg, level, recipe=None, device="cpu"):
     if level != "bf16":
         apply_fp8(model, recipe or Recipe())
     if level.startswith("O2"):
-        convert_to_o2(model)
+        convert_to_o2(model, grad_accum="fp8" if "fp8acc" in level else "fp16")
     model.to(device)
     if level.startswith("O2"):
-        opt = Fp8AdamW(model.parameters(), model, lr=1e-4, v_format="fp8" if level == "O2-fp8v" else "fp16")
+        opt = Fp8AdamW(model.parameters(), model, lr=1e-4, v_format="fp8" if "fp8v" in level else "fp16")
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     return model, opt
@@ -117,11 +120,17 @@ def measure_memory(cfg, level, tokens):
         short = idx[:, : tokens // 2]
         act_short = activation_bytes(lambda: model(short, short))[0]
         act, (_, loss) = activation_bytes(lambda: model(idx, idx))
-    loss.backward()  # gradients present, as they are at the peak of a step
+    loss.backward()  # gradients present, as they are between micro-steps
     acc = training_state_bytes(model, opt, is_block_linear=fp8_module_filter())
     lin, tot = acc["linear"], acc["model"]
+    # At the step: O2 has cast its summed gradient to FP8 (reading .wgrad does it)
+    for m in model.modules():
+        if isinstance(m, O2Linear):
+            m.wgrad
+    at_step = training_state_bytes(model, opt, is_block_linear=fp8_module_filter())["linear"]
     return {"level": level, "params": tot["params"],
             "linear_B_per_param": lin["per_param"],
+            "linear_B_per_param_at_step": at_step["per_param"],
             "linear_weight": lin["weight"] / lin["params"], "linear_grad": lin["grad"] / lin["params"],
             "linear_optim": lin["optimizer"] / lin["params"],
             "gemm_weight_B_per_param": lin["gemm_weight"] / lin["params"],
@@ -139,10 +148,11 @@ def cmd_memory(args):
             r = measure_memory(cfg, level, args.tokens)
             rows.append({"model": name if name != "llama" else f"llama-{cfg.n_layer}L", **r})
             print(f"  measured {rows[-1]['model']} {level}", file=sys.stderr)
-    cols = ["model", "level", "params", "linear_B_per_param", "linear_weight", "linear_grad",
-            "linear_optim", "gemm_weight_B_per_param", "model_B_per_param", "activation_B_per_token"]
+    cols = ["model", "level", "params", "linear_B_per_param", "linear_B_per_param_at_step", "linear_weight",
+            "linear_grad", "linear_optim", "gemm_weight_B_per_param", "model_B_per_param", "activation_B_per_token"]
     print("Training state in bytes per parameter (block Linears, then whole model), measured by "
-          "walking the tensors after a backward; gemm_weight = FP8 copies held from forward to step.")
+          "walking the tensors after a backward (as between micro-steps); at_step = once the step has "
+          "cast O2's summed gradient to FP8; gemm_weight = FP8 copies held from forward to step.")
     emit("memory", rows, cols, args, {"tokens": args.tokens})
     cmd_memory_frozen(args)
 
@@ -690,11 +700,14 @@ def cmd_report(args):
                   "", "![parity](results/parity.png)", ""]
     if (d := load("memory_cpu.json")):
         parts += ["### Training state, bytes per parameter (`bench.py memory`)", _env_line(d["env"]), "",
-                  _md_table(d["memory"], ["model", "level", "linear_B_per_param", "model_B_per_param",
-                                          "gemm_weight_B_per_param", "activation_B_per_token"],
+                  _md_table(d["memory"], ["model", "level", "linear_B_per_param", "linear_B_per_param_at_step",
+                                          "model_B_per_param", "gemm_weight_B_per_param", "activation_B_per_token"],
                             {"activation_B_per_token": lambda v: f"{v:,.0f}"}),
-                  "", "`linear` = the block Linears; `gemm_weight` = FP8 copies held from forward to the "
-                  "optimizer step (not in the total); activation bytes per token saved for backward.", ""]
+                  "", "`linear` = the block Linears, measured after a backward (as between micro-steps); "
+                  "`at_step` = once the step has cast O2's summed gradient to FP8; `-fp8v` = sqrt(v) in E4M3; "
+                  "`-fp8acc` = micro-steps summed in FP8 instead of fp16; `gemm_weight` = FP8 copies held "
+                  "from forward to the optimizer step (not in the total); activation bytes per token saved "
+                  "for backward.", ""]
     if (d := load("comm_cpu.json")):
         parts += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
                   _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), "",

@@ -607,11 +607,15 @@ class Fp8DataParallel(nn.Module):
 #
 #   per block-Linear parameter, per rank      bytes
 #   FP8 weight (E4M3 + one tensor scale)      1        replicated: forward and backward read it
-#   FP8 weight gradient                       1        full until reduce-scattered
+#   weight gradient, summed in fp16 (+ scale) 2        full, until the step casts it to FP8 (1 B,
+#                                                      or 1 B throughout with grad_accum="fp8")
 #   fp16 master weight (+ scale)              2 / N    sharded: only the update reads it
 #   Adam m (E4M3 + scale)                     1 / N    sharded
 #   Adam v (fp16 + scale)                     2 / N    sharded
-#                                    total:   2 + 5/N
+#                                    total:   3 + 5/N between backward and step (2 + 5/N)
+#
+# The update is O2's (nanofp8/optim.py): the same bound on m, and stochastic rounding into the
+# fp16 master shard, seeded by (step, parameter, rank).
 #
 # One step: reduce-scatter the FP8 gradients (their bytes go out as they are: 1 B per parameter
 # on the wire, and the receiver sums in fp32), run AdamW on the local shard in fp32, then
@@ -757,8 +761,9 @@ class ZeroFp8AdamW(Fp8AdamW):
         coef = torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0)
         for t in shards + others:
             t.mul_(coef.to(t.dtype))
-        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v)
+        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v), the O2 update
         new = []
+        number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.o2:
@@ -766,7 +771,8 @@ class ZeroFp8AdamW(Fp8AdamW):
                     g = shards[index[p]]
                     w = _loaded(st["master"], st["master_scale"])
                     w = self._decoupled_update(st, w, g, group)
-                    st["master"], st["master_scale"] = to_fp16_scaled(w)
+                    gen = self.rounding_generator(number[p], st["step"].item(), w.device)
+                    st["master"], st["master_scale"] = to_fp16_scaled(w, generator=gen)
                     new.append((p, w))
                 elif p.grad is not None:
                     if not self.state[p]:
