@@ -107,7 +107,6 @@ tensor scale would have needed. Every Linear's FP8 status is listed at start-up,
 that falls back to high precision at run time is counted (fallbacks), or refused (strict).
 """
 
-import math
 import warnings
 from dataclasses import dataclass, fields
 
@@ -593,7 +592,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mod, out_dtype):
         r = mod.recipe
-        act_block, w_block = (1, BLOCK), (BLOCK, BLOCK)
+        act_block = (1, BLOCK)
         x2 = x.reshape(-1, x.shape[-1])
         qx = _quantize_role(mod, INPUT, x2, r.fwd_fmt, act_block)
         qw, qw_t = mod.weight_operands()  # W for this GEMM, W^T for dgrad

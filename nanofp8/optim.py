@@ -78,7 +78,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, Fp8Linear, Fp8Tensor, compute_scale, dequantize, quantize
+from nanofp8.fp8 import E4M3, Fp8Linear, dequantize, quantize
 
 FP16_MAX = 65504.0
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16

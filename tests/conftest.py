@@ -15,16 +15,23 @@ share 2 cores), and always destroys the process group, also when the test body f
 """
 
 import os
-import platform
-import subprocess
-import tempfile
-import time
-from datetime import timedelta
 
-import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+# No GPU in the test suite: every Triton kernel that runs in this process runs in the interpreter.
+# Set before anything imports triton (torch.compile imports it too), so that triton's own
+# functions are built for the interpreter in every test file, whatever order they run in.
+# (tests/test_sm90_compile.py compiles for sm_90 in child processes started without it.)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from datetime import timedelta  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 
 def pytest_report_header(config):

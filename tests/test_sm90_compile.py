@@ -133,9 +133,16 @@ def _compile(job):
 def compiled():
     jobs = _gemm_variants() + _quantizer_variants()
     t0 = time.time()
-    # fresh processes: this one may hold kernels.py imported for the interpreter (test_kernels.py)
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        res = list(pool.map(_compile, jobs))
+    # Fresh processes: this one holds triton and kernels.py built for the interpreter. Children
+    # inherit the environment when they start and import triton (unpickling _compile imports this
+    # file) before _compile runs, so they start without TRITON_INTERPRET (tests/conftest.py sets it).
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            res = list(pool.map(_compile, jobs))
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
     print(f"\n{len(res)} kernels compiled for sm_90 in {time.time() - t0:.0f} s")
     for r in res:
         print(f"  {r['name']:48s} shared {r['shared']:6d} B  regs {r['regs']:3d}  spills {r['spills']:4d} B")
