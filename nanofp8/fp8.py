@@ -324,6 +324,14 @@ def _version(text):
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts[:2])
 
 
+# Fixed for the life of the process: parsed once here, not on every GEMM (scaled_mm_support runs
+# three times per Linear per step). torch.version.cuda is the toolkit torch was built with; its
+# cuBLASLt is that version or newer, so this under-reports at worst (then a slower path runs,
+# never a refused call).
+_CUBLASLT_12_9 = _version(torch.version.cuda) >= (12, 9)
+_TORCH_2_11 = _version(torch.__version__) >= (2, 11)
+
+
 @dataclass(frozen=True)
 class ScaledMMSupport:
     """What torch._scaled_mm takes on one kind of device (the rules above)."""
@@ -344,13 +352,10 @@ def scaled_mm_support(device):
     if device.type != "cuda":
         return ScaledMMSupport("cpu", fp8=True, rowwise=False, cublaslt_rowwise=False, block=False)
     major, minor = _capability(device.index)
-    # torch.version.cuda is the toolkit torch was built with; its cuBLASLt is that version or
-    # newer, so this under-reports at worst (and then a slower path runs, never a refused call).
-    cublas_129 = _version(torch.version.cuda) >= (12, 9)
     has_fp8 = (major, minor) >= (8, 9)
     return ScaledMMSupport("cuda", fp8=has_fp8, rowwise=has_fp8,
-                           cublaslt_rowwise=cublas_129 and major >= 9,
-                           block=major == 9 and cublas_129 and _version(torch.__version__) >= (2, 11))
+                           cublaslt_rowwise=_CUBLASLT_12_9 and major >= 9,
+                           block=major == 9 and _CUBLASLT_12_9 and _TORCH_2_11)
 
 
 def _gemm_emulate(a, b, out_dtype, bias):
