@@ -319,11 +319,12 @@ def init_distributed(cfg):
 
 
 def is_collective_failure(error):
-    """A collective that timed out or lost its peer (gloo raises a plain RuntimeError from inside
-    DDP's backward, a DistError elsewhere)."""
-    signs = ("Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe")
+    """A collective that timed out or lost its peer. gloo raises a plain RuntimeError from inside
+    DDP's backward or from `work.wait()` ("Timed out waiting ...", "Application timeout caused
+    pair closure", "Connection reset by peer"), a DistError elsewhere."""
+    signs = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe", "pair closure")
     return torch.distributed.is_initialized() and (
-        isinstance(error, torch.distributed.DistError) or any(s in str(error) for s in signs))
+        isinstance(error, torch.distributed.DistError) or any(s in str(error).lower() for s in signs))
 
 
 def report_collective_failure(error):

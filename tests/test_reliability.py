@@ -423,3 +423,16 @@ def test_torchrun_dropout_resume_and_frozen_rank(tmp_path):
     assert error is not None, log
     assert error.startswith("error: rank 0: a collective did not complete within dist_timeout=4s; "
                             "rank 1 not answering: stopped, hung or dead"), error
+
+
+@pytest.mark.parametrize("message", [
+    "Timed out waiting 4000ms for recv operation to complete",  # gloo, in a collective
+    "Application timeout caused pair closure",  # gloo, the peer's pair closed at the timeout (seen in CI)
+    "Connection reset by peer", "Connection closed by peer [127.0.0.1]:1234", "Broken pipe"])
+def test_every_gloo_timeout_message_is_a_collective_failure(message, monkeypatch):
+    """5: whichever way gloo words it, a collective that timed out is named as one, not a crash."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert train.is_collective_failure(RuntimeError(message))
+    assert not train.is_collective_failure(RuntimeError("shape mismatch in mm"))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    assert not train.is_collective_failure(RuntimeError(message))
