@@ -64,8 +64,8 @@ comm_stats()):
                 payloads, their "float32" scales, "bfloat16" / "float32" baselines. Tests read
                 it to check that a precision level sends exactly what its name says.
 
-4. Data parallelism (O1)
-------------------------
+4. Data parallelism
+-------------------
 Fp8DataParallel wraps a model, broadcasts rank 0's parameters, and all-reduces (averages) the
 gradients. Only the weight gradients of the FP8 layers travel in FP8 (E4M3 by default), with a
 scale per 128 values of one parameter: every parameter is padded to whole blocks in the flat
@@ -78,6 +78,19 @@ whole bucket is ready, its reduce-scatter is launched asynchronously while backw
 computing earlier layers. sync_gradients() then sums each bucket and starts all the all-gathers
 before waiting for any. The buckets are launched in one fixed order, and a parameter without a
 gradient is sent as zeros: the sequence of collectives depends on the model, never on the data.
+
+O2 and O3 keep the FP8 layers' weight gradients outside .grad (O2Linear.wgrad), where autograd's
+hooks never see them. With wgrads="all_reduce" (O2) or "reduce_scatter" (O3) the wrapper buckets
+them too, and each layer's "weight gradient ready" hook (O2Linear.wgrad_hook, called by
+take_wgrad) marks its gradient final: a full bucket's reduce-scatter (the FP8 bytes as they are,
+one all_to_all per bucket) leaves while backward goes on. Only the last micro-step's backward
+launches (no_sync() before it), so reading .wgrad there ends the fp16 sum of the micro-steps with
+the very E4M3 cast a read after backward would make. sync_gradients() then finishes: O2
+all-gathers the averages under shared scales (the gradient is FP8 again, the same on every rank,
+and its finiteness is in the verdict); O3 leaves each rank its fp32 shards (.wgrad_shards) for
+ZeroFp8AdamW.step, which clips by the global norm and agrees on finiteness with one flag. Every
+chunk is summed as if it travelled alone, so the result is bit-identical to reducing after
+backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
 
 Non-finite gradients: quantize() turns inf and NaN into NaN, the fp32 sum keeps it, the re-
 quantized chunk keeps it, and all_gather hands the very same bytes to every rank. So a NaN on any
@@ -790,6 +803,9 @@ class ZeroFp8AdamW(Fp8AdamW):
         ok = dp.sync_gradients()          # the replicated parameters
         opt.step(grads_finite=ok)         # reduce-scatter, update shards, all-gather FP8 weights
         opt.zero_grad()
+
+    With dp = Fp8DataParallel(model, wgrads="reduce_scatter") the reduce-scatter runs during
+    backward instead: opt.step(grads_finite=ok, shards=dp.wgrad_shards) (the same bits).
     """
 
     def __init__(self, params, model, group=None, v_format="fp16", **kw):
