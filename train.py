@@ -1103,7 +1103,7 @@ def main(argv=None):
             micro_batches = model_parallel_batches(data["train"], cfg, groups, iter_num, accum, device)
             act, grad = pipeline_formats(cfg)
             loss = parallel.pipeline_step(model, micro_batches, groups, autocast=autocast,
-                                          act_fmt=act, grad_fmt=grad)
+                                          act_fmt=act, grad_fmt=grad, dp=dp_sync)
             grad_norm, stepped = model_parallel_step(model, dp_sync, optimizer, groups, cfg)
             if groups.dp > 1:  # log the whole batch's loss, comparable with one device's
                 torch.distributed.all_reduce(loss, group=groups.dp_group)

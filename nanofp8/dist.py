@@ -544,6 +544,9 @@ class Fp8DataParallel(nn.Module):
     launched from the layers' "weight gradient ready" hook (O2Linear.wgrad_hook) during backward.
     Results are bit-identical to the non-overlapped run and to sync_fp8_wgrads /
     ZeroFp8AdamW.step reducing them after backward (tests/test_comm.py).
+    late: parameters whose gradient is still changed between backward and sync_gradients()
+    (model parallelism sums some over the tensor group or between pipeline stages first): no
+    hook, buckets of their own, launched last, by sync_gradients().
 
     Why E4M3 by default: with a scale per 128 values from the block's own amax, range is no
     longer the constraint (a block rarely spans more than E4M3's 18 binades), and the sum is fp32;
@@ -552,7 +555,8 @@ class Fp8DataParallel(nn.Module):
     """
 
     def __init__(self, module, group=None, fmt=E4M3, bucket_mb=25.0, block=128, overlap=True,
-                 broadcast=True, params=None, rest=torch.float32, fp8_params=None, wgrads=None):
+                 broadcast=True, params=None, rest=torch.float32, fp8_params=None, wgrads=None,
+                 late=()):
         super().__init__()
         if not isinstance(fmt, Fp8Format) and fmt not in (torch.bfloat16, torch.float32):
             raise ValueError(f"fmt must be E4M3, E5M2, torch.bfloat16 or torch.float32, not {fmt}")
@@ -590,13 +594,17 @@ class Fp8DataParallel(nn.Module):
         if self.held:  # place the held weights among the others by registration order
             reg = {id(p): i for i, p in enumerate(module.parameters())}
             order = sorted(params + [m.weight for m in self.held], key=lambda p: -reg[id(p)])
-        pos = {id(p): i for i, p in enumerate(order)}
-        buckets = [_Bucket(ps, f, block) for f, group_ps in
-                   ((fmt, [p for p in order if id(p) in fp8 and id(p) not in held]),
-                    (rest, [p for p in order if id(p) not in fp8 and id(p) not in held]))
-                   for ps in make_buckets(group_ps, bucket_mb * 2**20)]
-        buckets += [_Bucket(ps, E4M3, block, [held[id(p)] for p in ps])
-                    for ps in make_buckets([p for p in order if id(p) in held], bucket_mb * 2**20)]
+        late = {id(p) for p in late}
+        pos = {id(p): i + (len(order) if id(p) in late else 0) for i, p in enumerate(order)}
+
+        def family(p):  # which buckets a gradient goes to: (what it travels in, launched late)
+            return ("held" if id(p) in held else "fp8" if id(p) in fp8 else "rest", id(p) in late)
+
+        buckets = []
+        for fam in sorted({family(p) for p in order}):
+            for ps in make_buckets([p for p in order if family(p) == fam], bucket_mb * 2**20):
+                mods = [held[id(p)] for p in ps] if fam[0] == "held" else None
+                buckets.append(_Bucket(ps, {"held": E4M3, "fp8": fmt, "rest": rest}[fam[0]], block, mods))
         self.buckets = sorted(buckets, key=lambda b: pos[id(b.params[-1])])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
@@ -604,7 +612,8 @@ class Fp8DataParallel(nn.Module):
         self.on_launch = None  # a callable(bucket index), for tests that record the event order
         if overlap:
             for p in params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+                if id(p) not in late:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
             for m in self.held:
                 if m.wgrad_hook is not None:
                     raise ValueError(f"{m.fqn}: its gradient is already reduced by another wrapper")

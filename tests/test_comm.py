@@ -288,6 +288,53 @@ def worker(rank, world, out_dir):  # run by conftest.spawn: the process group is
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def dp_mp_run(layout, overlap):
+    """2 data-parallel replicas of a model cut as `layout` (4 ranks) at O1, 2 steps of 2
+    micro-batches through train.py's wiring, clipped to a small norm."""
+    cfg = train.load_config(BASE + ["precision=O1", "grad_clip=0.05", *layout])
+    groups = P.make_groups(tp=cfg["tensor_parallel"], pp=cfg["pipeline_parallel"])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    train.setup_precision(model, cfg, "cpu")
+    stage = train.setup_model_parallel(model, cfg, groups)
+    events = []
+    for p in stage.parameters():  # registered before the wrapper's hooks, so they fire before them
+        p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
+    fmt, rest = train.grad_comm_format(cfg)
+    dp = P.TPDataParallel(stage, groups, fmt=fmt, rest=rest, overlap=overlap, bucket_mb=0.01)
+    late = {id(p) for p in stage.parameters() if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)}
+    dp.on_launch = lambda i: events.append("launch_late" if id(dp.buckets[i].params[0]) in late else "launch")
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
+    act, grad = train.pipeline_formats(cfg)
+    norms = []
+    for step in range(2):
+        events.clear()
+        micro = [tokens(100 * step + 10 * groups.dp_rank + m) for m in range(2)]
+        P.pipeline_step(stage, micro, groups, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
+                        act_fmt=act, grad_fmt=grad, dp=dp)
+        events.append("end of backward")
+        norm, stepped = train.model_parallel_step(stage, dp, opt, groups, cfg)
+        assert stepped
+        norms.append(norm)
+    train.check_replicas(stage, groups)  # raises if the data-parallel replicas came apart
+    return {"params": flat_params(stage), "events": events, "norms": norms, "late": len(late),
+            "hooked": sum(1 for p in stage.parameters() if id(p) not in late)}
+
+
+def worker4(rank, world, out_dir):  # 2 replicas x (2 pipeline stages | 2 tensor ranks + SP)
+    out = {(name, o): dp_mp_run(layout, o) for name, layout in
+           (("pp2", ["pipeline_parallel=2"]), ("tp2_sp", ["tensor_parallel=2", "sequence_parallel=True"]))
+           for o in (True, False)}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ranks4(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("comm4"))
+    spawn(worker4, 4, out_dir, timeout_s=60, deadline_s=DEADLINE_S)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("comm"))
@@ -467,3 +514,20 @@ def test_held_gradient_options_are_checked():
     D.Fp8DataParallel(o2, wgrads="all_reduce", broadcast=False)
     with pytest.raises(ValueError, match="already reduced by another wrapper"):
         D.Fp8DataParallel(o2, wgrads="all_reduce", broadcast=False)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "tp2_sp"])
+def test_data_parallel_overlaps_under_model_parallelism(ranks4, layout):
+    """Under pipeline and tensor (+ sequence) parallelism the replicas' reduction leaves during
+    the last micro-batch's backward; what model parallelism still sums after backward (tied
+    embedding copies, SP-partial gradients) is launched after it; the same bits as overlap off."""
+    for r in ranks4:
+        on, off = r[layout, True], r[layout, False]
+        ev = on["events"]
+        first, end = ev.index("launch"), ev.index("end of backward")
+        last_hook = len(ev) - 1 - ev[::-1].index("hook")
+        assert ev[:first].count("hook") >= on["hooked"] and first < last_hook < end, ev  # not in no_sync
+        assert on["late"] > 0 and "launch_late" in ev and "launch_late" not in ev[:end], ev
+        assert off["events"].index("launch") > off["events"].index("end of backward")
+        assert torch.equal(on["params"], off["params"]) and on["norms"] == off["norms"]
+        assert min(on["norms"]) > 0.05  # clipping was active
