@@ -1021,7 +1021,7 @@ def main(argv=None):
         model = wrap_data_parallel(model, device, cfg)
     elif groups is not None and groups.dp > 1:  # (broadcasts replica 0's weights)
         fmt, rest = grad_comm_format(cfg)
-        dp_sync = parallel.TPDataParallel(model, groups, fmt=fmt, rest=rest)
+        dp_sync = parallel.TPDataParallel(model, groups, fmt=fmt, rest=rest, overlap=True)
     peak = peak_flops_for(cfg, device_type)
 
     log(f"{n_params / 1e6:.2f}M parameters ({cfg['arch']}, {cfg['n_layer']} layers, "

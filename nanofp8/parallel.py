@@ -81,7 +81,7 @@ so both copies take the same optimizer step and stay equal.
     stage = PipelineStage(model, groups).to(device)  # also for P == 1; then drop `model`
     torch.manual_seed(hash((seed, groups.dp_rank, groups.pp_rank)))  # dropout: the same RNG on
                                                      # a TP group (replicated regions must match)
-    dp = TPDataParallel(stage, groups)               # if groups.dp > 1 (broadcasts dp rank 0)
+    dp = TPDataParallel(stage, groups, overlap=True) # if groups.dp > 1 (broadcasts dp rank 0)
     opt = AdamW(stage.parameters(), ...)
     each iteration (no torch.compile, no autocast around the call):
         loss = pipeline_step(stage, micro_batches, groups, autocast=autocast, dp=dp)
@@ -610,13 +610,14 @@ class TPDataParallel(D.Fp8DataParallel):
     the same wherever it is (the replicas stay bit-identical). Call after
     sync_model_parallel_grads.
 
-    overlap=True: a gradient's bucket leaves during the backward of the last micro-batch (pass
-    this wrapper to pipeline_step(dp=...), which runs the earlier backwards in no_sync()). The
+    overlap=True (train.py's choice; off by default, since every backward must then go through
+    pipeline_step(dp=...)): a gradient's bucket leaves during the backward of the last
+    micro-batch (pipeline_step runs the earlier backwards in this wrapper's no_sync()). The
     gradients that sync_model_parallel_grads still sums after backward (SP-partial, tied
     embedding copies) are `late`: reduced by sync_gradients(), after it. The same bits as
     overlap=False (tests/test_comm.py)."""
 
-    def __init__(self, module, groups, overlap=True, **kwargs):
+    def __init__(self, module, groups, overlap=False, **kwargs):
         late = [p for p in module.parameters() if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)]
         super().__init__(module, groups.dp_group, overlap=overlap, late=late, **kwargs)
 
