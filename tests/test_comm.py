@@ -441,8 +441,12 @@ def test_held_fp8_gradients_reduced_during_backward_to_the_same_bits(ranks, leve
     ev = ranks[0]["held"][level, "on"]["events"]
     ev = ev[ev.index("end of backward 0") + 1 :]
     short = "".join({"hook": "h", "wgrad": "w", "launch": "L", "launch_held": "F"}.get(e, "|") for e in ev)
+    on, legacy = ranks[0]["held"][level, "on"]["comm"][0], ranks[0]["held"][level, "legacy"]["comm"][0]
     print(f"\n{level} overlap, last micro-step (h: .grad hook, w: wgrad hook, F: held FP8 bucket "
-          f"launched, L: other bucket, |: end of backward / synced): {short}")
+          f"launched, L: other bucket, |: end of backward / synced): {short}; bytes sent per step "
+          f"{on['bytes_sent']} (after backward: {legacy['bytes_sent']}), FP8 reduce-scatters "
+          f"{on['by_op']['reduce_scatter_fp8']['calls']} (after backward: "
+          f"{legacy['by_op']['reduce_scatter_fp8']['calls']})")
     assert torch.equal(ranks[0]["held"][level, "on"]["params"], ranks[1]["held"][level, "on"]["params"])
 
 
