@@ -508,7 +508,7 @@ def optimizer_step(model, optimizer, cfg):
     shards = None
     if isinstance(model, Fp8DataParallel):  # FP8 gradient communication (see wrap_data_parallel)
         finite = model.sync_gradients()  # the same verdict on every rank (O2: FP8 grads included)
-        shards = model.wgrad_shards if cfg["precision"] == "O3" else None
+        shards = model.take_wgrad_shards() if cfg["precision"] == "O3" else None
     if cfg["precision"] == "O3":  # (reduce-scatter if not done,) clip by the global norm, step
         stepped = optimizer.step(grads_finite=finite, max_norm=max_norm, shards=shards)
         norm = optimizer.grad_norm

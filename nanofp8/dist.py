@@ -87,8 +87,8 @@ one all_to_all per bucket) leaves while backward goes on. Only the last micro-st
 launches (no_sync() before it), so reading .wgrad there ends the fp16 sum of the micro-steps with
 the very E4M3 cast a read after backward would make. sync_gradients() then finishes: O2
 all-gathers the averages under shared scales (the gradient is FP8 again, the same on every rank,
-and its finiteness is in the verdict); O3 leaves each rank its fp32 shards (.wgrad_shards) for
-ZeroFp8AdamW.step, which clips by the global norm and agrees on finiteness with one flag. Every
+and its finiteness is in the verdict); O3 leaves each rank its fp32 shards (take_wgrad_shards())
+for ZeroFp8AdamW.step, which clips by the global norm and agrees on finiteness with one flag. Every
 chunk is summed as if it travelled alone, so the result is bit-identical to reducing after
 backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
 
@@ -538,8 +538,9 @@ class Fp8DataParallel(nn.Module):
     outside .grad. None: nothing (their weights must not be in `params`; the caller reduces them,
     with sync_fp8_wgrads or in ZeroFp8AdamW.step). "all_reduce" (O2): average them; after
     sync_gradients() every layer's .wgrad is the same FP8 tensor on every rank. "reduce_scatter"
-    (O3): reduce-scatter them to the ranks that own the shards; sync_gradients() leaves
-    .wgrad_shards, {weight: this rank's averaged fp32 shard}, for ZeroFp8AdamW.step(shards=...).
+    (O3): reduce-scatter them to the ranks that own the shards; after sync_gradients(),
+    take_wgrad_shards() hands over {weight: this rank's averaged fp32 shard} for
+    ZeroFp8AdamW.step(shards=...).
     Either way the FP8 bytes travel as they are, bucketed, and with overlap=True a bucket is
     launched from the layers' "weight gradient ready" hook (O2Linear.wgrad_hook) during backward.
     Results are bit-identical to the non-overlapped run and to sync_fp8_wgrads /
@@ -680,6 +681,16 @@ class Fp8DataParallel(nn.Module):
             bucket.pending = all_reduce_plain(flat, self.group, bucket.fmt, op="mean", async_op=True)
         self._next += 1
 
+    def take_wgrad_shards(self):
+        """wgrads="reduce_scatter": this rank's averaged shards of the held FP8 gradients from the
+        last sync_gradients(), {weight: fp32 shard}, handed over once (the wrapper keeps no
+        reference, so they are freed with the optimizer step that reads them)."""
+        if self.wgrads != "reduce_scatter" or not self.wgrad_shards:
+            raise RuntimeError("no gradient shards to hand over: they come from sync_gradients() "
+                               "of a wrapper with wgrads='reduce_scatter', once per step")
+        shards, self.wgrad_shards = self.wgrad_shards, {}
+        return shards
+
     @torch.no_grad()
     def sync_gradients(self):
         """Average the gradients over the ranks (what the hooks did not launch yet is launched
@@ -697,7 +708,8 @@ class Fp8DataParallel(nn.Module):
         if self.wgrads == "all_reduce":  # (one MAX all-reduce of amaxes, then the all-gathers)
             _gather_wgrads(self.held, [shards[id(m)] for m in self.held], self.group)
             finite += [torch.isfinite(m.wgrad.amax).all() for m in self.held]
-        self.wgrad_shards = {m.weight: shards[id(m)] for m in self.held} if self.wgrads == "reduce_scatter" else {}
+        if self.wgrads == "reduce_scatter":
+            self.wgrad_shards = {m.weight: shards[id(m)] for m in self.held}
         for b in self.buckets:  # ...then wait for them
             if b.mods is None:
                 flat, offset = b.pending.wait(), 0
@@ -814,7 +826,7 @@ class ZeroFp8AdamW(Fp8AdamW):
         opt.zero_grad()
 
     With dp = Fp8DataParallel(model, wgrads="reduce_scatter") the reduce-scatter runs during
-    backward instead: opt.step(grads_finite=ok, shards=dp.wgrad_shards) (the same bits).
+    backward instead: opt.step(grads_finite=ok, shards=dp.take_wgrad_shards()) (the same bits).
     """
 
     def __init__(self, params, model, group=None, v_format="fp16", **kw):
@@ -852,7 +864,7 @@ class ZeroFp8AdamW(Fp8AdamW):
         gradient norm (kept in self.grad_norm), computed from the reduced shards. shards: the
         averaged fp32 gradient shards, {weight: shard}, where the data-parallel wrapper already
         reduce-scattered them during backward (Fp8DataParallel(wgrads="reduce_scatter")
-        .wgrad_shards); None: reduce-scatter the FP8 gradients here (the same bits)."""
+        .take_wgrad_shards()); None: reduce-scatter the FP8 gradients here (the same bits)."""
         mods = list(self.o2.items())
         reduced = shards
         # 1. reduce-scatter the FP8 gradients, all launched before any is waited for

@@ -618,7 +618,8 @@ class TPDataParallel(D.Fp8DataParallel):
     overlap=False (tests/test_comm.py)."""
 
     def __init__(self, module, groups, overlap=False, **kwargs):
-        late = [p for p in module.parameters() if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)]
+        late = [p for p in module.parameters()
+                if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)]
         super().__init__(module, groups.dp_group, overlap=overlap, late=late, **kwargs)
 
 

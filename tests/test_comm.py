@@ -165,7 +165,8 @@ def held_run(rank, level, mode):
     for p in model.parameters():  # registered before the wrapper's hooks, so they fire before them
         p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
     legacy = mode == "legacy"
-    dp = D.Fp8DataParallel(model, bucket_mb=0.01, overlap=mode == "on", wgrads=None if legacy else HELD[level],
+    dp = D.Fp8DataParallel(model, bucket_mb=0.01, overlap=mode == "on",
+                           wgrads=None if legacy else HELD[level],
                            params=[p for p in model.parameters() if all(p is not m.weight for m in held)])
     for m in held:  # record the "weight gradient ready" hook, then run the wrapper's (if any)
         m.wgrad_hook = lambda m, f=m.wgrad_hook: (events.append("wgrad"), f and f(m))
@@ -188,7 +189,8 @@ def held_run(rank, level, mode):
             norms.append(clip_grad_norm(model, 0.05))
             assert finite and opt.step()
         else:
-            assert opt.step(grads_finite=finite, max_norm=0.05, shards=None if legacy else dp.wgrad_shards)
+            shards = None if legacy else dp.take_wgrad_shards()
+            assert opt.step(grads_finite=finite, max_norm=0.05, shards=shards)
             norms.append(opt.grad_norm)
         opt.zero_grad()
         steps.append(D.comm_stats())
@@ -245,7 +247,7 @@ def uneven_step(rank, level, case, wrapped=False):
         D.sync_fp8_wgrads(fp8_held, None)
     if level == "O3":
         stepped = opt.step(grads_finite=finite and not (case == "verdict" and rank == 1),
-                           shards=dp.wgrad_shards if wrapped else None)
+                           shards=dp.take_wgrad_shards() if wrapped else None)
     else:
         norm = clip_grad_norm(model, 1.0)
         stepped = finite and bool(torch.isfinite(norm))
@@ -302,7 +304,8 @@ def dp_mp_run(layout, overlap):
         p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
     fmt, rest = train.grad_comm_format(cfg)
     dp = P.TPDataParallel(stage, groups, fmt=fmt, rest=rest, overlap=overlap, bucket_mb=0.01)
-    late = {id(p) for p in stage.parameters() if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)}
+    late = {id(p) for p in stage.parameters()
+            if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)}
     dp.on_launch = lambda i: events.append("launch_late" if id(dp.buckets[i].params[0]) in late else "launch")
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
     act, grad = train.pipeline_formats(cfg)
