@@ -20,8 +20,8 @@ Precision levels (`precision=...`):
 Under torchrun, bf16 all-reduces fp32 gradients with torch's DDP (nanoGPT's baseline). The FP8
 levels send the weight gradients of the FP8 layers in FP8 (grad_comm: E4M3 by default, a scale per
 128 values of one parameter) and every other gradient as the baseline does (grad_comm_rest: fp32),
-with nanofp8.dist.Fp8DataParallel, overlapped with backward like DDP (O2/O3 send the FP8 weight
-gradients they keep outside .grad after backward).
+with nanofp8.dist.Fp8DataParallel, overlapped with backward like DDP (O2/O3 too: the FP8 weight
+gradients they keep outside .grad leave from a "weight gradient ready" hook of each layer).
 
 Model parallelism (nanofp8/parallel.py), bf16 and O1, under torchrun: the N processes form
 N / (tensor_parallel * pipeline_parallel) data-parallel replicas of a model whose block matrices
@@ -72,11 +72,11 @@ import torch
 from nanofp8 import fp8, parallel
 from nanofp8.checkpoint import initial_weights, load_moments
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of, read_dataset_meta
-from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3, sync_fp8_wgrads
+from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3
 from nanofp8.fp8 import E4M3, E5M2
 from nanofp8.model import (GPT, CheckpointError, GPTConfig, apply_fp8, load_checkpoint,
                            load_model_state, save_checkpoint)
-from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2
+from nanofp8.optim import Fp8AdamW, clip_grad_norm, convert_to_o2
 from nanofp8.stats import Alarms, Fp8Stats, fallback_line, format_linear_table, linear_table
 
 # -----------------------------------------------------------------------------
@@ -505,12 +505,12 @@ def optimizer_step(model, optimizer, cfg):
     step rather than write NaN into every weight. The cost is one device sync per step."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     finite = True
+    shards = None
     if isinstance(model, Fp8DataParallel):  # FP8 gradient communication (see wrap_data_parallel)
-        finite = model.sync_gradients()  # the same verdict on every rank
-        if cfg["precision"] == "O2":
-            sync_fp8_wgrads([m for m in model.modules() if isinstance(m, O2Linear)], model.group)
-    if cfg["precision"] == "O3":  # reduce-scatter, clip by the global norm, step the shards
-        stepped = optimizer.step(grads_finite=finite, max_norm=max_norm)
+        finite = model.sync_gradients()  # the same verdict on every rank (O2: FP8 grads included)
+        shards = model.take_wgrad_shards() if cfg["precision"] == "O3" else None
+    if cfg["precision"] == "O3":  # (reduce-scatter if not done,) clip by the global norm, step
+        stepped = optimizer.step(grads_finite=finite, max_norm=max_norm, shards=shards)
         norm = optimizer.grad_norm
     else:
         norm = clip_grad_norm(model, max_norm)  # sees O2's FP8 gradients too
@@ -528,16 +528,17 @@ def wrap_data_parallel(model, device, cfg):
     (each rank's own scales, one per 128 values of one parameter, summed in fp32) and the rest in
     grad_comm_rest (nanofp8/dist.py), overlapped with backward by hooks, as DDP: the loop runs
     every micro-step but the last in no_sync() and clips after sync_gradients(). The FP8
-    gradients of O2/O3 weights live outside .grad: O2 averages them in optimizer_step, O3
-    reduce-scatters them in its optimizer step; the wrapper handles every other parameter."""
+    gradients of O2/O3 weights live outside .grad; the wrapper reduces them too, launched from
+    each layer's "weight gradient ready" hook during the last micro-step's backward: O2
+    all-reduces them (every rank gets the averaged FP8 gradient), O3 reduce-scatters them to the
+    shard owners and hands the shards to ZeroFp8AdamW.step."""
     fmt, rest = grad_comm_format(cfg)
     if cfg["precision"] == "bf16" and fmt == torch.float32:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
-    fp8_held = {m.weight for m in model.modules() if isinstance(m, O2Linear)}
-    return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True,
-                           params=[p for p in model.parameters() if p not in fp8_held])
+    wgrads = {"O2": "all_reduce", "O3": "reduce_scatter"}.get(cfg["precision"])
+    return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True, wgrads=wgrads)
 
 
 GRAD_COMM = {"fp32": torch.float32, "bf16": torch.bfloat16, "e5m2": E5M2, "e4m3": E4M3}
@@ -1020,7 +1021,7 @@ def main(argv=None):
         model = wrap_data_parallel(model, device, cfg)
     elif groups is not None and groups.dp > 1:  # (broadcasts replica 0's weights)
         fmt, rest = grad_comm_format(cfg)
-        dp_sync = parallel.TPDataParallel(model, groups, fmt=fmt, rest=rest)
+        dp_sync = parallel.TPDataParallel(model, groups, fmt=fmt, rest=rest, overlap=True)
     peak = peak_flops_for(cfg, device_type)
 
     log(f"{n_params / 1e6:.2f}M parameters ({cfg['arch']}, {cfg['n_layer']} layers, "
@@ -1102,7 +1103,7 @@ def main(argv=None):
             micro_batches = model_parallel_batches(data["train"], cfg, groups, iter_num, accum, device)
             act, grad = pipeline_formats(cfg)
             loss = parallel.pipeline_step(model, micro_batches, groups, autocast=autocast,
-                                          act_fmt=act, grad_fmt=grad)
+                                          act_fmt=act, grad_fmt=grad, dp=dp_sync)
             grad_norm, stepped = model_parallel_step(model, dp_sync, optimizer, groups, cfg)
             if groups.dp > 1:  # log the whole batch's loss, comparable with one device's
                 torch.distributed.all_reduce(loss, group=groups.dp_group)

@@ -64,8 +64,8 @@ comm_stats()):
                 payloads, their "float32" scales, "bfloat16" / "float32" baselines. Tests read
                 it to check that a precision level sends exactly what its name says.
 
-4. Data parallelism (O1)
-------------------------
+4. Data parallelism
+-------------------
 Fp8DataParallel wraps a model, broadcasts rank 0's parameters, and all-reduces (averages) the
 gradients. Only the weight gradients of the FP8 layers travel in FP8 (E4M3 by default), with a
 scale per 128 values of one parameter: every parameter is padded to whole blocks in the flat
@@ -78,6 +78,19 @@ whole bucket is ready, its reduce-scatter is launched asynchronously while backw
 computing earlier layers. sync_gradients() then sums each bucket and starts all the all-gathers
 before waiting for any. The buckets are launched in one fixed order, and a parameter without a
 gradient is sent as zeros: the sequence of collectives depends on the model, never on the data.
+
+O2 and O3 keep the FP8 layers' weight gradients outside .grad (O2Linear.wgrad), where autograd's
+hooks never see them. With wgrads="all_reduce" (O2) or "reduce_scatter" (O3) the wrapper buckets
+them too, and each layer's "weight gradient ready" hook (O2Linear.wgrad_hook, called by
+take_wgrad) marks its gradient final: a full bucket's reduce-scatter (the FP8 bytes as they are,
+one all_to_all per bucket) leaves while backward goes on. Only the last micro-step's backward
+launches (no_sync() before it), so reading .wgrad there ends the fp16 sum of the micro-steps with
+the very E4M3 cast a read after backward would make. sync_gradients() then finishes: O2
+all-gathers the averages under shared scales (the gradient is FP8 again, the same on every rank,
+and its finiteness is in the verdict); O3 leaves each rank its fp32 shards (take_wgrad_shards())
+for ZeroFp8AdamW.step, which clips by the global norm and agrees on finiteness with one flag. Every
+chunk is summed as if it travelled alone, so the result is bit-identical to reducing after
+backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
 
 Non-finite gradients: quantize() turns inf and NaN into NaN, the fp32 sum keeps it, the re-
 quantized chunk keeps it, and all_gather hands the very same bytes to every rank. So a NaN on any
@@ -303,6 +316,37 @@ def reduce_scatter_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=
     return _finish(Pending(work, finish), async_op)
 
 
+def reduce_scatter_fp8_rows(rows, group=None, op="sum", async_op=False):
+    """reduce_scatter_fp8 of several tensors already in FP8 (a list of Fp8Rows of one dtype, one
+    row per rank: the held FP8 weight gradients of a bucket of layers) in ONE all_to_all: row r
+    of the send buffer holds, tensor after tensor, the bytes and scales addressed to rank r.
+    Returns the list of this rank's fp32 chunks, each computed exactly as reduce_scatter_fp8
+    computes it for that tensor alone (the same bits: a bucket changes the launches, not the sum).
+    async_op=True returns a Pending."""
+    world = _world(group)
+    if not rows or any(q.data.shape[0] != world or q.data.dtype != rows[0].data.dtype for q in rows):
+        raise ValueError(f"need Fp8Rows of one dtype with one row per rank ({world})")
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', not {op!r}")
+    packed = [_pack(q) for q in rows]
+    send = torch.cat(packed, dim=1)
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    COMM.add("reduce_scatter_fp8", _nbytes(send), _nbytes(send) * (world - 1) / world,
+             rows[0].data.dtype, sum(_nbytes(q.scale) for q in rows))
+
+    def finish():
+        out, lo = [], 0
+        for q, b in zip(rows, packed):
+            piece = recv[:, lo : lo + b.shape[1]].contiguous()
+            lo += b.shape[1]
+            total = _unpack(piece, q.data.shape[1], q.cols, q.data.dtype).dequantize().sum(0)
+            out.append((total / world if op == "mean" else total).to(torch.float32))
+        return out
+
+    return _finish(Pending(work, finish), async_op)
+
+
 def all_gather_fp8(x, group=None, fmt=E4M3, block=None, numel=None, shape=None, out_dtype=None,
                    keep_fp8=False, async_op=False):
     """Gather every rank's x (same numel everywhere) and return them concatenated, flat,
@@ -436,14 +480,15 @@ def broadcast_parameters(module, group=None, src=0):
 
 
 class _Bucket:
-    def __init__(self, params, fmt, block):
+    def __init__(self, params, fmt, block, mods=None):
         self.params, self.fmt, self.block = params, fmt, block
         # FP8 buckets pad every parameter to a multiple of `block`: a block of values (and so a
         # scale) never spans two parameters, whose gradients can be orders of magnitude apart.
         pad = block if isinstance(fmt, Fp8Format) else 1
         self.spans = [-(-p.numel() // pad) * pad for p in params]
+        self.mods = mods  # O2/O3 layers whose held FP8 gradients this bucket carries, else None
         self.ready = set()  # ids of the parameters whose gradient is final for this step
-        self.pending = None  # the all-reduce in flight, once launched
+        self.pending = None  # the reduction in flight, once launched
 
 
 def make_buckets(params, bucket_bytes):
@@ -467,6 +512,9 @@ def fp8_weights(module):
     return [m.weight for m in module.modules() if isinstance(m, Fp8Linear)]
 
 
+WGRADS = (None, "all_reduce", "reduce_scatter")
+
+
 class Fp8DataParallel(nn.Module):
     """Data parallelism whose all-reduce sends the weight gradients of FP8 layers in FP8 (per-rank
     scales, one per `block` values of one parameter) and every other gradient as the baseline.
@@ -486,6 +534,20 @@ class Fp8DataParallel(nn.Module):
     are final, during backward. The gradients are then read during backward: change them
     (clipping, ...) only after sync_gradients(), or pass overlap=False. For gradient
     accumulation, run all backwards but the last in no_sync().
+    wgrads: what to do with the FP8 weight gradients that O2/O3 layers (O2Linear, O3Linear) hold
+    outside .grad. None: nothing (their weights must not be in `params`; the caller reduces them,
+    with sync_fp8_wgrads or in ZeroFp8AdamW.step). "all_reduce" (O2): average them; after
+    sync_gradients() every layer's .wgrad is the same FP8 tensor on every rank. "reduce_scatter"
+    (O3): reduce-scatter them to the ranks that own the shards; after sync_gradients(),
+    take_wgrad_shards() hands over {weight: this rank's averaged fp32 shard} for
+    ZeroFp8AdamW.step(shards=...).
+    Either way the FP8 bytes travel as they are, bucketed, and with overlap=True a bucket is
+    launched from the layers' "weight gradient ready" hook (O2Linear.wgrad_hook) during backward.
+    Results are bit-identical to the non-overlapped run and to sync_fp8_wgrads /
+    ZeroFp8AdamW.step reducing them after backward (tests/test_comm.py).
+    late: parameters whose gradient is still changed between backward and sync_gradients()
+    (model parallelism sums some over the tensor group or between pipeline stages first): no
+    hook, buckets of their own, launched last, by sync_gradients().
 
     Why E4M3 by default: with a scale per 128 values from the block's own amax, range is no
     longer the constraint (a block rarely spans more than E4M3's 18 binades), and the sum is fp32;
@@ -494,7 +556,8 @@ class Fp8DataParallel(nn.Module):
     """
 
     def __init__(self, module, group=None, fmt=E4M3, bucket_mb=25.0, block=128, overlap=True,
-                 broadcast=True, params=None, rest=torch.float32, fp8_params=None):
+                 broadcast=True, params=None, rest=torch.float32, fp8_params=None, wgrads=None,
+                 late=()):
         super().__init__()
         if not isinstance(fmt, Fp8Format) and fmt not in (torch.bfloat16, torch.float32):
             raise ValueError(f"fmt must be E4M3, E5M2, torch.bfloat16 or torch.float32, not {fmt}")
@@ -502,20 +565,47 @@ class Fp8DataParallel(nn.Module):
             raise ValueError(f"rest must be torch.float32 or torch.bfloat16, not {rest}")
         if block is None or block < 1:
             raise ValueError(f"block must be a positive number of values per scale, not {block}")
+        if wgrads not in WGRADS:
+            raise ValueError(f"wgrads must be one of {WGRADS}, not {wgrads!r}")
         self.module, self.group, self.fmt, self.rest, self.block = module, group, fmt, rest, block
+        self.wgrads, self.wgrad_shards = wgrads, {}
+        # The layers whose FP8 gradient is held outside .grad, if this wrapper reduces them.
+        self.held = [m for m in module.modules() if isinstance(m, O2Linear)] if wgrads else []
+        if wgrads and not self.held:
+            raise ValueError(f"wgrads={wgrads!r}, but the module has no O2/O3 layer (convert_to_o2/o3)")
+        o3 = [isinstance(m, O3Linear) for m in self.held]
+        if wgrads == "reduce_scatter" and not all(o3) or wgrads == "all_reduce" and any(o3):
+            raise ValueError(f"wgrads={wgrads!r} does not fit these layers: 'all_reduce' is for "
+                             "O2Linear (O2), 'reduce_scatter' for O3Linear (O3, ZeroFp8AdamW)")
+        held = {id(m.weight): m for m in self.held}
         # params: the parameters whose .grad this wrapper averages (default: all that need a
         # gradient). O2/O3 weights keep their gradient in FP8 outside .grad and are excluded.
-        params = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
+        if params is None:
+            params = [p for p in module.parameters() if id(p) not in held]
+        elif any(id(p) in held for p in params):
+            raise ValueError("params holds the weight of an O2/O3 layer, whose gradient is not in "
+                             ".grad: leave it out (wgrads= reduces it)")
+        params = [p for p in params if p.requires_grad]
         fp8 = {id(p) for p in (fp8_params if fp8_params is not None else fp8_weights(module))}
         # Backward produces gradients roughly in reverse order of the forward pass, which is
-        # roughly reverse registration order: bucket in that order so buckets fill early. FP8
-        # and baseline gradients go to separate buckets; the buckets are launched in the order
-        # in which their last parameter comes (the order is fixed: the same on every rank).
+        # roughly reverse registration order: bucket in that order so buckets fill early. FP8,
+        # baseline and held FP8 gradients go to separate buckets; the buckets are launched in the
+        # order in which their last parameter comes (the order is fixed: the same on every rank).
         order = params[::-1]
-        pos = {id(p): i for i, p in enumerate(order)}
-        buckets = [_Bucket(ps, f, block) for f, group_ps in
-                   ((fmt, [p for p in order if id(p) in fp8]), (rest, [p for p in order if id(p) not in fp8]))
-                   for ps in make_buckets(group_ps, bucket_mb * 2**20)]
+        if self.held:  # place the held weights among the others by registration order
+            reg = {id(p): i for i, p in enumerate(module.parameters())}
+            order = sorted(params + [m.weight for m in self.held], key=lambda p: -reg[id(p)])
+        late = {id(p) for p in late}
+        pos = {id(p): i + (len(order) if id(p) in late else 0) for i, p in enumerate(order)}
+
+        def family(p):  # which buckets a gradient goes to: (what it travels in, launched late)
+            return ("held" if id(p) in held else "fp8" if id(p) in fp8 else "rest", id(p) in late)
+
+        buckets = []
+        for fam in sorted({family(p) for p in order}):
+            for ps in make_buckets([p for p in order if family(p) == fam], bucket_mb * 2**20):
+                mods = [held[id(p)] for p in ps] if fam[0] == "held" else None
+                buckets.append(_Bucket(ps, {"held": E4M3, "fp8": fmt, "rest": rest}[fam[0]], block, mods))
         self.buckets = sorted(buckets, key=lambda b: pos[id(b.params[-1])])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
@@ -523,7 +613,12 @@ class Fp8DataParallel(nn.Module):
         self.on_launch = None  # a callable(bucket index), for tests that record the event order
         if overlap:
             for p in params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+                if id(p) not in late:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+            for m in self.held:
+                if m.wgrad_hook is not None:
+                    raise ValueError(f"{m.fqn}: its gradient is already reduced by another wrapper")
+                m.wgrad_hook = self._wgrad_ready
         if broadcast:
             self.broadcast_parameters()
 
@@ -541,6 +636,10 @@ class Fp8DataParallel(nn.Module):
             yield
         finally:
             self._sync = True
+
+    def _wgrad_ready(self, mod):
+        # O2Linear.wgrad_hook: the layer's FP8 gradient for this micro-step is in.
+        self._grad_ready(mod.weight)
 
     def _grad_ready(self, p):
         if not self._sync:
@@ -564,6 +663,14 @@ class Fp8DataParallel(nn.Module):
     def _launch(self, bucket):
         if self.on_launch is not None:
             self.on_launch(self._next)
+        if bucket.mods is not None:
+            # Held FP8 gradients: their bytes go out as they are (reading .wgrad ends an fp16
+            # accumulation of micro-steps with its one E4M3 cast), reduce-scattered to the owner
+            # of each shard; O2 all-gathers the averages in sync_gradients().
+            rows = [_held_rows(m, _world(self.group)) for m in bucket.mods]
+            bucket.pending = reduce_scatter_fp8_rows(rows, self.group, op="mean", async_op=True)
+            self._next += 1
+            return
         # A missing gradient counts as zero: the bytes sent never depend on local data.
         flat = torch.cat([F.pad((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float(),
                                 (0, n - p.numel())) for p, n in zip(bucket.params, bucket.spans)])
@@ -574,26 +681,46 @@ class Fp8DataParallel(nn.Module):
             bucket.pending = all_reduce_plain(flat, self.group, bucket.fmt, op="mean", async_op=True)
         self._next += 1
 
+    def take_wgrad_shards(self):
+        """wgrads="reduce_scatter": this rank's averaged shards of the held FP8 gradients from the
+        last sync_gradients(), {weight: fp32 shard}, handed over once (the wrapper keeps no
+        reference, so they are freed with the optimizer step that reads them)."""
+        if self.wgrads != "reduce_scatter" or not self.wgrad_shards:
+            raise RuntimeError("no gradient shards to hand over: they come from sync_gradients() "
+                               "of a wrapper with wgrads='reduce_scatter', once per step")
+        shards, self.wgrad_shards = self.wgrad_shards, {}
+        return shards
+
     @torch.no_grad()
     def sync_gradients(self):
         """Average the gradients over the ranks (what the hooks did not launch yet is launched
         now). Returns True if every gradient is finite; the same on every rank (see the module
-        docstring). A parameter without a gradient counts as zero and gets the average."""
+        docstring). A parameter without a gradient counts as zero and gets the average.
+        wgrads="reduce_scatter": the held shards are not judged here (a rank sees only its own):
+        ZeroFp8AdamW.step asks every rank with one flag."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for b in self.buckets:  # finish every reduce-scatter, start every all-gather...
             b.pending.advance()
         finite = []
+        shards = {id(m): s for b in self.buckets if b.mods is not None
+                  for m, s in zip(b.mods, b.pending.wait())}
+        if self.wgrads == "all_reduce":  # (one MAX all-reduce of amaxes, then the all-gathers)
+            _gather_wgrads(self.held, [shards[id(m)] for m in self.held], self.group)
+            finite += [torch.isfinite(m.wgrad.amax).all() for m in self.held]
+        if self.wgrads == "reduce_scatter":
+            self.wgrad_shards = {m.weight: shards[id(m)] for m in self.held}
         for b in self.buckets:  # ...then wait for them
-            flat, offset = b.pending.wait(), 0
-            finite.append(torch.isfinite(flat).all())
-            for p, n in zip(b.params, b.spans):
-                g = flat[offset : offset + p.numel()].view_as(p)
-                offset += n
-                if p.grad is None:
-                    p.grad = g.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(g)
+            if b.mods is None:
+                flat, offset = b.pending.wait(), 0
+                finite.append(torch.isfinite(flat).all())
+                for p, n in zip(b.params, b.spans):
+                    g = flat[offset : offset + p.numel()].view_as(p)
+                    offset += n
+                    if p.grad is None:
+                        p.grad = g.to(p.dtype, copy=True)
+                    else:
+                        p.grad.copy_(g)
             b.ready, b.pending = set(), None
         self._next = 0
         return bool(torch.stack(finite).all()) if finite else True
@@ -697,6 +824,9 @@ class ZeroFp8AdamW(Fp8AdamW):
         ok = dp.sync_gradients()          # the replicated parameters
         opt.step(grads_finite=ok)         # reduce-scatter, update shards, all-gather FP8 weights
         opt.zero_grad()
+
+    With dp = Fp8DataParallel(model, wgrads="reduce_scatter") the reduce-scatter runs during
+    backward instead: opt.step(grads_finite=ok, shards=dp.take_wgrad_shards()) (the same bits).
     """
 
     def __init__(self, params, model, group=None, v_format="fp16", **kw):
@@ -728,19 +858,23 @@ class ZeroFp8AdamW(Fp8AdamW):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
 
     @torch.no_grad()
-    def step(self, closure=None, grads_finite=True, max_norm=float("inf")):
+    def step(self, closure=None, grads_finite=True, max_norm=float("inf"), shards=None):
         """One O3 step; returns whether it was taken. grads_finite: the verdict on the replicated
         parameters' gradients (from Fp8DataParallel.sync_gradients). max_norm: clip the global
-        gradient norm (kept in self.grad_norm), computed from the reduced shards."""
+        gradient norm (kept in self.grad_norm), computed from the reduced shards. shards: the
+        averaged fp32 gradient shards, {weight: shard}, where the data-parallel wrapper already
+        reduce-scattered them during backward (Fp8DataParallel(wgrads="reduce_scatter")
+        .take_wgrad_shards()); None: reduce-scatter the FP8 gradients here (the same bits)."""
         mods = list(self.o2.items())
+        reduced = shards
         # 1. reduce-scatter the FP8 gradients, all launched before any is waited for
         pending = []
-        for p, m in mods:
+        for p, m in mods if reduced is None else ():
             c = shard_len(p.numel(), self.world)
             q = m.wgrad if m.wgrad is not None else quantize(torch.zeros_like(p, dtype=torch.float32), E4M3)
             pending.append(reduce_scatter_fp8(_fp8_rows(q, self.world, c), self.group, op="mean",
                                               out_dtype=torch.float32, async_op=True))
-        shards = [pd.wait() for pd in pending]
+        shards = [pd.wait() for pd in pending] if reduced is None else [reduced[p] for p, _ in mods]
         index = {p: i for i, (p, _) in enumerate(mods)}
         # A reduce-scatter shows a NaN only to the shard's owner: ask every rank (one flag).
         others = [p.grad for g in self.param_groups for p in g["params"] if p not in self.o2 and p.grad is not None]
@@ -839,28 +973,38 @@ def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
     return [(pd.wait().data.reshape(-1), s.view(grid)) for pd, s, (_, grid) in zip(pending, scales, cells)]
 
 
-@torch.no_grad()
-def sync_fp8_wgrads(modules, group=None):
-    """Data parallelism for O2: average the FP8 weight gradients that O2Linear keeps outside
-    autograd (Fp8DataParallel(params=...) handles the rest). Reduce-scatter the FP8 bytes as
-    they are (1 B per parameter out), sum in fp32, all-gather the averaged shards in FP8 under a
-    shared scale (1 B per parameter back): each module's .wgrad becomes the same FP8 tensor on
-    every rank. A NaN anywhere reaches every rank through the sum and the gather. A module
-    without a gradient on some rank counts as zero there (and gets the average everywhere)."""
-    world = _world(group)
-    # Every module, with or without a gradient on this rank: a rank that skipped a layer must
-    # still issue the same collectives as the others (it sends zeros), or the ranks deadlock.
-    mods = list(modules)
-    pending = []
-    for m in mods:
-        c = shard_len(m.weight.numel(), world)
-        q = m.wgrad
-        if q is None:
-            q = quantize(torch.zeros(m.weight.shape, device=m.weight.device), E4M3)
-        pending.append(reduce_scatter_fp8(_fp8_rows(q, world, c), group, op="mean",
-                                          out_dtype=torch.float32, async_op=True))
-    shards = [pd.wait() for pd in pending]
+def _held_rows(m, world):
+    """The FP8 gradient an O2/O3 layer holds (zeros where this rank has none, so that every rank
+    sends the same bytes count) as Fp8Rows of one shard per rank, for reduce_scatter_fp8."""
+    q = m.wgrad
+    if q is None:
+        q = quantize(torch.zeros(m.weight.shape, device=m.weight.device), E4M3)
+    return _fp8_rows(q, world, shard_len(m.weight.numel(), world))
+
+
+def _gather_wgrads(mods, shards, group):
+    """O2's second half: all-gather the averaged fp32 shards in FP8 under one shared scale per
+    layer; each module's .wgrad becomes the same FP8 tensor on every rank."""
     for m, (data, s) in zip(mods, gather_shared_scale(shards, group)):
         data = data[: m.weight.numel()].view(m.weight.shape)
         amax = data.float().abs().amax() / s  # NaN exactly when a NaN came through
         m.wgrad = Fp8Tensor(data, s, E4M3, "tensor", (1, data.shape[1]), data.shape, torch.float32, amax)
+
+
+@torch.no_grad()
+def sync_fp8_wgrads(modules, group=None):
+    """Data parallelism for O2, after backward: average the FP8 weight gradients that O2Linear
+    keeps outside autograd (Fp8DataParallel(params=...) handles the rest;
+    Fp8DataParallel(wgrads="all_reduce") does this too, overlapped with backward, to the same
+    bits). Reduce-scatter the FP8 bytes as they are (1 B per parameter out), sum in fp32,
+    all-gather the averaged shards in FP8 under a shared scale (1 B per parameter back): each
+    module's .wgrad becomes the same FP8 tensor on every rank. A NaN anywhere reaches every rank
+    through the sum and the gather. A module without a gradient on some rank counts as zero there
+    (and gets the average everywhere)."""
+    world = _world(group)
+    # Every module, with or without a gradient on this rank: a rank that skipped a layer must
+    # still issue the same collectives as the others (it sends zeros), or the ranks deadlock.
+    mods = list(modules)
+    pending = [reduce_scatter_fp8(_held_rows(m, world), group, op="mean", out_dtype=torch.float32,
+                                  async_op=True) for m in mods]
+    _gather_wgrads(mods, [pd.wait() for pd in pending], group)

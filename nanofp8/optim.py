@@ -131,6 +131,11 @@ class O2Linear(Fp8Linear):
 
     cache_weight = True  # cast once per step: the optimizer's set_weight() frees the cast
     grad_accum = "fp16"
+    # "Weight gradient ready": called with the module after every take_wgrad. Data parallelism
+    # (nanofp8/dist.py, Fp8DataParallel(wgrads=...)) sets it to launch the reduction of this
+    # gradient while backward goes on with earlier layers: the FP8 gradient never enters .grad,
+    # so autograd's own post-accumulate-grad hooks never see it.
+    wgrad_hook = None
 
     @classmethod
     def from_fp8_linear(cls, lin):
@@ -178,6 +183,7 @@ class O2Linear(Fp8Linear):
             self.wgrad = quantize(dw, E4M3)
             if self.observer is not None:  # a statistics step (nanofp8/stats.py)
                 self.observer.observe_wgrad(self, dw, self.wgrad)
+            self._wgrad_ready()
             return None
         if self._wgrad_acc is not None:
             dw = dw + _loaded(*self._wgrad_acc)
@@ -186,7 +192,14 @@ class O2Linear(Fp8Linear):
         self._wgrad, self._wgrad_acc = None, to_fp16_scaled(dw, FP16_MAX / 4)
         if self.observer is not None:  # a statistics step: the sum so far and its E4M3 cast
             self.observer.observe_wgrad(self, dw, quantize(dw, E4M3))
+        self._wgrad_ready()
         return None  # nothing for autograd: .weight.grad stays None
+
+    def _wgrad_ready(self):
+        # Not while torch.compile traces the backward: a traced launch would not run at the
+        # step's time; whatever a hook did not launch, sync_gradients() launches after backward.
+        if self.wgrad_hook is not None and not torch.compiler.is_compiling():
+            self.wgrad_hook(self)
 
     @torch.no_grad()
     def set_weight(self, w, generator=None):

@@ -81,12 +81,13 @@ so both copies take the same optimizer step and stay equal.
     stage = PipelineStage(model, groups).to(device)  # also for P == 1; then drop `model`
     torch.manual_seed(hash((seed, groups.dp_rank, groups.pp_rank)))  # dropout: the same RNG on
                                                      # a TP group (replicated regions must match)
-    dp = TPDataParallel(stage, groups)               # if groups.dp > 1 (broadcasts dp rank 0)
+    dp = TPDataParallel(stage, groups, overlap=True) # if groups.dp > 1 (broadcasts dp rank 0)
     opt = AdamW(stage.parameters(), ...)
     each iteration (no torch.compile, no autocast around the call):
-        loss = pipeline_step(stage, micro_batches, groups, autocast=autocast)
+        loss = pipeline_step(stage, micro_batches, groups, autocast=autocast, dp=dp)
             # micro_batches: [(x, y)] * gradient-accumulation steps of this DP rank, the same on
-            # every rank of the pipeline; loss: their mean, on every rank (this DP replica's)
+            # every rank of the pipeline; loss: their mean, on every rank (this DP replica's);
+            # dp (or None): its buckets leave during the last micro-batch's backward
         sync_model_parallel_grads(stage, groups)     # SP-partial and tied grads: before DP ...
         finite = dp.sync_gradients()                 # ... then the DP average
         norm = clip_grad_norm_(stage, max_norm, groups)   # global norm, identical everywhere
@@ -607,11 +608,19 @@ class TPDataParallel(D.Fp8DataParallel):
     One wrapper is enough although a TP shard has a different amax on every TP rank: a scale
     covers 128 values of one parameter, never a neighbour's, so a replicated gradient is rounded
     the same wherever it is (the replicas stay bit-identical). Call after
-    sync_model_parallel_grads. overlap is off: with micro-batches a gradient accumulates several
-    times per step, and hooks would fire early."""
+    sync_model_parallel_grads.
 
-    def __init__(self, module, groups, **kwargs):
-        super().__init__(module, groups.dp_group, overlap=False, **kwargs)
+    overlap=True (train.py's choice; off by default, since every backward must then go through
+    pipeline_step(dp=...)): a gradient's bucket leaves during the backward of the last
+    micro-batch (pipeline_step runs the earlier backwards in this wrapper's no_sync()). The
+    gradients that sync_model_parallel_grads still sums after backward (SP-partial, tied
+    embedding copies) are `late`: reduced by sync_gradients(), after it. The same bits as
+    overlap=False (tests/test_comm.py)."""
+
+    def __init__(self, module, groups, overlap=False, **kwargs):
+        late = [p for p in module.parameters()
+                if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)]
+        super().__init__(module, groups.dp_group, overlap=overlap, late=late, **kwargs)
 
 
 @torch.no_grad()
@@ -724,14 +733,16 @@ def _recv(shape, src, group, fmt, device):
 
 
 def pipeline_step(stage, micro_batches, groups, autocast=None, act_fmt=E4M3, grad_fmt=E5M2,
-                  train=True):
+                  train=True, dp=None):
     """GPipe over the pipeline group: the forwards of all micro-batches, then their backwards
     (gradients accumulate in .grad, each micro-batch's loss weighted 1/n). Every rank of the
     pipeline passes the same list of (tokens, targets) (only the first stage reads the tokens and
     only the last the targets). Returns the mean loss over the micro-batches, on every rank.
 
     act_fmt / grad_fmt: E4M3 / E5M2 (FP8 between stages), or torch.bfloat16 / float32.
-    train=False: forwards only, without autograd (evaluation)."""
+    train=False: forwards only, without autograd (evaluation).
+    dp: the data-parallel wrapper (TPDataParallel) whose hooks reduce gradients during backward:
+    every backward but the last micro-batch's runs in its no_sync()."""
     s, n = groups.pp_rank, len(micro_batches)
     prev = groups.pp_ranks[s - 1] if s > 0 else None
     nxt = groups.pp_ranks[s + 1] if s < groups.pp - 1 else None
@@ -754,10 +765,11 @@ def pipeline_step(stage, micro_batches, groups, autocast=None, act_fmt=E4M3, gra
             outs.append(out)
     if train:  # backwards in the order of the forwards: every send meets the recv waiting for it
         for m in range(n):
-            if stage.last:
-                (outs[m] / n).backward()
-            else:
-                outs[m].backward(_recv(outs[m].shape, nxt, groups.pp_group, grad_fmt, device))
+            with dp.no_sync() if dp is not None and m < n - 1 else nullcontext():
+                if stage.last:
+                    (outs[m] / n).backward()
+                else:
+                    outs[m].backward(_recv(outs[m].shape, nxt, groups.pp_group, grad_fmt, device))
             if not stage.first:
                 _send(ins[m].grad, prev, groups.pp_group, grad_fmt)
             ins[m] = outs[m] = None  # free this micro-batch's activations

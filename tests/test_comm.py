@@ -10,7 +10,9 @@ shows up as a timeout, not a hung test suite) and runs every scenario; this proc
     train.py's own wiring: bf16 under TP, TP+SP and PP sends only bf16/fp32; O1 sends FP8 where
     documented; data parallelism at O1/O2/O3 sends FP8 payloads + fp32 (scales, the rest).
   * Overlap: the first reduction of a step is issued before the last backward hook fires, and
-    training with gradient accumulation and clipping equals the non-overlapped run bit for bit.
+    training with gradient accumulation and clipping equals the non-overlapped run bit for bit;
+    at O1 for .grad, at O2/O3 for the FP8 weight gradients held outside .grad (launched from
+    the layers' "weight gradient ready" hook), also equal to reducing them after backward.
   * One rank without a gradient for a layer, one rank with a NaN, one rank whose caller says
     "not finite": at O1, O2 and O3 the step completes on both ranks, is taken or skipped alike,
     and the replicas stay bit-identical.
@@ -148,6 +150,54 @@ def overlap_run(rank, overlap):
             "norms": torch.stack(norms)}
 
 
+HELD = {"O2": "all_reduce", "O3": "reduce_scatter"}
+
+
+def held_run(rank, level, mode):
+    """O2/O3: 3 steps of 2 micro-steps (the first in no_sync), clipped to a small norm. The FP8
+    weight gradients held outside .grad are reduced by the wrapper during backward (mode "on"),
+    by the wrapper after backward ("off"), or as before this wrapper could ("legacy":
+    sync_fp8_wgrads at O2, ZeroFp8AdamW's own reduce-scatter at O3)."""
+    model = tiny_gpt()
+    (convert_to_o2 if level == "O2" else D.convert_to_o3)(model)
+    held = [m for m in model.modules() if isinstance(m, O2Linear)]
+    events = []
+    for p in model.parameters():  # registered before the wrapper's hooks, so they fire before them
+        p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
+    legacy = mode == "legacy"
+    dp = D.Fp8DataParallel(model, bucket_mb=0.01, overlap=mode == "on",
+                           wgrads=None if legacy else HELD[level],
+                           params=[p for p in model.parameters() if all(p is not m.weight for m in held)])
+    for m in held:  # record the "weight gradient ready" hook, then run the wrapper's (if any)
+        m.wgrad_hook = lambda m, f=m.wgrad_hook: (events.append("wgrad"), f and f(m))
+    dp.on_launch = lambda i: events.append("launch_held" if dp.buckets[i].mods else "launch")
+    opt = (Fp8AdamW if level == "O2" else D.ZeroFp8AdamW)(model.parameters(), model, lr=3e-3)
+    norms, steps = [], []
+    for step in range(3):
+        D.comm_stats(reset=True)
+        events.clear()
+        for micro in range(2):
+            x, y = tokens(100 * step + 10 * micro + rank)
+            with dp.no_sync() if micro == 0 else nullcontext():
+                (dp(x, y)[1] / 2).backward()
+            events.append(f"end of backward {micro}")
+        finite = dp.sync_gradients()
+        events.append("synced")
+        if level == "O2":
+            if legacy:
+                D.sync_fp8_wgrads(held)
+            norms.append(clip_grad_norm(model, 0.05))
+            assert finite and opt.step()
+        else:
+            shards = None if legacy else dp.take_wgrad_shards()
+            assert opt.step(grads_finite=finite, max_norm=0.05, shards=shards)
+            norms.append(opt.grad_norm)
+        opt.zero_grad()
+        steps.append(D.comm_stats())
+    return {"params": flat_params(model), "events": list(events), "norms": torch.stack(norms),
+            "held_buckets": sum(b.mods is not None for b in dp.buckets), "comm": steps}
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -168,14 +218,16 @@ def mlp(level):
     return model
 
 
-def uneven_step(rank, level, case):
+def uneven_step(rank, level, case, wrapped=False):
     """One step where rank 1 differs: "skip" runs without fc2 (no gradient for it), "nan" has a
-    NaN in its fc1 gradient, "verdict" (O3) passes grads_finite=False to the optimizer."""
+    NaN in its fc1 gradient, "verdict" (O3) passes grads_finite=False to the optimizer.
+    wrapped (O2/O3): the wrapper reduces the held FP8 gradients too, overlapped with backward."""
     model = mlp(level)
     fp8_held = [m for m in model.modules() if isinstance(m, O2Linear)]
     held = {m.weight for m in fp8_held}
     dp = D.Fp8DataParallel(model, params=[p for p in model.parameters() if p not in held],
-                           overlap=level == "O1", bucket_mb=0.001)
+                           overlap=level == "O1" or wrapped, bucket_mb=0.001,
+                           wgrads=HELD[level] if wrapped else None)
     if level == "O1":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     elif level == "O2":
@@ -184,16 +236,18 @@ def uneven_step(rank, level, case):
         opt = D.ZeroFp8AdamW(model.parameters(), model, lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)
-    if case == "nan" and rank == 1 and level == "O1":  # (overlap: gradients leave during backward)
+    overlap = level == "O1" or wrapped
+    if case == "nan" and rank == 1 and overlap:  # (overlap: gradients leave during backward)
         x[0, 0] = float("nan")
     F.mse_loss(model(x, skip_fc2=case == "skip" and rank == 1), y).backward()
-    if case == "nan" and rank == 1 and level != "O1":
+    if case == "nan" and rank == 1 and not overlap:
         model.fc1.wgrad.data.view(torch.uint8)[0, 0] = 0x7F  # E4M3's NaN
     finite = dp.sync_gradients()
-    if level == "O2":
+    if level == "O2" and not wrapped:
         D.sync_fp8_wgrads(fp8_held, None)
     if level == "O3":
-        stepped = opt.step(grads_finite=finite and not (case == "verdict" and rank == 1))
+        stepped = opt.step(grads_finite=finite and not (case == "verdict" and rank == 1),
+                           shards=dp.take_wgrad_shards() if wrapped else None)
     else:
         norm = clip_grad_norm(model, 1.0)
         stepped = finite and bool(torch.isfinite(norm))
@@ -226,10 +280,62 @@ def worker(rank, world, out_dir):  # run by conftest.spawn: the process group is
                       for name, layout in layouts.items()}
     out["mp_wire"]["O1", "pp2_bf16"] = mp_wire("O1", layouts["pp2"] + ["mp_comm=bf16"])
     out["overlap"] = {o: overlap_run(rank, o) for o in (True, False)}
+    out["held"] = {(level, mode): held_run(rank, level, mode) for level in ("O2", "O3")
+                   for mode in ("on", "off", "legacy")}
     out["shared_scale"] = shared_scale_gathers(rank)
     out["uneven"] = {(level, case): uneven_step(rank, level, case) for level in ("O1", "O2", "O3")
                      for case in ("skip", "nan") + (("verdict",) if level == "O3" else ())}
+    out["uneven"].update({(level + " overlap", case): uneven_step(rank, level, case, wrapped=True)
+                          for level in ("O2", "O3") for case in ("skip", "nan")})
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def dp_mp_run(layout, overlap):
+    """2 data-parallel replicas of a model cut as `layout` (4 ranks) at O1, 2 steps of 2
+    micro-batches through train.py's wiring, clipped to a small norm."""
+    cfg = train.load_config(BASE + ["precision=O1", "grad_clip=0.05", *layout])
+    groups = P.make_groups(tp=cfg["tensor_parallel"], pp=cfg["pipeline_parallel"])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    train.setup_precision(model, cfg, "cpu")
+    stage = train.setup_model_parallel(model, cfg, groups)
+    events = []
+    for p in stage.parameters():  # registered before the wrapper's hooks, so they fire before them
+        p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
+    fmt, rest = train.grad_comm_format(cfg)
+    dp = P.TPDataParallel(stage, groups, fmt=fmt, rest=rest, overlap=overlap, bucket_mb=0.01)
+    late = {id(p) for p in stage.parameters()
+            if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)}
+    dp.on_launch = lambda i: events.append("launch_late" if id(dp.buckets[i].params[0]) in late else "launch")
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
+    act, grad = train.pipeline_formats(cfg)
+    norms = []
+    for step in range(2):
+        events.clear()
+        micro = [tokens(100 * step + 10 * groups.dp_rank + m) for m in range(2)]
+        P.pipeline_step(stage, micro, groups, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
+                        act_fmt=act, grad_fmt=grad, dp=dp)
+        events.append("end of backward")
+        norm, stepped = train.model_parallel_step(stage, dp, opt, groups, cfg)
+        assert stepped
+        norms.append(norm)
+    train.check_replicas(stage, groups)  # raises if the data-parallel replicas came apart
+    return {"params": flat_params(stage), "events": events, "norms": norms, "late": len(late),
+            "hooked": sum(1 for p in stage.parameters() if id(p) not in late)}
+
+
+def worker4(rank, world, out_dir):  # 2 replicas x (2 pipeline stages | 2 tensor ranks + SP)
+    out = {(name, o): dp_mp_run(layout, o) for name, layout in
+           (("pp2", ["pipeline_parallel=2"]), ("tp2_sp", ["tensor_parallel=2", "sequence_parallel=True"]))
+           for o in (True, False)}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ranks4(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("comm4"))
+    spawn(worker4, 4, out_dir, timeout_s=60, deadline_s=DEADLINE_S)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -309,8 +415,48 @@ def test_overlap_launches_during_backward_and_changes_no_bit(ranks):
     assert torch.equal(ranks[0]["overlap"][True]["params"], ranks[1]["overlap"][True]["params"])
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_held_fp8_gradients_reduced_during_backward_to_the_same_bits(ranks, level):
+    """O2/O3 keep their FP8 weight gradients outside .grad; the wrapper's "weight gradient ready"
+    hook launches their reduction (O2: all-reduce, O3: reduce-scatter to the shard owners) while
+    backward goes on, only on the last micro-step, and nothing changes by a bit: not the clipped
+    norms, not the weights, not the bytes on the wire."""
+    for r in ranks:
+        on, off, legacy = (r["held"][level, m] for m in ("on", "off", "legacy"))
+        assert on["held_buckets"] >= 4
+        ev = on["events"]
+        first, last = ev.index("end of backward 0"), ev.index("end of backward 1")
+        assert not any(e.startswith("launch") for e in ev[:first]), ev  # no_sync: nothing sent
+        launched = ev.index("launch_held")
+        last_wgrad = len(ev) - 1 - ev[::-1].index("wgrad")
+        last_hook = len(ev) - 1 - ev[::-1].index("hook")
+        # issued during the last micro-step's backward, before its last hook of either kind
+        assert first < launched < min(last_wgrad, last_hook) < last, ev
+        assert ev[launched:last].count("launch_held") == on["held_buckets"], ev  # all in backward
+        ev = off["events"]
+        assert ev.index("launch_held") > ev.index("end of backward 1"), ev
+        for other in (off, legacy):
+            assert torch.equal(on["params"], other["params"]) and torch.equal(on["norms"], other["norms"])
+            for a, b in zip(on["comm"], other["comm"]):  # buckets: fewer launches, the same bytes
+                assert a["bytes_sent"] == b["bytes_sent"] and a["by_dtype"] == b["by_dtype"], (a, b)
+        assert on["comm"][0]["by_op"]["reduce_scatter_fp8"]["calls"] == on["held_buckets"]
+        assert (on["norms"] > 0.05).all()  # clipping was active in every step
+    ev = ranks[0]["held"][level, "on"]["events"]
+    ev = ev[ev.index("end of backward 0") + 1 :]
+    short = "".join({"hook": "h", "wgrad": "w", "launch": "L", "launch_held": "F"}.get(e, "|") for e in ev)
+    on, legacy = ranks[0]["held"][level, "on"]["comm"][0], ranks[0]["held"][level, "legacy"]["comm"][0]
+    print(f"\n{level} overlap, last micro-step (h: .grad hook, w: wgrad hook, F: held FP8 bucket "
+          f"launched, L: other bucket, |: end of backward / synced): {short}; bytes sent per step "
+          f"{on['bytes_sent']} (after backward: {legacy['bytes_sent']}), FP8 reduce-scatters "
+          f"{on['by_op']['reduce_scatter_fp8']['calls']} (after backward: "
+          f"{legacy['by_op']['reduce_scatter_fp8']['calls']})")
+    assert torch.equal(ranks[0]["held"][level, "on"]["params"], ranks[1]["held"][level, "on"]["params"])
+
+
 @pytest.mark.parametrize("level,case", [("O1", "skip"), ("O1", "nan"), ("O2", "skip"), ("O2", "nan"),
-                                        ("O3", "skip"), ("O3", "nan"), ("O3", "verdict")])
+                                        ("O3", "skip"), ("O3", "nan"), ("O3", "verdict"),
+                                        ("O2 overlap", "skip"), ("O2 overlap", "nan"),
+                                        ("O3 overlap", "skip"), ("O3 overlap", "nan")])
 def test_uneven_ranks_agree(ranks, level, case):
     a, b = (r["uneven"][level, case] for r in ranks)
     assert a["stepped"] == b["stepped"] == (case == "skip")
@@ -357,3 +503,38 @@ def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
     if gran != "tensor":
         assert s_once > s_twice + 3
     assert sqnr(w.t(), dequantize(qw_t, torch.float32)) > 25  # the dgrad operand W^T
+
+
+def test_held_gradient_options_are_checked():
+    """Fp8DataParallel(wgrads=...) says what is wrong instead of reducing the wrong thing."""
+    o2, o3 = convert_to_o2(tiny_gpt()), D.convert_to_o3(tiny_gpt())
+    with pytest.raises(ValueError, match="wgrads must be one of"):
+        D.Fp8DataParallel(o2, wgrads="all-reduce", broadcast=False)
+    with pytest.raises(ValueError, match="no O2/O3 layer"):
+        D.Fp8DataParallel(tiny_gpt(), wgrads="all_reduce", broadcast=False)
+    with pytest.raises(ValueError, match="'reduce_scatter' for O3Linear"):
+        D.Fp8DataParallel(o2, wgrads="reduce_scatter", broadcast=False)
+    with pytest.raises(ValueError, match="'all_reduce' is for O2Linear"):
+        D.Fp8DataParallel(o3, wgrads="all_reduce", broadcast=False)
+    with pytest.raises(ValueError, match="params holds the weight of an O2/O3 layer"):
+        D.Fp8DataParallel(o2, wgrads="all_reduce", params=list(o2.parameters()), broadcast=False)
+    D.Fp8DataParallel(o2, wgrads="all_reduce", broadcast=False)
+    with pytest.raises(ValueError, match="already reduced by another wrapper"):
+        D.Fp8DataParallel(o2, wgrads="all_reduce", broadcast=False)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "tp2_sp"])
+def test_data_parallel_overlaps_under_model_parallelism(ranks4, layout):
+    """Under pipeline and tensor (+ sequence) parallelism the replicas' reduction leaves during
+    the last micro-batch's backward; what model parallelism still sums after backward (tied
+    embedding copies, SP-partial gradients) is launched after it; the same bits as overlap off."""
+    for r in ranks4:
+        on, off = r[layout, True], r[layout, False]
+        ev = on["events"]
+        first, end = ev.index("launch"), ev.index("end of backward")
+        last_hook = len(ev) - 1 - ev[::-1].index("hook")
+        assert ev[:first].count("hook") >= on["hooked"] and first < last_hook < end, ev  # not in no_sync
+        assert on["late"] > 0 and "launch_late" in ev and "launch_late" not in ev[:end], ev
+        assert off["events"].index("launch") > off["events"].index("end of backward")
+        assert torch.equal(on["params"], off["params"]) and on["norms"] == off["norms"]
+        assert min(on["norms"]) > 0.05  # clipping was active
