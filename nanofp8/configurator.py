@@ -77,7 +77,7 @@ def _run_config_file(path):
     underscore; modules and functions it imports or defines for itself are not settings)."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    namespace = {}
+    namespace = {"__file__": os.path.abspath(path)}  # a config may read another: see config/*_fp8.py
     with open(path) as f:
         source = f.read()
     try:

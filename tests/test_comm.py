@@ -34,8 +34,10 @@ import train  # noqa: E402
 from nanofp8 import dist as D  # noqa: E402
 from nanofp8 import parallel as P  # noqa: E402
 from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, sqnr  # noqa: E402
+from nanofp8.layout import make_layout  # noqa: E402
 from nanofp8.model import GPT, GPTConfig, apply_fp8  # noqa: E402
 from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2  # noqa: E402
+from nanofp8.run import pipeline_formats, shard_model  # noqa: E402
 
 CFG = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0)
 DEADLINE_S = 240  # for the whole group; each collective also times out after 60 s
@@ -97,7 +99,7 @@ def dp_wire(rank, level, extra=()):
     cfg = train.load_config(BASE + [f"precision={level}", *extra])
     model = GPT(GPTConfig(**CFG))
     train.setup_precision(model, cfg, "cpu")
-    dp = train.wrap_data_parallel(model, "cpu", cfg)
+    dp = train.wrap_data_parallel(model, cfg, make_layout())
     opt = train.build_optimizer(dp.module if hasattr(dp, "module") else dp, cfg, "cpu")
     D.comm_stats(reset=True)
     x, y = tokens(rank)
@@ -113,8 +115,8 @@ def mp_wire(level, layout):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     train.setup_precision(model, cfg, "cpu")
-    stage = train.setup_model_parallel(model, cfg, groups)
-    act, grad = train.pipeline_formats(cfg)
+    stage = shard_model(model, cfg, groups)
+    act, grad = pipeline_formats(cfg)
     D.comm_stats(reset=True)
     P.pipeline_step(stage, [tokens(0), tokens(1)], groups, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
                     act_fmt=act, grad_fmt=grad)
