@@ -1,9 +1,9 @@
 """
 Train a GPT in bf16 or in FP8 (levels O1, O2, O3), on a CPU, one GPU, or many GPUs with torchrun.
 
-    python train.py config/shakespeare_char.py                      # the baby model, bf16, minutes on a CPU
-    python train.py config/shakespeare_char.py precision=O1         # the same in FP8
-    python train.py config/shakespeare_char_fp8.py --max_iters=100  # key=value overrides the file
+    python train.py config/shakespeare_char_fp8.py                 # the baby model in FP8, minutes on a CPU
+    python train.py config/shakespeare_char.py precision=O2        # the level is a command-line choice
+    python train.py config/shakespeare_char_fp8.py --max_iters=100 # key=value overrides the file
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_fp8.py
 
 Precision levels (`precision=...`):
@@ -18,45 +18,40 @@ Precision levels (`precision=...`):
     O3    as O2, with the master weights and moments sharded over the data-parallel ranks
           (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
 
-The level touches the training loop in four small functions, and nowhere else: setup_precision
-(what the model's layers compute in), build_optimizer (what holds the master weights and
-moments), optimizer_step (how gradients become an update) and wrap_data_parallel (how gradients
-are summed across ranks). Under torchrun, bf16 all-reduces fp32 gradients with torch's DDP
-(nanoGPT's baseline); the FP8 levels send the weight gradients of the FP8 layers in FP8 (grad_comm:
-E4M3 by default, a scale per 128 values of one parameter) and every other gradient as the baseline
-does (grad_comm_rest: fp32), with nanofp8.dist.Fp8DataParallel, overlapped with backward like DDP.
+The level touches the training loop in four small functions and nowhere else: setup_precision
+(what the layers compute in), build_optimizer (what holds the master weights and moments),
+optimizer_step (how gradients become an update) and wrap_data_parallel (how the replicas sum
+gradients: bf16 with torch's DDP in fp32, as nanoGPT; the FP8 levels send the FP8 layers' weight
+gradients in FP8, grad_comm, with nanofp8.dist.Fp8DataParallel, overlapped with backward).
 
 Model parallelism (nanofp8/parallel.py), bf16 and O1, under torchrun: the N processes form
 N / (tensor_parallel * pipeline_parallel) data-parallel replicas of a model whose block matrices
-are cut over tensor_parallel ranks (sequence_parallel=True also cuts the sequence between them)
-and whose blocks are cut into pipeline_parallel stages, run as a GPipe schedule over the
-micro-batches. What crosses between ranks there is mp_comm (auto: bf16 at bf16, FP8 at O1).
+are cut over tensor_parallel ranks (sequence_parallel=True also cuts the sequence) and whose
+blocks are cut into pipeline_parallel stages (GPipe); what crosses between them is mp_comm.
 
     torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py tensor_parallel=2 sequence_parallel=True \
         pipeline_parallel=2                     # 2 replicas x 2 tensor x 2 pipeline ranks
 
-The layout (nanofp8/layout.py) is one object in every run, with sizes of 1 for one process; what
+The layout (nanofp8/layout.py) is one object in every run, of sizes 1 for one process; what
 differs between layouts (a pipeline's schedule, gradients spread over ranks, O3's sharded state,
-one checkpoint file per model-parallel rank) is in nanofp8/run.py. The loop below is flat: evaluate
-every eval_interval iterations (and checkpoint), forward/backward over the micro-batches, step.
+a checkpoint file per model-parallel rank) is in nanofp8/run.py. The loop is flat: evaluate every
+eval_interval iterations (and checkpoint), forward/backward over the micro-batches, step.
 
-Seeing the numerics (nanofp8/stats.py): every FP8 level prints a table of the Linears (FP8 or
-not, and why not) and at the end the number of GEMMs that fell back to high precision
-(fp8_strict=True makes a fallback an error). fp8_stats_interval=N records every FP8 cast's
-underflow, saturation, subnormals, SQNR and scales every N iterations to out_dir/fp8_stats.jsonl
-and leaves the training step bit-identical.
+Seeing the numerics (nanofp8/stats.py): the FP8 levels print a table of the Linears (FP8 or not,
+and why) and count the GEMMs that fell back to high precision (fp8_strict=True: an error).
+fp8_stats_interval=N records every FP8 cast's underflow, saturation, SQNR and scales to
+out_dir/fp8_stats.jsonl every N iterations, leaving the training step bit-identical.
 
-Reproducibility: the batch of iteration i is drawn with a generator seeded from (seed, i, micro
-step, rank) (nanofp8/data.py). A run stopped and resumed from its checkpoint (init_from='resume')
-sees the same batches as one that never stopped, and on CPU reproduces its losses bit for bit.
-The config is read-only once validated; what the run derives (device, vocabulary, the
-checkpoint's architecture) is kept and saved apart from it.
+Reproducibility: the batch of iteration i is drawn from a generator seeded with (seed, i, micro
+step, rank) (nanofp8/data.py), so a run resumed from its checkpoint (init_from='resume') sees the
+batches of one that never stopped, and on CPU reproduces its losses bit for bit. The config is
+read-only once validated; what the run derives from it (device, vocabulary, the checkpoint's
+architecture) is kept, and saved, apart.
 """
 
 import math
 import os
 import sys
-from dataclasses import fields
 
 import torch
 
@@ -73,8 +68,8 @@ from nanofp8.parallel import TPDataParallel
 from nanofp8.run import (Clock, check_replicas, check_step, checkpoint_path, clip, command, eval_loss,
                          forward_backward, grad_comm_format, nonfinite_tensors, optimizer_state,
                          peak_flops_for, pipeline_formats, restore_state, resume_point, rng_state,
-                         shard_model, sync_gradients)
-from nanofp8.stats import Fp8Stats, fallback_line, format_linear_table, linear_table
+                         shard_model, show_fp8_layers, sync_gradients)
+from nanofp8.stats import Fp8Stats, fallback_line
 
 # -----------------------------------------------------------------------------
 # Defaults: GPT-2 small (124M) on OpenWebText. Config files and key=value override them.
@@ -155,8 +150,6 @@ seed = 1337
 DEFAULTS = defaults_of(globals())
 # -----------------------------------------------------------------------------
 
-MODEL_KEYS = [f.name for f in fields(GPTConfig)]
-ONE_PROCESS = Layout()
 
 
 def load_config(argv):
@@ -223,7 +216,7 @@ def build_optimizer(model, cfg, device_type):
     return torch.optim.AdamW(groups, **kw, **extra)
 
 
-def optimizer_step(model, optimizer, cfg, layout=ONE_PROCESS):
+def optimizer_step(model, optimizer, cfg, layout=Layout()):
     """Sum gradients over ranks, clip, step, clear. Returns (gradient norm, whether stepped).
 
     A non-finite gradient norm means some gradient overflowed or a NaN came through (FP8 casts
@@ -244,14 +237,12 @@ def optimizer_step(model, optimizer, cfg, layout=ONE_PROCESS):
 
 
 def wrap_data_parallel(model, cfg, layout):
-    """How the replicas sum their gradients (nothing to do with one replica).
-    bf16 (grad_comm auto/fp32): plain DDP, gradients all-reduced in fp32, bucketed and overlapped
-    with backward; DDP also broadcasts rank 0's buffers before every forward.
-    FP8 levels: Fp8DataParallel, whose all-reduce sends the FP8 layers' weight gradients in FP8
-    (each rank's own scales, one per 128 values of one parameter, summed in fp32) and the rest in
-    grad_comm_rest (nanofp8/dist.py), overlapped with backward by hooks, as DDP. The FP8
-    gradients of O2/O3 weights live outside .grad: O2 averages them in optimizer_step, O3
-    reduce-scatters them in its optimizer step; the wrapper handles every other parameter.
+    """How the replicas sum their gradients (one replica: nothing to do).
+    bf16 (grad_comm auto/fp32): torch's DDP, fp32 all-reduce overlapped with backward.
+    FP8 levels: Fp8DataParallel sends the FP8 layers' weight gradients in FP8 (a scale per 128
+    values of one parameter, summed in fp32) and the rest in grad_comm_rest (nanofp8/dist.py),
+    overlapped with backward by hooks, as DDP. O2/O3 weights keep their FP8 gradients outside
+    .grad: O2 averages them in optimizer_step, O3 reduce-scatters them in its step.
     Model parallel: TPDataParallel over the replicas (it broadcasts replica 0's weights)."""
     fmt, rest = grad_comm_format(cfg)
     if layout.dp == 1:
@@ -328,13 +319,8 @@ def build_model(cfg, layout, model_args, ckpt, converted, log):
             raise CheckpointError(f"{path} holds non-finite values in {bad[:5]}: the run that wrote "
                                   f"it had diverged; resume from an earlier checkpoint")
     model.to(layout.device)
-    if cfg["precision"] != "bf16":  # what really runs in FP8, and no silent fallback under strict
-        fp8.strict, rows = cfg["fp8_strict"], linear_table(model)
-        fp8.fallbacks.clear()
-        log(format_linear_table(rows))
-        if cfg["fp8_strict"] and any(r["fallback"] for r in rows):
-            raise ConfigError(f"fp8_strict=True: {[r['layer'] for r in rows if r['fallback']]} cannot run "
-                              "their GEMMs in FP8 on this device (see the table above)")
+    if cfg["precision"] != "bf16":
+        show_fp8_layers(model, cfg["fp8_strict"], log)  # what really runs in FP8
     return model, desc, n_params, flops_per_token
 
 

@@ -26,7 +26,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from . import parallel
+from . import fp8, parallel
 from .checkpoint import initial_weights, load_moments
 from .configurator import ConfigError
 from .dist import Fp8DataParallel, ZeroFp8AdamW, sync_fp8_wgrads
@@ -34,6 +34,7 @@ from .fp8 import E4M3, E5M2
 from .layout import is_collective_failure, report_collective_failure
 from .model import CheckpointError, GPTConfig, load_checkpoint
 from .optim import O2Linear, clip_grad_norm
+from .stats import format_linear_table, linear_table
 
 # -----------------------------------------------------------------------------
 # What gradients and model-parallel payloads travel in
@@ -189,6 +190,18 @@ def check_replicas(stage, layout):
         bad = [k for i, (k, _) in enumerate(ps) if any(g[i] != mine[i] for g in got)]
         if bad:
             raise RuntimeError(f"{what} hold different values of {bad[:5]}: the replicas diverged")
+
+
+def show_fp8_layers(model, strict, log):
+    """Log which Linears run in FP8 and which do not, and why (nanofp8/stats.py); under
+    fp8_strict a GEMM that would fall back to high precision is a ConfigError, not a surprise.
+    Starts the count of run-time fallbacks that the end of the run reports."""
+    fp8.strict, rows = strict, linear_table(model)
+    fp8.fallbacks.clear()
+    log(format_linear_table(rows))
+    if strict and any(r["fallback"] for r in rows):
+        raise ConfigError(f"fp8_strict=True: {[r['layer'] for r in rows if r['fallback']]} cannot run "
+                          "their GEMMs in FP8 on this device (see the table above)")
 
 
 # -----------------------------------------------------------------------------
@@ -363,7 +376,7 @@ def restore_rng(rng, layout):
 # -----------------------------------------------------------------------------
 # Where a run starts: from scratch, from this run's checkpoint, or from converted weights
 
-_MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 
 def resume_point(cfg, layout, vocab_size, log):
     """(the checkpoint of an exact resume, converted weights, model_args). Converted: another
@@ -379,8 +392,8 @@ def resume_point(cfg, layout, vocab_size, log):
         ckpt = load_checkpoint(ckpt_path, map_location=layout.device)
         check_resume_config(ckpt["config"], cfg, ckpt_path)
         check_resume_layout(ckpt, cfg, ckpt_path, layout)
-    model_args = {k: cfg[k] for k in _MODEL_KEYS} | {"vocab_size": vocab_size}
-    for k in _MODEL_KEYS if (ckpt or converted) else ():
+    model_args = {k: cfg[k] for k in MODEL_KEYS} | {"vocab_size": vocab_size}
+    for k in MODEL_KEYS if (ckpt or converted) else ():
         saved = (ckpt or converted)["model_args"][k]
         if model_args[k] != saved:
             log(f"note: {k}={saved} from the checkpoint overrides {model_args[k]!r}")

@@ -26,7 +26,7 @@ import train  # noqa: E402
 from nanofp8.configurator import ConfigError, read_dataset_meta  # noqa: E402
 from nanofp8.layout import is_collective_failure  # noqa: E402
 from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
-from nanofp8.run import TrainingStopped  # noqa: E402
+from nanofp8.run import MODEL_KEYS, TrainingStopped  # noqa: E402
 
 SHAKESPEARE = os.path.join(REPO, "data", "shakespeare_char")
 
@@ -61,7 +61,7 @@ def test_o2_v_format_is_recorded_and_checked(o2_run):
     cfg = train.load_config(TINY + ["precision=O2", "o2_v_format=fp8"])
     from nanofp8.model import GPT, GPTConfig
 
-    model = GPT(GPTConfig(**{k: cfg[k] for k in train.MODEL_KEYS}))
+    model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}))
     train.setup_precision(model, cfg, "cpu")
     opt = train.build_optimizer(model, cfg, "cpu")
     with pytest.raises(ValueError, match="v_format='fp16'.*v_format='fp8'"):

@@ -21,6 +21,7 @@ sys.path.insert(0, REPO)
 import train  # noqa: E402
 from nanofp8.configurator import ConfigError  # noqa: E402
 from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from nanofp8.run import MODEL_KEYS  # noqa: E402
 
 # A model small enough to train for hundreds of steps in seconds. Dims are multiples of 16, so
 # every block Linear really goes FP8.
@@ -191,7 +192,7 @@ def test_optimizer_step_refreshes_fp8_weights():
     from nanofp8.model import GPT, GPTConfig
 
     cfg = train.load_config(TINY + ["precision=O1"])
-    model = GPT(GPTConfig(**{k: cfg[k] for k in train.MODEL_KEYS}))
+    model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}))
     train.setup_precision(model, cfg, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     x = torch.randint(0, 64, (2, 32))
