@@ -89,24 +89,25 @@ MODELS = {
 LEVELS = ("bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc")
 
 
-def build(cfg, level, recipe=None, device="cpu"):
-    """A model on `device` and its optimizer at a precision level (as train.py builds them)."""
+def build(cfg, level, backend=None, device="cpu"):
+    """A model on `device` and its optimizer at a precision level, built by train.py's own
+    setup_precision and build_optimizer. Returns (model, optimizer, train.py's settings, for
+    train.optimizer_step). level: one of LEVELS; backend: train.py's fp8_backend."""
+    import train
+
+    precision, variants = level.split("-")[0], level.split("-")[1:]
+    settings = train.load_config([f"precision={precision}", f"fp8_backend={backend}", "compile=False",
+                                  f"o2_v_format={'fp8' if 'fp8v' in variants else 'fp16'}",
+                                  f"o2_grad_accum={'fp8' if 'fp8acc' in variants else 'fp16'}"])
     torch.manual_seed(0)
     model = GPT(cfg)
-    if level != "bf16":
-        apply_fp8(model, recipe or Recipe())
-    if level.startswith("O2"):
-        convert_to_o2(model, grad_accum="fp8" if "fp8acc" in level else "fp16")
+    train.setup_precision(model, settings, device.split(":")[0])
     model.to(device)
-    if level.startswith("O2"):
-        opt = Fp8AdamW(model.parameters(), model, lr=1e-4, v_format="fp8" if "fp8v" in level else "fp16")
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    return model, opt
+    return model, train.build_optimizer(model, settings, device.split(":")[0]), settings
 
 
 def measure_memory(cfg, level, tokens):
-    model, opt = build(cfg, level)
+    model, opt, _ = build(cfg, level, "torch")
     idx = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     ac = torch.autocast("cpu", dtype=torch.bfloat16)
     with ac:
@@ -470,7 +471,11 @@ THROUGHPUT_MODELS = {
 
 
 def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
-    model, opt = build(cfg, level, Recipe(backend="torch"), device)
+    """Tokens per second of train.py's training step (forward, backward, optimizer_step: clip,
+    non-finite check, update) on one device, and the peak memory on CUDA."""
+    import train
+
+    model, opt, settings = build(cfg, level, "torch", device)
     fwd = torch.compile(model) if compile_model else model
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     ac = torch.autocast(device, dtype=torch.bfloat16)
@@ -479,8 +484,7 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
         with ac:
             loss = fwd(idx, idx)[1]
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.optimizer_step(model, opt, settings)
 
     for _ in range(2):  # warm-up (and compilation)
         step()
@@ -621,12 +625,12 @@ def stats_cost(args):
     """Mean training-step time with statistics off, every 100 steps and every step, on one model
     and optimizer. The three settings take turns in blocks of steps, so a machine whose load
     drifts slows them alike."""
+    import train
     from nanofp8.stats import Fp8Stats
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, batch, seq = THROUGHPUT_MODELS[args.model]
-    recipe = Recipe(backend="torch" if device == "cuda" else "emulate")
-    model, opt = build(cfg, "O1", recipe, device)
+    model, opt, settings = build(cfg, "O1", None, device)  # fp8_backend: torch on CUDA, emulate on CPU
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     ac = torch.autocast(device, dtype=torch.bfloat16)
@@ -641,8 +645,7 @@ def stats_cost(args):
         with ac:
             loss = model(idx, idx)[1]
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.optimizer_step(model, opt, settings)
         if st is not None:
             st.finish(step_of[name], opt)
         step_of[name] += 1

@@ -115,6 +115,7 @@ min_lr = 6e-5
 # precision
 precision = "bf16"  # "bf16" | "O1" | "O2" | "O3"
 o2_v_format = "fp16"  # O2/O3: Adam v in "fp16" (FP8-LM) or "fp8" (sqrt(v) in E4M3)
+o2_grad_accum = "fp16"  # O2: micro-steps' FP8 weight gradients summed in "fp16" (scaled) or "fp8"
 grad_comm = "auto"  # data parallel, weight gradients of the FP8 layers: "auto" (e4m3 at FP8 levels)
 #                     | "e4m3" | "e5m2" | "bf16" | "fp32"; at bf16 (no FP8 layers): every gradient,
 #                     "auto" = fp32 with torch's DDP
@@ -151,7 +152,6 @@ DEFAULTS = defaults_of(globals())
 # -----------------------------------------------------------------------------
 
 
-
 def load_config(argv):
     """Defaults + config files + key=value -> a read-only mapping, validated. Raises ConfigError."""
     return check_train_config(configure(DEFAULTS, argv))
@@ -185,7 +185,7 @@ def setup_precision(model, cfg, device_type):
         raise ConfigError(f"precision={level}: no block Linear can run in FP8: their widths "
                           f"(n_embd={model.config.n_embd}, MLP {model.config.hidden}) must be multiples of 16")
     if level == "O2":
-        convert_to_o2(model)
+        convert_to_o2(model, grad_accum=cfg["o2_grad_accum"])
     elif level == "O3":
         convert_to_o3(model)
     state = {"O1": "fp32 master, fp32 Adam", "O2": f"fp16 master, FP8 grads, FP8 m, {cfg['o2_v_format']} v",

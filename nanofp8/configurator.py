@@ -136,6 +136,7 @@ def check_train_config(cfg):
     what was asked for."""
     check_choice(cfg, "precision", PRECISIONS)
     check_choice(cfg, "o2_v_format", ("fp16", "fp8"))
+    check_choice(cfg, "o2_grad_accum", ("fp16", "fp8"))
     check_choice(cfg, "grad_comm", ("auto", "fp32", "bf16", "e5m2", "e4m3"))
     check_choice(cfg, "grad_comm_rest", ("fp32", "bf16"))
     check_choice(cfg, "mp_comm", ("auto", "fp8", "bf16", "fp32"))
