@@ -72,7 +72,7 @@ def _check(defaults, key, value, origin):
     return value
 
 
-def _run_config_file(path):
+def read_config_file(path):
     """Execute a config file and return the settings it assigns (names without a leading
     underscore; modules and functions it imports or defines for itself are not settings)."""
     if not os.path.isfile(path):
@@ -97,7 +97,7 @@ def configure(defaults, argv):
         if "=" not in arg:
             if arg.startswith("-"):
                 raise ConfigError(f"cannot parse argument '{arg}': use --key=value")
-            for key, value in _run_config_file(arg).items():
+            for key, value in read_config_file(arg).items():
                 config[key] = _check(defaults, key, value, f"config file {arg}")
             continue
         key, text = arg.split("=", 1)
