@@ -167,7 +167,7 @@ def start(cfg, check=lambda dp_size: None):
 
 
 def stop(layout):
-    if layout.world > 1 or dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
