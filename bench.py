@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from nanofp8.fp8 import Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
-from nanofp8.optim import Fp8AdamW, O2Linear, activation_bytes, convert_to_o2, training_state_bytes
+from nanofp8.optim import O2Linear, activation_bytes, training_state_bytes
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -219,14 +219,7 @@ def _comm_worker(rank, world, port, level, out):
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = GPT(COMM_CFG)
-    if level != "bf16":
-        apply_fp8(model, Recipe())
-    if level == "O2":
-        convert_to_o2(model)
-    elif level == "O3":
-        fdist.convert_to_o3(model)
+    model, opt, _ = build(COMM_CFG, level, "torch")  # as train.py builds them
     fp8_mods = [m for m in model.modules() if isinstance(m, fdist.O2Linear)]
     # The FP8 layers' weights (bf16: the same block Linears, whose gradients go in fp32).
     lin = [m.weight for fqn, m in model.named_modules()
@@ -239,12 +232,6 @@ def _comm_worker(rank, world, port, level, out):
         dp_lin = fdist.Fp8DataParallel(model, fmt=torch.float32 if level == "bf16" else fdist.E4M3,
                                        params=lin, fp8_params=lin, overlap=False, broadcast=False)
     dp_rest = fdist.Fp8DataParallel(model, params=others, overlap=False)
-    if level == "O3":
-        opt = fdist.ZeroFp8AdamW(model.parameters(), model, lr=1e-4)
-    elif level == "O2":
-        opt = Fp8AdamW(model.parameters(), model, lr=1e-4)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, COMM_CFG.vocab_size, (4, COMM_CFG.block_size), generator=torch.Generator().manual_seed(rank))
     steps, lin_bytes, rest_bytes = 3, 0, 0
     fdist.comm_stats(reset=True)
