@@ -617,7 +617,7 @@ def stats_cost(args):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, batch, seq = THROUGHPUT_MODELS[args.model]
-    model, opt, settings = build(cfg, "O1", None, device)  # fp8_backend: torch on CUDA, emulate on CPU
+    model, opt, train_cfg = build(cfg, "O1", None, device)  # fp8_backend: torch on CUDA, emulate on CPU
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     ac = torch.autocast(device, dtype=torch.bfloat16)
@@ -632,7 +632,7 @@ def stats_cost(args):
         with ac:
             loss = model(idx, idx)[1]
         loss.backward()
-        train.optimizer_step(model, opt, settings)
+        train.optimizer_step(model, opt, train_cfg)
         if st is not None:
             st.finish(step_of[name], opt)
         step_of[name] += 1
