@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from nanofp8.fp8 import Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
-from nanofp8.optim import Fp8AdamW, O2Linear, activation_bytes, convert_to_o2, training_state_bytes
+from nanofp8.optim import O2Linear, activation_bytes, training_state_bytes
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -89,24 +89,25 @@ MODELS = {
 LEVELS = ("bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc")
 
 
-def build(cfg, level, recipe=None, device="cpu"):
-    """A model on `device` and its optimizer at a precision level (as train.py builds them)."""
+def build(cfg, level, backend=None, device="cpu"):
+    """A model on `device` and its optimizer at a precision level, built by train.py's own
+    setup_precision and build_optimizer. Returns (model, optimizer, train.py's settings, for
+    train.optimizer_step). level: one of LEVELS; backend: train.py's fp8_backend."""
+    import train
+
+    precision, variants = level.split("-")[0], level.split("-")[1:]
+    settings = train.load_config([f"precision={precision}", f"fp8_backend={backend}", "compile=False",
+                                  f"o2_v_format={'fp8' if 'fp8v' in variants else 'fp16'}",
+                                  f"o2_grad_accum={'fp8' if 'fp8acc' in variants else 'fp16'}"])
     torch.manual_seed(0)
     model = GPT(cfg)
-    if level != "bf16":
-        apply_fp8(model, recipe or Recipe())
-    if level.startswith("O2"):
-        convert_to_o2(model, grad_accum="fp8" if "fp8acc" in level else "fp16")
+    train.setup_precision(model, settings, device.split(":")[0])
     model.to(device)
-    if level.startswith("O2"):
-        opt = Fp8AdamW(model.parameters(), model, lr=1e-4, v_format="fp8" if "fp8v" in level else "fp16")
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    return model, opt
+    return model, train.build_optimizer(model, settings, device.split(":")[0]), settings
 
 
 def measure_memory(cfg, level, tokens):
-    model, opt = build(cfg, level)
+    model, opt, _ = build(cfg, level, "torch")
     idx = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     ac = torch.autocast("cpu", dtype=torch.bfloat16)
     with ac:
@@ -218,14 +219,7 @@ def _comm_worker(rank, world, port, level, out):
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = GPT(COMM_CFG)
-    if level != "bf16":
-        apply_fp8(model, Recipe())
-    if level == "O2":
-        convert_to_o2(model)
-    elif level == "O3":
-        fdist.convert_to_o3(model)
+    model, opt, _ = build(COMM_CFG, level, "torch")  # as train.py builds them
     fp8_mods = [m for m in model.modules() if isinstance(m, fdist.O2Linear)]
     # The FP8 layers' weights (bf16: the same block Linears, whose gradients go in fp32).
     lin = [m.weight for fqn, m in model.named_modules()
@@ -238,12 +232,6 @@ def _comm_worker(rank, world, port, level, out):
         dp_lin = fdist.Fp8DataParallel(model, fmt=torch.float32 if level == "bf16" else fdist.E4M3,
                                        params=lin, fp8_params=lin, overlap=False, broadcast=False)
     dp_rest = fdist.Fp8DataParallel(model, params=others, overlap=False)
-    if level == "O3":
-        opt = fdist.ZeroFp8AdamW(model.parameters(), model, lr=1e-4)
-    elif level == "O2":
-        opt = Fp8AdamW(model.parameters(), model, lr=1e-4)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, COMM_CFG.vocab_size, (4, COMM_CFG.block_size), generator=torch.Generator().manual_seed(rank))
     steps, lin_bytes, rest_bytes = 3, 0, 0
     fdist.comm_stats(reset=True)
@@ -470,7 +458,11 @@ THROUGHPUT_MODELS = {
 
 
 def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
-    model, opt = build(cfg, level, Recipe(backend="torch"), device)
+    """Tokens per second of train.py's training step (forward, backward, optimizer_step: clip,
+    non-finite check, update) on one device, and the peak memory on CUDA."""
+    import train
+
+    model, opt, settings = build(cfg, level, "torch", device)
     fwd = torch.compile(model) if compile_model else model
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     ac = torch.autocast(device, dtype=torch.bfloat16)
@@ -479,8 +471,7 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
         with ac:
             loss = fwd(idx, idx)[1]
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.optimizer_step(model, opt, settings)
 
     for _ in range(2):  # warm-up (and compilation)
         step()
@@ -621,12 +612,12 @@ def stats_cost(args):
     """Mean training-step time with statistics off, every 100 steps and every step, on one model
     and optimizer. The three settings take turns in blocks of steps, so a machine whose load
     drifts slows them alike."""
+    import train
     from nanofp8.stats import Fp8Stats
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, batch, seq = THROUGHPUT_MODELS[args.model]
-    recipe = Recipe(backend="torch" if device == "cuda" else "emulate")
-    model, opt = build(cfg, "O1", recipe, device)
+    model, opt, train_cfg = build(cfg, "O1", None, device)  # fp8_backend: torch on CUDA, emulate on CPU
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     ac = torch.autocast(device, dtype=torch.bfloat16)
@@ -641,8 +632,7 @@ def stats_cost(args):
         with ac:
             loss = model(idx, idx)[1]
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.optimizer_step(model, opt, train_cfg)
         if st is not None:
             st.finish(step_of[name], opt)
         step_of[name] += 1

@@ -31,6 +31,7 @@ import torch
 
 from nanofp8.checkpoint import freeze_fp8, load_for_inference, weight_bytes
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of, read_dataset_meta
+from nanofp8.data import EVAL_STREAMS, batch_generator, data_dir, get_batch
 from nanofp8.model import CheckpointError
 
 # -----------------------------------------------------------------------------
@@ -48,19 +49,17 @@ fp8_eval_iters = 20  # validation batches for the full-precision vs FP8-weights 
 DEFAULTS = defaults_of(globals())
 # -----------------------------------------------------------------------------
 
-REPO = os.path.dirname(os.path.abspath(__file__))
-
 
 @torch.no_grad()
 def val_loss(model, val_data, batch_size, block_size, iters, autocast, device):
-    """Mean loss on `iters` fixed validation batches (the same ones on every call)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Mean loss on `iters` validation batches: train.py's own (nanofp8/data.py, seeded by index),
+    the same ones on every call."""
     total = 0.0
-    for _ in range(iters):
-        ix = torch.randint(len(val_data) - block_size, (batch_size,), generator=gen).tolist()
-        xy = torch.from_numpy(np.stack([val_data[i : i + block_size + 1] for i in ix]).astype(np.int64)).to(device)
+    for k in range(iters):
+        gen = batch_generator(seed, EVAL_STREAMS["val"], 0, k, 0)
+        x, y = get_batch(val_data, batch_size, block_size, gen, device)
         with autocast:
-            _, loss = model(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())
+            _, loss = model(x, y)
         total += loss.item()
     return total / iters
 
@@ -82,8 +81,7 @@ def check_args(cfg):
 def load_tokenizer(dataset, vocab_size):
     """(encode, decode): the character tables of the dataset's meta.json if it has one, else
     GPT-2 BPE (whose 50257 tokens a model of a smaller vocabulary cannot have been trained on)."""
-    data_dir = os.path.join(REPO, "data", dataset)
-    meta = read_dataset_meta(data_dir)
+    meta = read_dataset_meta(data_dir(dataset))
     if meta is not None and meta["itos"] is None:
         meta = None  # a vocabulary size only: the tokens are GPT-2 BPE
     if meta is not None:
@@ -126,7 +124,7 @@ def main(argv=None):
         print(f"note: {note}")
 
     if fp8_weights:
-        val_path = os.path.join(REPO, "data", train_cfg.get("dataset", "?"), "val.bin")
+        val_path = os.path.join(data_dir(train_cfg.get("dataset", "?")), "val.bin")
         val_data = np.memmap(val_path, dtype=np.uint16, mode="r") if os.path.exists(val_path) else None
         args = (train_cfg.get("batch_size", 8), model.config.block_size, fp8_eval_iters, autocast, dev)
         ref = val_loss(model, val_data, *args) if val_data is not None else None

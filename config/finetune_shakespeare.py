@@ -27,9 +27,6 @@ learning_rate = 1e-3  # a quarter of pretraining's peak: move the weights, do no
 min_lr = 1e-4
 warmup_iters = 20
 beta2 = 0.99
-weight_decay = 0.1
-grad_clip = 1.0
-dropout = 0.0
 
 eval_interval = 100
 eval_iters = 20

@@ -1,5 +1,5 @@
 """
-The one config mechanism shared by train.py and sample.py.
+The one config mechanism shared by train.py and sample.py, and train.py's validation.
 
 A script declares its settings as plain module-level variables with sensible defaults. Then,
 in the order they appear on the command line:
@@ -23,9 +23,16 @@ error, because 1 and True are easy to confuse in a config and the mistake would 
 import ast
 import io
 import json
+import math
 import os
 import pickle
 import types
+from dataclasses import fields
+
+import torch
+
+from .model import GPTConfig
+from .stats import Alarms
 
 
 class ConfigError(ValueError):
@@ -65,12 +72,12 @@ def _check(defaults, key, value, origin):
     return value
 
 
-def _run_config_file(path):
+def read_config_file(path):
     """Execute a config file and return the settings it assigns (names without a leading
     underscore; modules and functions it imports or defines for itself are not settings)."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    namespace = {}
+    namespace = {"__file__": os.path.abspath(path)}  # a config may read another: see config/*_fp8.py
     with open(path) as f:
         source = f.read()
     try:
@@ -90,7 +97,7 @@ def configure(defaults, argv):
         if "=" not in arg:
             if arg.startswith("-"):
                 raise ConfigError(f"cannot parse argument '{arg}': use --key=value")
-            for key, value in _run_config_file(arg).items():
+            for key, value in read_config_file(arg).items():
                 config[key] = _check(defaults, key, value, f"config file {arg}")
             continue
         key, text = arg.split("=", 1)
@@ -114,6 +121,144 @@ def defaults_of(namespace):
     str, None), in definition order. train.py and sample.py call it on their own globals()."""
     return {k: v for k, v in namespace.items()
             if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
+# -----------------------------------------------------------------------------
+# train.py's settings: what can be judged before anything starts
+
+PRECISIONS = ("bf16", "O1", "O2", "O3")
+
+
+def check_train_config(cfg):
+    """train.py's settings, each mistake a ConfigError naming the key, before any process group or
+    model exists. Returns the config read-only: what a run derives from it (the device, the
+    vocabulary, the architecture of a checkpoint) is kept apart, so a checkpoint's "config" is
+    what was asked for."""
+    check_choice(cfg, "precision", PRECISIONS)
+    check_choice(cfg, "o2_v_format", ("fp16", "fp8"))
+    check_choice(cfg, "o2_grad_accum", ("fp16", "fp8"))
+    check_choice(cfg, "grad_comm", ("auto", "fp32", "bf16", "e5m2", "e4m3"))
+    check_choice(cfg, "grad_comm_rest", ("fp32", "bf16"))
+    check_choice(cfg, "mp_comm", ("auto", "fp8", "bf16", "fp32"))
+    if cfg["precision"] == "bf16" and (cfg["grad_comm"] in ("e4m3", "e5m2") or cfg["mp_comm"] == "fp8"):
+        raise ConfigError("precision=bf16 has no FP8 layers and sends no FP8: grad_comm must be "
+                          "auto/fp32/bf16 and mp_comm auto/bf16/fp32")
+    if cfg["init_from"] not in ("scratch", "resume") and not os.path.isdir(cfg["init_from"]):
+        raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a directory with "
+                          f"exported or Hugging Face GPT-2 weights, got {cfg['init_from']!r}")
+    check_choice(cfg, "arch", ("gpt2", "llama"))
+    check_choice(cfg, "fp8_scaling", ("current", "delayed"))
+    check_choice(cfg, "fp8_granularity", ("tensor", "row", "block"))
+    check_choice(cfg, "fp8_formats", ("hybrid", "e4m3"))
+    check_choice(cfg, "fp8_backend", (None, "torch", "emulate", "triton"))
+    check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))
+    check_choice(cfg, "compile", (None, True, False))
+    for key in ("max_iters", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
+                "eval_interval", "log_interval", "tensor_parallel", "pipeline_parallel"):
+        if cfg[key] < (0 if key == "max_iters" else 1):
+            raise ConfigError(f"config key '{key}' must be positive, got {cfg[key]}")
+    if not (cfg["device"] == "auto" or cfg["device"].split(":")[0] in ("cpu", "cuda", "mps")):
+        raise ConfigError(f"config key 'device' must be 'auto', 'cpu' or 'cuda[:N]', got {cfg['device']!r}")
+    check_values(cfg)
+    check_model_parallel(cfg)
+    check_stats(cfg)
+    return types.MappingProxyType(dict(cfg))
+
+
+def check_stats(cfg):
+    if cfg["fp8_stats_interval"] < 0:
+        raise ConfigError(f"config key 'fp8_stats_interval' must be >= 0 (0 = off), got {cfg['fp8_stats_interval']}")
+    try:
+        stats_alarms(cfg)
+    except ValueError as e:
+        raise ConfigError(f"fp8_alarm_* keys: {e}") from None
+    if not cfg["fp8_stats_interval"]:
+        return
+    if cfg["tensor_parallel"] * cfg["pipeline_parallel"] > 1:
+        raise ConfigError("fp8_stats_interval > 0 with tensor or pipeline parallelism: the statistics "
+                          "observe Fp8Linear, not nanofp8/parallel.py's layers; set fp8_stats_interval=0")
+    if cfg["compile"]:
+        raise ConfigError("fp8_stats_interval > 0 with compile=True: statistics are collected in eager "
+                          "mode; set compile=False (or leave compile unset: it is then off)")
+
+
+def stats_alarms(cfg):
+    return Alarms(saturation=cfg["fp8_alarm_saturation"], underflow=cfg["fp8_alarm_underflow"],
+                  sqnr_db=cfg["fp8_alarm_sqnr_db"], intervals=cfg["fp8_alarm_intervals"],
+                  amax_growth=cfg["fp8_alarm_amax_growth"])
+
+
+# The largest fp8_margin allowed. A margin m maps the amax to fp8_max / 2^m, so the top m binades of
+# the format stay empty and everything more than (dynamic range - m) binades below the amax
+# flushes to zero. E4M3 spans ~17.8 binades (2^-9 to 448): at m = 8 about 10 are left; at m >= 18
+# every value flushes, the blocks output nothing and training quietly learns a worse model.
+MAX_FP8_MARGIN = 8
+
+
+def check_values(cfg):
+    """Ranges of the numeric settings and what the machine and file system must provide: each
+    mistake is a ConfigError naming the key, before any process group or model exists."""
+    def need(ok, key, what):
+        if not ok:
+            raise ConfigError(f"config key '{key}' must be {what}, got {cfg[key]!r}")
+
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "fp8_history_len"):
+        need(cfg[key] >= 1, key, ">= 1")
+    for key in ("mlp_hidden", "warmup_iters", "lr_decay_iters", "max_skipped_steps"):
+        need(cfg[key] >= 0, key, ">= 0")
+    for key in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops", "norm_eps"):
+        need(math.isfinite(cfg[key]) and cfg[key] >= 0, key, "finite and >= 0")
+    need(0 <= cfg["dropout"] < 1, "dropout", "in [0, 1)")
+    for key in ("beta1", "beta2"):
+        need(0 <= cfg[key] < 1, key, "in [0, 1) (beta = 1 would never update the moment)")
+    need(0 <= cfg["fp8_margin"] <= MAX_FP8_MARGIN, "fp8_margin",
+         f"in [0, {MAX_FP8_MARGIN}] (m empties the top m of E4M3's ~18 binades; from ~18 on, "
+         "every value flushes to zero)")
+    need(math.isfinite(cfg["dist_timeout"]) and cfg["dist_timeout"] > 0, "dist_timeout", "> 0 seconds")
+    need(cfg["out_dir"].strip() != "", "out_dir", "a directory name")
+    need(not os.path.exists(cfg["out_dir"]) or os.path.isdir(cfg["out_dir"]), "out_dir",
+         "a directory (it is an existing file)")
+    if cfg["device"].startswith("cuda"):
+        index = cfg["device"].partition(":")[2] or "0"
+        if not index.isdigit() or not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"config key 'device' is {cfg['device']!r}, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA devices: use device=cpu (or auto)")
+    try:  # the architecture's own rules (divisibility, RoPE's even head dim)
+        GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig)})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_model_parallel(cfg):
+    """The model-parallel settings that can be judged before any process starts."""
+    tp, pp, sp = cfg["tensor_parallel"], cfg["pipeline_parallel"], cfg["sequence_parallel"]
+    if sp and tp == 1:
+        raise ConfigError("sequence_parallel=True needs tensor_parallel > 1: it cuts the sequence "
+                          "over the tensor-parallel ranks")
+    if sp and cfg["block_size"] % tp:
+        raise ConfigError(f"sequence_parallel=True needs block_size ({cfg['block_size']}) divisible "
+                          f"by tensor_parallel ({tp}): every rank holds block_size/tensor_parallel tokens")
+    if tp * pp == 1:
+        return
+    if cfg["precision"] in ("O2", "O3"):
+        raise ConfigError(f"precision={cfg['precision']} with tensor_parallel={tp}, pipeline_parallel={pp}: "
+                          "nanofp8/parallel.py has no O2/O3 layers (fp16 master weights, FP8 optimizer "
+                          "state); use precision=O1 or bf16, or tensor_parallel=1 pipeline_parallel=1")
+    if cfg["compile"]:
+        raise ConfigError(f"compile=True with tensor_parallel={tp}, pipeline_parallel={pp}: the parallel "
+                          "layers run eagerly (their collectives are not compiled); set compile=False")
+
+
+def check_accumulation(cfg, dp_size):
+    """gradient_accumulation_steps counts the micro-batches of the whole step, over all replicas."""
+    gas = cfg["gradient_accumulation_steps"]
+    what = "replicas" if cfg["tensor_parallel"] * cfg["pipeline_parallel"] > 1 else "processes"
+    if gas % dp_size:
+        low, high = gas // dp_size * dp_size, (gas // dp_size + 1) * dp_size
+        options = f"{low} or {high}" if low else f"{high}"
+        raise ConfigError(f"gradient_accumulation_steps={gas} must be divisible by the number of "
+                          f"data-parallel {what} ({dp_size}; each runs gradient_accumulation_steps / "
+                          f"{dp_size} micro-batches): pass gradient_accumulation_steps={options}")
 
 
 # -----------------------------------------------------------------------------

@@ -108,7 +108,6 @@ torch.compile of the parallel layers, O2 (fp16 master) TP layers.
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -119,6 +118,7 @@ from . import dist as D
 from .dist import COMM, Fp8Rows
 from .fp8 import (BLOCK, E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8Tensor,
                   _pack, _requantize_t, _unpack, compute_scale, dequantize, quantize, scaled_gemm)
+from .layout import Layout, make_layout
 from .model import apply_rope
 
 PLAIN = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the baseline communication dtypes
@@ -128,53 +128,10 @@ ACT = (1, BLOCK)  # tile of activation / gradient block scales (fp8.py's convent
 # 1. Process groups
 
 
-@dataclass
-class ParallelGroups:
-    """This rank's place in the dp x tp x pp arrangement, and the groups it belongs to."""
-
-    dp: int
-    tp: int
-    pp: int
-    dp_rank: int
-    tp_rank: int
-    pp_rank: int
-    dp_group: object
-    tp_group: object
-    pp_group: object
-    pp_ranks: list  # global ranks of this rank's pipeline, stage by stage (send/recv take these)
-    embed_group: object = None  # {first stage, last stage} of this pipeline (tied embeddings)
-
-
-def make_groups(tp=1, pp=1):
-    """Arrange the world as pp x dp x tp (tp varies fastest: TP ranks are neighbours, which puts
-    the chattiest collectives on the fastest links, NVLink inside a node). Global rank =
-    (pp_rank * dp + dp_rank) * tp + tp_rank. Every rank creates every group (new_group requires
-    it, in the same order everywhere) and keeps the ones it belongs to."""
-    world, me = dist.get_world_size(), dist.get_rank()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
-    dp = world // (tp * pp)
-    rank = lambda d, t, p: (p * dp + d) * tp + t  # noqa: E731
-    t0, d0, p0 = me % tp, (me // tp) % dp, me // (tp * dp)
-    mine = {}
-    for kind, members in (
-            ("tp", [[rank(d, t, p) for t in range(tp)] for p in range(pp) for d in range(dp)]),
-            ("dp", [[rank(d, t, p) for d in range(dp)] for p in range(pp) for t in range(tp)]),
-            ("pp", [[rank(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)])):
-        for ranks in members:
-            g = dist.new_group(ranks)
-            if me in ranks:
-                mine[kind], mine[kind + "_ranks"] = g, ranks
-    embed = None
-    if pp > 1:
-        for d in range(dp):
-            for t in range(tp):
-                ends = [rank(d, t, 0), rank(d, t, pp - 1)]
-                g = dist.new_group(ends)
-                if me in ends:
-                    embed = g
-    return ParallelGroups(dp, tp, pp, d0, t0, p0, mine["dp"], mine["tp"], mine["pp"],
-                          mine["pp_ranks"], embed)
+# nanofp8/layout.py's Layout is this rank's place in the pp x dp x tp arrangement (DeviceMesh,
+# row-major: global rank = (pp_rank * dp + dp_rank) * tp + tp_rank, TP ranks neighbours) and
+# the groups it belongs to; make_groups(tp, pp) builds it for an initialized process group.
+ParallelGroups, make_groups = Layout, make_layout
 
 
 # -----------------------------------------------------------------------------

@@ -36,8 +36,10 @@ import train  # noqa: E402
 from nanofp8 import dist as D  # noqa: E402
 from nanofp8 import parallel as P  # noqa: E402
 from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, sqnr  # noqa: E402
+from nanofp8.layout import make_layout  # noqa: E402
 from nanofp8.model import GPT, GPTConfig, apply_fp8  # noqa: E402
 from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2  # noqa: E402
+from nanofp8.run import check_replicas, grad_comm_format, pipeline_formats, shard_model  # noqa: E402
 
 CFG = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0)
 DEADLINE_S = 240  # for the whole group; each collective also times out after 60 s
@@ -99,7 +101,7 @@ def dp_wire(rank, level, extra=()):
     cfg = train.load_config(BASE + [f"precision={level}", *extra])
     model = GPT(GPTConfig(**CFG))
     train.setup_precision(model, cfg, "cpu")
-    dp = train.wrap_data_parallel(model, "cpu", cfg)
+    dp = train.wrap_data_parallel(model, cfg, make_layout())
     opt = train.build_optimizer(dp.module if hasattr(dp, "module") else dp, cfg, "cpu")
     D.comm_stats(reset=True)
     x, y = tokens(rank)
@@ -115,8 +117,8 @@ def mp_wire(level, layout):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     train.setup_precision(model, cfg, "cpu")
-    stage = train.setup_model_parallel(model, cfg, groups)
-    act, grad = train.pipeline_formats(cfg)
+    stage = shard_model(model, cfg, groups)
+    act, grad = pipeline_formats(cfg)
     D.comm_stats(reset=True)
     P.pipeline_step(stage, [tokens(0), tokens(1)], groups, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
                     act_fmt=act, grad_fmt=grad)
@@ -298,17 +300,17 @@ def dp_mp_run(layout, overlap):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     train.setup_precision(model, cfg, "cpu")
-    stage = train.setup_model_parallel(model, cfg, groups)
+    stage = shard_model(model, cfg, groups)
     events = []
     for p in stage.parameters():  # registered before the wrapper's hooks, so they fire before them
         p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
-    fmt, rest = train.grad_comm_format(cfg)
+    fmt, rest = grad_comm_format(cfg)
     dp = P.TPDataParallel(stage, groups, fmt=fmt, rest=rest, overlap=overlap, bucket_mb=0.01)
     late = {id(p) for p in stage.parameters()
             if getattr(p, "sp_partial", False) or getattr(p, "pp_tied", False)}
     dp.on_launch = lambda i: events.append("launch_late" if id(dp.buckets[i].params[0]) in late else "launch")
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
-    act, grad = train.pipeline_formats(cfg)
+    act, grad = pipeline_formats(cfg)
     norms = []
     for step in range(2):
         events.clear()
@@ -316,10 +318,10 @@ def dp_mp_run(layout, overlap):
         P.pipeline_step(stage, micro, groups, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
                         act_fmt=act, grad_fmt=grad, dp=dp)
         events.append("end of backward")
-        norm, stepped = train.model_parallel_step(stage, dp, opt, groups, cfg)
+        norm, stepped = train.optimizer_step(dp, opt, cfg, groups)
         assert stepped
         norms.append(norm)
-    train.check_replicas(stage, groups)  # raises if the data-parallel replicas came apart
+    check_replicas(stage, groups)  # raises if the data-parallel replicas came apart
     return {"params": flat_params(stage), "events": events, "norms": norms, "late": len(late),
             "hooked": sum(1 for p in stage.parameters() if id(p) not in late)}
 

@@ -36,6 +36,7 @@ from nanofp8.checkpoint import (_moments, freeze_fp8, load_for_inference, load_m
 from nanofp8.fp8 import E4M3, quantize, sqnr  # noqa: E402
 from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable  # noqa: E402
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
+from nanofp8.run import MODEL_KEYS  # noqa: E402
 
 TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
         "batch_size=4", "gradient_accumulation_steps=2", "eval_iters=2", "log_interval=1",
@@ -168,7 +169,7 @@ def test_moments_between_levels(v_format):
     """O2's moments (E4M3 m, fp16 or E4M3-sqrt v, with scales) -> fp32 for torch AdamW, exactly
     their dequantized values; and back into a fresh O2 optimizer, re-stored to within FP8 rounding."""
     cfg = train.load_config(TINY + ["precision=O2", f"o2_v_format={v_format}"])
-    model_args = {k: cfg[k] for k in train.MODEL_KEYS} | {"vocab_size": 84}
+    model_args = {k: cfg[k] for k in MODEL_KEYS} | {"vocab_size": 84}
 
     def built(level):
         torch.manual_seed(0)

@@ -24,7 +24,9 @@ from test_train import REPO, TINY, run, shakespeare  # noqa: F401  (the fixture 
 import sample  # noqa: E402
 import train  # noqa: E402
 from nanofp8.configurator import ConfigError, read_dataset_meta  # noqa: E402
+from nanofp8.layout import is_collective_failure  # noqa: E402
 from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from nanofp8.run import MODEL_KEYS, TrainingStopped  # noqa: E402
 
 SHAKESPEARE = os.path.join(REPO, "data", "shakespeare_char")
 
@@ -59,7 +61,7 @@ def test_o2_v_format_is_recorded_and_checked(o2_run):
     cfg = train.load_config(TINY + ["precision=O2", "o2_v_format=fp8"])
     from nanofp8.model import GPT, GPTConfig
 
-    model = GPT(GPTConfig(**{k: cfg[k] for k in train.MODEL_KEYS}))
+    model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}))
     train.setup_precision(model, cfg, "cpu")
     opt = train.build_optimizer(model, cfg, "cpu")
     with pytest.raises(ValueError, match="v_format='fp16'.*v_format='fp8'"):
@@ -112,14 +114,14 @@ def test_update_to_nonfinite_weights_stops_and_keeps_checkpoint(o2_run, tmp_path
     out = copy_run(o2_run, tmp_path / "bad")
     real_step = train.optimizer_step
 
-    def step_then_corrupt(model, optimizer, cfg):
-        result = real_step(model, optimizer, cfg)
+    def step_then_corrupt(model, optimizer, cfg, layout):
+        result = real_step(model, optimizer, cfg, layout)
         with torch.no_grad():
             model.blocks[1].mlp.c_proj.bias[7] = float("nan")
         return result
 
     monkeypatch.setattr(train, "optimizer_step", step_then_corrupt)
-    with pytest.raises(train.TrainingStopped, match=r"update of iteration 2 \(learning rate .*\) made weights "
+    with pytest.raises(TrainingStopped, match=r"update of iteration 2 \(learning rate .*\) made weights "
                        r"non-finite \(blocks.1.mlp.c_proj.bias\).*ckpt.pt is untouched"):
         train.main(TINY + ["precision=O2", "max_iters=8", "eval_interval=2", "init_from=resume", f"out_dir={out}"])
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 2
@@ -132,7 +134,7 @@ def test_skipped_steps_stop_the_run_and_never_save(tmp_path, capsys):
     out = tmp_path / "out"
     common = TINY + ["precision=bf16", "eval_interval=2", "decay_lr=False", f"out_dir={out}"]
     train.main(common + ["max_iters=2"])
-    with pytest.raises(train.TrainingStopped, match=r"3 steps in a row skipped .*max_skipped_steps=3"):
+    with pytest.raises(TrainingStopped, match=r"3 steps in a row skipped .*max_skipped_steps=3"):
         train.main(common + ["max_iters=40", "init_from=resume", "learning_rate=1e30", "max_skipped_steps=3"])
     assert "not saving a checkpoint: the val loss is nan" in capsys.readouterr().out
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 2
@@ -432,7 +434,7 @@ def test_torchrun_dropout_resume_and_frozen_rank(tmp_path):
 def test_every_gloo_timeout_message_is_a_collective_failure(message, monkeypatch):
     """5: whichever way gloo words it, a collective that timed out is named as one, not a crash."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    assert train.is_collective_failure(RuntimeError(message))
-    assert not train.is_collective_failure(RuntimeError("shape mismatch in mm"))
+    assert is_collective_failure(RuntimeError(message))
+    assert not is_collective_failure(RuntimeError("shape mismatch in mm"))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    assert not train.is_collective_failure(RuntimeError(message))
+    assert not is_collective_failure(RuntimeError(message))

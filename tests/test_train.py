@@ -19,8 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import train  # noqa: E402
-from nanofp8.configurator import ConfigError  # noqa: E402
+from nanofp8.configurator import ConfigError, read_config_file, read_dataset_meta  # noqa: E402
 from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from nanofp8.run import MODEL_KEYS  # noqa: E402
 
 # A model small enough to train for hundreds of steps in seconds. Dims are multiples of 16, so
 # every block Linear really goes FP8.
@@ -101,6 +102,39 @@ def test_config_errors(tmp_path):
     assert r.returncode == 2 and "unknown config key 'n_layr'" in r.stderr
     r = run("sample.py", "--top_k=many")
     assert r.returncode == 2 and "'top_k'" in r.stderr
+
+
+def test_configs_hold_only_what_differs():
+    """A base config sets only values that differ from train.py's defaults; each *_fp8.py and
+    *_bf16.py is its base file with the level and out_dir set, and the README's commands parse."""
+    cfg_dir = os.path.join(REPO, "config")
+    bases = [f for f in os.listdir(cfg_dir) if f.endswith(".py") and not f.endswith(("_fp8.py", "_bf16.py"))]
+    assert {"gpt2.py", "llama.py", "shakespeare_char.py"} <= set(bases)
+    for name in bases:
+        restated = {k: v for k, v in read_config_file(os.path.join(cfg_dir, name)).items()
+                    if train.DEFAULTS[k] == v}
+        assert not restated, (name, restated)
+    for base in ("gpt2", "llama", "shakespeare_char"):
+        settings = read_config_file(os.path.join(cfg_dir, f"{base}.py"))
+        fp8 = read_config_file(os.path.join(cfg_dir, f"{base}_fp8.py"))
+        bf16 = read_config_file(os.path.join(cfg_dir, f"{base}_bf16.py"))
+        assert fp8 == {**settings, "precision": "O1", "out_dir": f"out-{base.replace('_', '-')}-fp8"}
+        assert bf16 == {**settings, "out_dir": f"out-{base.replace('_', '-')}-bf16"}
+    cfg = train.load_config([os.path.join(cfg_dir, "gpt2.py"), "precision=O2"])
+    assert cfg["precision"] == "O2" and cfg["n_embd"] == 768 and cfg["gradient_accumulation_steps"] == 40
+    with pytest.raises(TypeError):  # read-only once validated
+        cfg["precision"] = "O1"
+
+
+def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
+    """The checkpoint's config is what was asked for; the device, the dataset's vocabulary and the
+    rest of what the run derived are saved apart (model_args, derived)."""
+    train.main(TINY + ["device=auto", "max_iters=1", "eval_interval=1", f"out_dir={tmp_path}"])
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert ckpt["config"]["device"] == "auto" and ckpt["config"]["vocab_size"] == train.DEFAULTS["vocab_size"]
+    assert ckpt["derived"]["device"] == "cpu" and ckpt["derived"]["compile"] is False
+    meta = read_dataset_meta(os.path.join(REPO, "data", "shakespeare_char"))
+    assert ckpt["model_args"]["vocab_size"] == meta["vocab_size"] != train.DEFAULTS["vocab_size"]
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -191,7 +225,7 @@ def test_optimizer_step_refreshes_fp8_weights():
     from nanofp8.model import GPT, GPTConfig
 
     cfg = train.load_config(TINY + ["precision=O1"])
-    model = GPT(GPTConfig(**{k: cfg[k] for k in train.MODEL_KEYS}))
+    model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}))
     train.setup_precision(model, cfg, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     x = torch.randint(0, 64, (2, 32))

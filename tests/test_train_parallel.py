@@ -32,7 +32,9 @@ from conftest import spawn  # noqa: E402
 import train  # noqa: E402
 from nanofp8 import parallel  # noqa: E402
 from nanofp8.configurator import ConfigError  # noqa: E402
+from nanofp8.layout import check_layout  # noqa: E402
 from nanofp8.model import GPT, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
+from nanofp8.run import check_replicas, shard_model  # noqa: E402
 
 # tests/test_train.py's tiny model, 2 micro-batches per step (so PP has a pipeline to fill and
 # DP=2 has one micro-batch per replica), 8 steps, checkpoints at 4 and 8.
@@ -170,13 +172,13 @@ def _replica_worker(rank, world, out):  # run by conftest.spawn: the process gro
     groups = parallel.make_groups(tp=1, pp=1)  # 2 data-parallel replicas
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    train.check_replicas(net, groups)  # identical: passes
+    check_replicas(net, groups)  # identical: passes
     if rank == 1:  # one ulp of one weight
         with torch.no_grad():
             w = net[0].weight
             w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(1.0))
     try:
-        train.check_replicas(net, groups)
+        check_replicas(net, groups)
         result = "passed"
     except RuntimeError as e:
         result = str(e)
@@ -245,11 +247,11 @@ def test_config_errors(tmp_path):
         train.main(TINY + [TP2, f"out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tensor_parallel \* "
                                           r"pipeline_parallel = 2 \* 2"):
-        train.make_parallel_groups(load([TP2, PP2]), True, 6)
+        check_layout(load([TP2, PP2]), True, 6)
     cfg = load(TINY + ["n_head=2", "tensor_parallel=4", "precision=O1"])
     with pytest.raises(ConfigError, match=r"tensor_parallel=4 must divide n_head \(2\)"):
-        train.setup_model_parallel(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
-                                   SimpleNamespace(tp=4, pp=1))
+        shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
+                    SimpleNamespace(tp=4, pp=1))
     with pytest.raises(ConfigError, match=r"pipeline_parallel=3 stages need n_layer >= 3, got 2"):
-        train.setup_model_parallel(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
-                                   SimpleNamespace(tp=1, pp=3))
+        shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
+                    SimpleNamespace(tp=1, pp=3))

@@ -1,0 +1,491 @@
+"""
+A training run across ranks: what train.py's loop calls where the layout (nanofp8/layout.py)
+makes a difference, so that the loop itself is the same for one process, data parallelism and a
+model cut over tensor and pipeline ranks.
+
+    model = shard_model(model, cfg, layout)       # this rank's pipeline stage (or the model)
+    loss = forward_backward(model, batches, layout, autocast, formats)
+    finite = sync_gradients(model, layout); norm = clip(model, max_norm, layout)
+    check_replicas(model, layout)                 # at every evaluation
+    optimizer_state(optimizer, layout), rng_state(layout)   # what a checkpoint holds
+
+Where the answers differ, they differ for a reason written next to them: a pipeline runs all
+micro-batches at once (GPipe), a model-parallel gradient is spread over ranks before it is
+averaged over replicas, O3's optimizer state is a shard per rank. The rest of the module is what
+a run checks about itself: non-finite weights, skipped steps, replicas drifting apart, a resume
+that would silently make another run.
+"""
+
+import io
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+
+from . import fp8, parallel
+from .checkpoint import initial_weights, load_moments
+from .configurator import ConfigError
+from .dist import Fp8DataParallel, ZeroFp8AdamW
+from .fp8 import E4M3, E5M2
+from .layout import is_collective_failure, report_collective_failure
+from .model import CheckpointError, GPTConfig, load_checkpoint
+from .optim import clip_grad_norm
+from .stats import format_linear_table, linear_table
+
+# -----------------------------------------------------------------------------
+# What gradients and model-parallel payloads travel in
+
+GRAD_COMM = {"fp32": torch.float32, "bf16": torch.bfloat16, "e5m2": E5M2, "e4m3": E4M3}
+
+
+def grad_comm_format(cfg):
+    """(what the FP8 layers' weight gradients travel in, what every other gradient travels in).
+    bf16 level: grad_comm for both ("auto": fp32, as DDP). FP8 levels: grad_comm ("auto": E4M3:
+    with a scale per 128 values range is not the constraint, and E4M3 keeps the gradient ~6 dB
+    closer, tests/test_comm.py) and grad_comm_rest."""
+    comm = cfg["grad_comm"]
+    if cfg["precision"] == "bf16":
+        fmt = GRAD_COMM["fp32" if comm == "auto" else comm]
+        return fmt, fmt
+    return GRAD_COMM["e4m3" if comm == "auto" else comm], GRAD_COMM[cfg["grad_comm_rest"]]
+
+
+# The FP8 levels' default for model-parallel payloads. Judged by the validation-loss gap against
+# one process at equal steps: FP8 at the stage boundaries and in the TP partial sums came out no
+# further from it than bf16 (both within the run-to-run divergence of a few tenths of a percent),
+# at half the bytes. tests/test_train_parallel.py holds the default to 0.3% of one process;
+# mp_comm=bf16 is the other choice.
+MP_COMM_AUTO = "fp8"
+
+
+def mp_comm_format(cfg):
+    """What tensor/sequence-parallel payloads and pipeline-stage activations travel in: "fp8",
+    "bf16" or "fp32". bf16 level: bf16 ("auto"). FP8 levels ("auto"): MP_COMM_AUTO."""
+    if cfg["mp_comm"] != "auto":
+        return cfg["mp_comm"]
+    return "bf16" if cfg["precision"] == "bf16" else MP_COMM_AUTO
+
+
+def pipeline_formats(cfg):
+    """(activation, gradient) formats between pipeline stages, from mp_comm_format."""
+    comm = mp_comm_format(cfg)
+    return (E4M3, E5M2) if comm == "fp8" else (parallel.PLAIN[comm],) * 2
+
+
+# -----------------------------------------------------------------------------
+# The model, its batches and its step at any layout
+
+
+def shard_model(model, cfg, layout):
+    """Cut the (identically initialized, precision already set up) GPT into this rank's share:
+    its stage's blocks, their matrices cut over the tensor-parallel group. Returns the stage, the
+    module that is trained and checkpointed from here on (the model itself for one process or
+    plain data parallelism)."""
+    c, tp, pp = model.config, layout.tp, layout.pp
+    if tp * pp == 1:
+        return model
+    # parallel.py would raise ValueErrors; say which keys to change instead
+    if c.n_head % tp or c.hidden % tp:
+        raise ConfigError(f"tensor_parallel={tp} must divide n_head ({c.n_head}) and the MLP width "
+                          f"({c.hidden}, mlp_hidden=0: the architecture's default)")
+    if c.n_layer < pp:
+        raise ConfigError(f"pipeline_parallel={pp} stages need n_layer >= {pp}, got {c.n_layer}")
+    # FP8 levels: TPLinear (FP8 GEMMs, partial sums and SP gathers sent in mp_comm). bf16: the
+    # same cut with bf16 GEMMs and bf16 collectives, the baseline that Megatron-LM runs.
+    parallel.parallelize(model, layout.tp_group, sp=cfg["sequence_parallel"], comm=mp_comm_format(cfg))
+    return parallel.PipelineStage(model, layout)
+
+
+def _stage(model):
+    return model.module if isinstance(model, Fp8DataParallel) else model
+
+
+def forward_backward(model, batches, layout, autocast, formats):
+    """Forward and backward over this rank's micro-batches [(x, y)]; gradients add up in .grad.
+    Returns the mean loss as a float (.item() waits for the device: the step time is honest).
+
+    One process or data parallel: one micro-batch after the other, each loss / len(batches);
+    with several replicas only the last backward communicates (no_sync on the others), and the
+    loss is this rank's. Model parallel: GPipe runs the micro-batches forward through the stages,
+    then backward (nanofp8/parallel.py); the loss is averaged over the replicas, so it compares
+    with one device's. formats: pipeline_formats(cfg)."""
+    if layout.model_parallel:
+        replicas = model if isinstance(model, Fp8DataParallel) else None  # reduces during backward
+        loss = parallel.pipeline_step(_stage(model), batches, layout, autocast=autocast,
+                                      act_fmt=formats[0], grad_fmt=formats[1], dp=replicas)
+        if layout.dp > 1:
+            dist.all_reduce(loss, group=layout.dp_group)
+        return loss.item() / layout.dp
+    loss_sum = torch.zeros((), device=layout.device)
+    for m, (x, y) in enumerate(batches):
+        local = layout.dp > 1 and m < len(batches) - 1
+        with model.no_sync() if local else nullcontext():
+            with autocast:
+                _, loss = model(x, y)
+            (loss / len(batches)).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum.item() / len(batches)
+
+
+@torch.no_grad()
+def eval_loss(model, x, y, layout, autocast, formats):
+    """The loss of one batch (model parallel: the last stage computes it and hands it to every
+    rank of the pipeline)."""
+    if layout.model_parallel:
+        return parallel.pipeline_step(_stage(model), [(x, y)], layout, autocast=autocast, train=False,
+                                      act_fmt=formats[0], grad_fmt=formats[1])
+    with autocast:
+        return model(x, y)[1]
+
+
+def sync_gradients(model, layout):
+    """Sum the pieces of each gradient that several ranks hold, then average over the replicas.
+    Returns whether every gradient is finite (the same answer on every rank).
+
+    Model parallel first: the token slices of sequence parallelism, the two copies of a tied
+    embedding (first and last stage). Then the replicas: torch's DDP has averaged during
+    backward; Fp8DataParallel has launched its buckets during backward and finishes them here
+    (O2: also the FP8 weight gradients kept outside .grad; O3's are reduce-scattered shards that
+    optimizer_step hands to the optimizer)."""
+    if layout.model_parallel:
+        parallel.sync_model_parallel_grads(_stage(model), layout)
+    if not isinstance(model, Fp8DataParallel):
+        return True
+    return model.sync_gradients()
+
+
+def clip(model, max_norm, layout):
+    """Clip by the whole model's gradient norm, the same on every rank (model parallel: no rank
+    holds the whole gradient; parallel.clip_grad_norm_ adds up the pieces). Returns the norm."""
+    if layout.model_parallel:
+        return parallel.clip_grad_norm_(_stage(model), max_norm, layout)
+    return clip_grad_norm(model, max_norm)  # sees O2's FP8 gradients too
+
+
+@torch.no_grad()
+def check_replicas(stage, layout):
+    """Raise if a tensor that several ranks hold has come apart: every parameter over the
+    data-parallel replicas, the unsharded ones over the tensor group, the tied embedding copies
+    between first and last stage. Each rank all-gathers one checksum of the bits per tensor;
+    parallel.py's design makes them bit-identical, and silent drift would train a different model
+    on every rank (checked at every evaluation: a few bytes and one pass over the weights)."""
+    named = list(stage.named_parameters())
+    checks = (("data-parallel replicas", layout.dp_group, layout.dp, lambda p: True),
+              ("tensor-parallel ranks", layout.tp_group, layout.tp,
+               lambda p: not getattr(p, "tp_sharded", False)),
+              ("tied embedding copies", layout.embed_group, 2 if layout.pp > 1 else 1,
+               lambda p: getattr(p, "pp_tied", False)))
+    for what, group, n, keep in checks:
+        ps = [(k, p) for k, p in named if keep(p)]
+        if n == 1 or not ps or group is None:
+            continue
+        mine = torch.stack([p.detach().float().view(torch.int32).sum(dtype=torch.int64) for _, p in ps])
+        got = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(got, mine, group=group)
+        bad = [k for i, (k, _) in enumerate(ps) if any(g[i] != mine[i] for g in got)]
+        if bad:
+            raise RuntimeError(f"{what} hold different values of {bad[:5]}: the replicas diverged")
+
+
+def show_fp8_layers(model, strict, log):
+    """Log which Linears run in FP8 and which do not, and why (nanofp8/stats.py); under
+    fp8_strict a GEMM that would fall back to high precision is a ConfigError, not a surprise.
+    Starts the count of run-time fallbacks that the end of the run reports."""
+    fp8.strict, rows = strict, linear_table(model)
+    fp8.fallbacks.clear()
+    log(format_linear_table(rows))
+    if strict and any(r["fallback"] for r in rows):
+        raise ConfigError(f"fp8_strict=True: {[r['layer'] for r in rows if r['fallback']]} cannot run "
+                          "their GEMMs in FP8 on this device (see the table above)")
+
+
+# -----------------------------------------------------------------------------
+# A run that goes bad
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on usefully (its weights or gradients stay non-finite)."""
+
+
+@torch.no_grad()
+def nonfinite_tensors(model):
+    """Names of the floating-point parameters and buffers holding a NaN or an Inf, with one
+    device sync for the whole model (FP8 tensors are widened: isfinite has no FP8 kernel)."""
+    named = [(k, t) for k, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()]
+    if not named:
+        return []
+    ok = torch.stack([torch.isfinite(t if t.element_size() > 1 else t.float()).all() for _, t in named])
+    if bool(ok.all()):
+        return []
+    return [k for (k, _), good in zip(named, ok.tolist()) if not good]
+
+
+def weights_finite(model, layout):
+    """Whether every rank's weights are finite (one small all-reduce under torchrun, so that all
+    ranks stop together even if only one of them went bad)."""
+    ok = torch.tensor([0.0 if nonfinite_tensors(model) else 1.0], device=next(model.parameters()).device)
+    if layout.world > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, lr, cfg, layout, log):
+    """After each optimizer step: stop when the weights went non-finite, or when steps keep being
+    skipped for non-finite gradients (a run that only skips learns nothing and would keep writing
+    checkpoints). Returns the new count of skipped steps in a row."""
+    ckpt_path = checkpoint_path(cfg["out_dir"], layout)
+    if stepped and not weights_finite(model, layout):
+        bad = nonfinite_tensors(model)
+        raise TrainingStopped(f"the update of iteration {iter_num} (learning rate {lr:g}) made weights "
+                              f"non-finite{' (' + ', '.join(bad[:3]) + ')' if bad else ' on another rank'}: "
+                              f"stopped; {ckpt_path} is untouched: resume from it with a lower learning_rate")
+    if stepped:
+        return 0
+    skipped_in_a_row += 1
+    log(f"iter {iter_num}: step SKIPPED (grad norm {grad_norm}), {skipped_in_a_row} in a row")
+    if 0 < cfg["max_skipped_steps"] <= skipped_in_a_row:
+        raise TrainingStopped(f"{skipped_in_a_row} steps in a row skipped for non-finite gradients "
+                              f"(max_skipped_steps={cfg['max_skipped_steps']}), the last at iteration {iter_num}: "
+                              f"stopped; {ckpt_path} holds the last good state: resume from it with a lower "
+                              f"learning_rate, or look for bad data")
+    return skipped_in_a_row
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: one file per (tensor, pipeline) rank, written by data-parallel rank 0
+
+
+def checkpoint_path(out_dir, layout):
+    """out_dir/ckpt.pt; under model parallelism one file per (tensor, pipeline) rank, written by
+    data-parallel rank 0: that rank's shards (the GPT's keys) and its optimizer state."""
+    name = f"ckpt-{parallel.checkpoint_suffix(layout)}.pt" if layout.model_parallel else "ckpt.pt"
+    return os.path.join(out_dir, name)
+
+
+# What a resumed run must share with the run that wrote the checkpoint, and what changing it would
+# do. The model's architecture is not here: it is taken from the checkpoint.
+RESUME_KEYS = {
+    "o2_v_format": "read the saved Adam v in the wrong format (fp16 v as E4M3 sqrt(v), or the reverse)",
+    "dataset": "continue the run on other data",
+    "seed": "draw other batches and dropout masks than the run it continues (the batch of "
+            "iteration i is a function of seed and i)",
+}
+
+
+def check_resume_config(saved, cfg, path, converted=False):
+    """Refuse to resume with a setting that would silently make a different run, naming both values.
+    saved: the checkpoint's config. converted: the checkpoint is converted to another level or
+    layout, whose optimizer state is stored anew, so only the data-defining keys must match."""
+    for key, why in RESUME_KEYS.items():
+        if key == "o2_v_format" and (converted or cfg["precision"] not in ("O2", "O3")):
+            continue
+        if key in saved and saved[key] != cfg[key]:
+            raise CheckpointError(f"{path} was written with {key}={saved[key]!r}; resuming with "
+                                  f"{key}={cfg[key]!r} would {why}. Pass {key}={saved[key]}, or "
+                                  f"start a new run (init_from=scratch, another out_dir)")
+
+
+def check_resume_layout(ckpt, cfg, path, layout):
+    """A model-parallel checkpoint holds one rank's shards: resume at the layout that wrote it
+    (the data-parallel size may change: batches do not depend on it). All ranks must have read
+    files of the same iteration (a crash between two ranks' writes leaves mixed files)."""
+    if not layout.model_parallel:
+        return
+    for key in ("tensor_parallel", "pipeline_parallel"):
+        saved = ckpt["config"].get(key, 1)
+        if saved != cfg[key]:
+            raise CheckpointError(f"{path} was written with {key}={saved}: resume with the same "
+                                  f"layout, not {key}={cfg[key]}")
+    it = torch.tensor([ckpt["iter_num"], -ckpt["iter_num"]], device=layout.device)
+    dist.all_reduce(it, op=dist.ReduceOp.MAX)
+    if it[0] != -it[1]:
+        raise CheckpointError(f"the checkpoints in {cfg['out_dir']} are from different iterations "
+                              f"({-int(it[1])} to {int(it[0])}): not one consistent model")
+
+
+def optimizer_state(optimizer, layout):
+    """The optimizer state to save (called on every rank; None where not the writer). O3: every
+    rank holds its own shard; they are gathered and saved side by side in the one file."""
+    state = optimizer.state_dict()
+    if not isinstance(optimizer, ZeroFp8AdamW):
+        return state
+    # Pickling collectives cannot carry FP8 tensors: serialize each shard with torch.save and
+    # gather the bytes (padded to the longest) as uint8.
+    dev = next(iter(optimizer.o2)).device
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(dev)
+    sizes = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(layout.world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], device=dev))
+    longest = max(int(n) for n in sizes)
+    got = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(layout.world)]
+    dist.all_gather(got, torch.nn.functional.pad(mine, (0, longest - mine.numel())))
+    if not layout.writer:
+        return None
+    return {"zero_shards": [torch.load(io.BytesIO(g[: int(n)].cpu().numpy().tobytes()), map_location="cpu",
+                                       weights_only=True) for g, n in zip(got, sizes)]}
+
+
+def load_optimizer_state(optimizer, state, path, layout):
+    if "zero_shards" in state:
+        if len(state["zero_shards"]) != layout.world:
+            raise CheckpointError(f"{path} holds O3 optimizer shards for {len(state['zero_shards'])} "
+                                  f"ranks; resume it with the same number of processes, not {layout.world}")
+        state = state["zero_shards"][layout.rank]
+    optimizer.load_state_dict(state)
+
+
+def rng_state(layout):
+    """The dropout RNG of every data-parallel rank (called on all of them), for the writer to save.
+    Each rank draws its own masks, so each one's stream has to be saved for a bit-exact resume."""
+    rng = {"cpu": torch.get_rng_state()}
+    if layout.device_type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state()
+    if layout.dp > 1:
+        mine = torch.cat([rng["cpu"]] + ([rng["cuda"]] if "cuda" in rng else [])).to(layout.device)
+        got = [torch.empty_like(mine) for _ in range(layout.dp)]
+        dist.all_gather(got, mine, group=layout.dp_group)
+        rng["ranks"] = [g.cpu() for g in got]
+    return rng if layout.writer else None
+
+
+def restore_rng(rng, layout):
+    """Continue this rank's saved dropout stream. Returns False when the checkpoint has none for it
+    (written at another world size, or by an older version): the caller reseeds."""
+    cuda = layout.device_type == "cuda"
+    if layout.dp > 1:
+        if len(rng.get("ranks", [])) != layout.dp:
+            return False
+        state = rng["ranks"][layout.dp_rank].cpu()
+        n_cpu = rng["cpu"].numel()
+        torch.set_rng_state(state[:n_cpu])
+        if cuda and state.numel() > n_cpu:
+            torch.cuda.set_rng_state(state[n_cpu:])
+        return True
+    torch.set_rng_state(rng["cpu"].cpu())
+    if cuda and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    return True
+
+
+# -----------------------------------------------------------------------------
+# Where a run starts: from scratch, from this run's checkpoint, or from converted weights
+
+MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+
+def resume_point(cfg, layout, vocab_size, log):
+    """(the checkpoint of an exact resume, converted weights, model_args). Converted: another
+    level or layout, or pretrained weights, as fp32 (nanofp8/checkpoint.py). The architecture is
+    the checkpoint's, whatever the config says."""
+    ckpt_path = checkpoint_path(cfg["out_dir"], layout)
+    ckpt, converted = None, initial_weights(cfg, layout.world)
+    if converted is not None:
+        if cfg["init_from"] == "resume":
+            check_resume_config(converted["config"], cfg, ckpt_path, converted=True)
+        log(f"note: {converted['note']}")
+    elif cfg["init_from"] == "resume":
+        ckpt = load_checkpoint(ckpt_path, map_location=layout.device)
+        check_resume_config(ckpt["config"], cfg, ckpt_path)
+        check_resume_layout(ckpt, cfg, ckpt_path, layout)
+    model_args = {k: cfg[k] for k in MODEL_KEYS} | {"vocab_size": vocab_size}
+    for k in MODEL_KEYS if (ckpt or converted) else ():
+        saved = (ckpt or converted)["model_args"][k]
+        if model_args[k] != saved:
+            log(f"note: {k}={saved} from the checkpoint overrides {model_args[k]!r}")
+        model_args[k] = saved
+    return ckpt, converted, model_args
+
+
+def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
+    """Optimizer state, position and dropout RNG. Returns (iter_num, best_val_loss).
+
+    The global RNG only drives dropout. Each rank gets its own stream (layout.dropout_stream); a
+    resumed run continues each data-parallel rank's saved stream (one reseeds only if the
+    checkpoint has none for it, e.g. written at another world size: the resume is not bit-exact)."""
+    torch.manual_seed(hash((cfg["seed"], layout.dropout_stream)) & (2**63 - 1))
+    if converted is not None:
+        if converted["moments"]:  # in the new level's formats (nanofp8/checkpoint.py)
+            load_moments(optimizer, model, converted["moments"])
+        return converted["iter_num"], converted["best_val_loss"]
+    if ckpt is None:
+        return 0, float("inf")
+    load_optimizer_state(optimizer, ckpt["optimizer"], checkpoint_path(cfg["out_dir"], layout), layout)
+    if not ("rng" in ckpt and restore_rng(ckpt["rng"], layout)):
+        log("note: the checkpoint has no dropout RNG state for this world size: reseeded, so "
+            "with dropout > 0 the resumed run differs from an uninterrupted one")
+        torch.manual_seed(hash((cfg["seed"], layout.dropout_stream, ckpt["iter_num"])) & (2**63 - 1))
+    return ckpt["iter_num"], ckpt["best_val_loss"]
+
+
+# -----------------------------------------------------------------------------
+# Speed, and the command's exit status
+
+# Dense tensor-core peak per GPU (SXM parts), bf16 and FP8, for MFU. FP8 runs are measured against
+# the FP8 peak: "50% MFU" then means the same thing, half of what the hardware could do.
+PEAK_FLOPS = {"H100": (989e12, 1979e12), "H200": (989e12, 1979e12), "H800": (989e12, 1979e12),
+              "A100": (312e12, None)}
+
+
+def peak_flops_for(cfg, device_type):
+    if cfg["peak_flops"] > 0:
+        return cfg["peak_flops"]
+    if device_type != "cuda":
+        return None  # no meaningful single peak for a CPU
+    name = torch.cuda.get_device_name()
+    for key, (bf16_peak, fp8_peak) in PEAK_FLOPS.items():
+        if key in name:
+            return fp8_peak if cfg["precision"] != "bf16" else bf16_peak
+    return None
+
+
+class Clock:
+    """Step time, throughput and MFU, averaged over the steps since the last log line."""
+
+    def __init__(self, tokens_per_iter, peak, flops_per_token, layout):
+        self.tokens, self.peak, self.flops, self.world = tokens_per_iter, peak, flops_per_token, layout.world
+        self.t_last, self.step_time, self.steps = time.time(), 0.0, 0
+
+    def restart(self):
+        self.t_last = time.time()
+
+    def tick(self):
+        now = time.time()
+        self.step_time, self.steps, self.t_last = self.step_time + now - self.t_last, self.steps + 1, now
+
+    def report(self, steps_done):
+        dt, self.step_time, self.steps = self.step_time / self.steps, 0.0, 0
+        tok_per_s = self.tokens / dt
+        line = f"time {dt * 1000:.2f}ms, {tok_per_s:,.0f} tok/s"
+        if self.peak and steps_done > 2:  # the first iterations include compilation
+            # MFU per GPU: the world's tokens are shared by its GPUs; the whole model's FLOPs per
+            # token (a pipeline stage's parameters are not the model's)
+            line += f", mfu {100 * self.flops * tok_per_s / self.world / self.peak:.2f}%"
+        return line
+
+
+def command(main, argv=None):
+    """train.main() as a command: one line on stderr per failure, and the exit status says which kind:
+    2 a bad config, checkpoint or dataset; 1 a run that stopped on non-finite weights or gradients.
+    Under torchrun, a collective that times out makes its rank name the ranks not answering."""
+    try:
+        main(argv)
+    except ConfigError as e:  # decided alike on every rank: say it once
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except CheckpointError as e:
+        rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+        print(f"error: {rank}{e}", file=sys.stderr)
+        sys.exit(2)
+    except TrainingStopped as e:  # diverged: every rank reaches the same verdict
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:
+        if not is_collective_failure(e):
+            raise
+        report_collective_failure(e)
