@@ -17,6 +17,8 @@ collective per pair, mirrored in backward:
 
 The fused qkv weight has rows [q | k | v]: a rank takes its heads from each of the three, not a
 contiguous third. LLaMA's fused [gate | up] is cut the same way, so gate i and up i share a rank.
+Nothing else in a block changes: attention reads its number of heads from the width its qkv shard
+writes, so tensor parallelism only swaps Linears, as the plan of section 4 (tp_plan) says.
 
 2. Which FP8 scales must the ranks agree on?
 --------------------------------------------
@@ -257,6 +259,23 @@ def _all_reduce(y, mod, fmt):
 #                                                                                    (SP: r-scatter)
 #     row         -                        all-reduce y        SP: all-gather dy     -
 #                                          (SP: r-scatter)     (FP8)
+#
+# TPLinearPlain, the bf16 baseline, communicates at the same four points, in bf16 or fp32, around
+# autocast's F.linear (one autograd Function per point pair: a collective and its mirror).
+
+
+def _hold_shard(mod, weight, bias, parallel, group, sp, comm):
+    """What both TP layers hold: their own copy of the shard, its place, and the tags that the
+    gradient utilities of section 5 read."""
+    # contiguous copies: a column slice is strided, and the FP8 GEMMs want row-major operands
+    mod.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
+    mod.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+    mod.parallel, mod.group, mod.sp, mod.comm = parallel, group, sp, comm
+    mod.tp = dist.get_world_size(group)
+    mod.weight.tp_sharded = True
+    if mod.bias is not None:
+        mod.bias.tp_sharded = parallel == "column"
+        mod.bias.sp_partial = parallel == "row" and sp
 
 
 class TPLinear(Fp8Linear):
@@ -280,17 +299,9 @@ class TPLinear(Fp8Linear):
         super().__init__(in_f, out_f, bias is not None, device="meta", recipe=recipe, fqn=fqn)
         if parallel not in ("column", "row") or comm not in ("fp8", *PLAIN):
             raise ValueError(f"parallel={parallel!r} / comm={comm!r}")
-        # contiguous copies: a column slice is strided, and the FP8 GEMMs want row-major operands
-        self.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        _hold_shard(self, weight, bias, parallel, group, sp, comm)
         self._init_scaling_state(weight.device)
-        self.parallel, self.group, self.sp, self.comm = parallel, group, sp, comm
         self.comm_fmts = comm_fmts or (self.recipe.fwd_fmt, self.recipe.bwd_fmt)
-        self.tp = dist.get_world_size(group)
-        self.weight.tp_sharded = True
-        if self.bias is not None:
-            self.bias.tp_sharded = parallel == "column"
-            self.bias.sp_partial = parallel == "row" and sp
 
     def quantize_operand(self, role, x2, fmt):
         """fp8.py's quantization, plus the agreed tensor scale (section 2) for an operand whose
@@ -378,14 +389,7 @@ class TPLinearPlain(nn.Module):
         if parallel not in ("column", "row") or comm not in PLAIN:
             raise ValueError(f"parallel={parallel!r} / comm={comm!r} (bf16 layers: 'bf16' or 'fp32')")
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        self.parallel, self.group, self.sp, self.comm = parallel, group, sp, comm
-        self.tp = dist.get_world_size(group)
-        self.weight.tp_sharded = True
-        if self.bias is not None:
-            self.bias.tp_sharded = parallel == "column"
-            self.bias.sp_partial = parallel == "row" and sp
+        _hold_shard(self, weight, bias, parallel, group, sp, comm)
 
     def forward(self, x):
         if self.parallel == "column":
@@ -484,8 +488,8 @@ def _gather_seq_plain(x, group):
 
 def parallelize(model, tp_group, sp=False, recipe=None, comm="fp8", comm_fmts=None):
     """Convert a nanofp8.model.GPT in place to tensor parallelism over tp_group (and sequence
-    parallelism if sp). Every rank must hold the same weights when it is called. The four block
-    Linears become TPLinear shards (recipe: the given one, else the one apply_fp8 already put on
+    parallelism if sp). Every rank must hold the same weights when it is called. The block
+    Linears named in tp_plan become TPLinear shards (recipe: the given one, else the one apply_fp8 already put on
     them), or, in a model without FP8 recipe and with comm "bf16" / "fp32", TPLinearPlain shards
     (bf16 autocast GEMMs); embeddings, norms and LM head stay replicated. Returns the model.
 
