@@ -564,16 +564,19 @@ class Recipe:
 
 # -----------------------------------------------------------------------------
 # 5. The FP8 linear layer: one autograd.Function for the three GEMMs
+#
+# The Function is written once, for a layer on one device and for one rank's shard of a layer
+# under tensor parallelism (nanofp8/parallel.py's TPLinear). A shard differs only in what it
+# exchanges with the other shards, and only at four fixed points, which the Function leaves to
+# four methods of the layer (the communication hooks):
+#
+#     forward:   x  --gemm_input-->  forward GEMM  --gemm_output-->  y
+#     backward:  dy --dgrad_input--> dgrad GEMM    --dgrad_output--> dx     (wgrad: local)
+#
+# On one device the two input hooks only quantize, and the two output hooks return what they get.
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
-
-
-def _quantize_role(mod, role, x2, fmt, block):
-    """Quantize along the last dim with the layer's recipe, for one tensor role."""
-    r = mod.recipe
-    if r.scaling == "current":
-        return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
-    return mod.delayed_quantize(role, x2, fmt)
+ACT_BLOCK = (1, BLOCK)  # block-scale tile of activations and gradients: one token, 128 channels
 
 
 def _requantize_t(mod, x2, fmt, q, block):
@@ -594,48 +597,67 @@ def _unpack(tensors, meta):
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x W^T (+ b), its three GEMMs in FP8. `mod` is the layer, kept for backward (ctx.mod):
+    backward writes per-layer state that lives there (the grad-output's delayed-scaling history,
+    O2's FP8 gradient sum in take_wgrad, the statistics), and calls its communication hooks."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, mod, out_dtype):
         r = mod.recipe
-        act_block = (1, BLOCK)
-        x2 = x.reshape(-1, x.shape[-1])
-        qx = _quantize_role(mod, INPUT, x2, r.fwd_fmt, act_block)
+        # x2: x as (M, K) in high precision; None where it never exists whole on this rank
+        qx, x2, lead = mod.gemm_input(x)
         qw, qw_t = mod.weight_operands()  # W for this GEMM, W^T for dgrad
         b = None if bias is None else bias.to(out_dtype)
         y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
+        y = mod.gemm_output(y.reshape(*lead, y.shape[-1]))
         # Keep only the FP8 operands of the two backward GEMMs, laid out along their
-        # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad.
-        qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, act_block)
+        # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Where only the FP8 copy
+        # of x exists (gathered in FP8), row and block scales re-quantize x^T from it.
+        if x2 is None and r.granularity != "tensor":
+            x2 = dequantize(qx, torch.float32)
+        qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, ACT_BLOCK)
         if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
             mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
         (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
         ctx.save_for_backward(*tx, *tw)
-        ctx.meta = (mx, mw)
-        ctx.mod, ctx.x_shape, ctx.x_dtype = mod, x.shape, x.dtype
+        ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         mod, r = ctx.mod, ctx.mod.recipe
         saved = ctx.saved_tensors
         qx_t, qw_t = _unpack(saved[:2], ctx.meta[0]), _unpack(saved[2:], ctx.meta[1])
-        dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = qdy_t = None
         with torch.autocast(dy.device.type, enabled=False):
-            qdy = _quantize_role(mod, GRAD_OUTPUT, dy2, r.bwd_fmt, (1, BLOCK))
+            qdy, dy2 = mod.dgrad_input(dy)  # dy2: as x2 in forward
             if ctx.needs_input_grad[0]:  # dgrad: dx (M, K) = dy (M, N) @ [W^T (K, N)]^T
-                dx = scaled_gemm(qdy, qw_t, ctx.x_dtype, backend=r.backend, name=mod.fqn)
-                dx = dx.reshape(ctx.x_shape)
+                dx = scaled_gemm(qdy, qw_t, mod.dgrad_dtype or ctx.x_dtype, backend=r.backend,
+                                 name=mod.fqn)
+                dx = mod.dgrad_output(dx.reshape(*ctx.lead, dx.shape[-1]))
+                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:  # wgrad: dW (N, K) = dy^T (N, M) @ [x^T (K, M)]^T
-                qdy_t = _requantize_t(mod, dy2, r.bwd_fmt, qdy, (1, BLOCK))
+                if dy2 is None and r.granularity != "tensor":
+                    dy2 = dequantize(qdy, torch.float32)
+                qdy_t = _requantize_t(mod, dy2, r.bwd_fmt, qdy, ACT_BLOCK)
                 dw = scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend, name=mod.fqn)
                 dw = mod.take_wgrad(dw)  # O1: the autograd gradient; O2: kept in FP8 instead
             if mod.observer is not None:
                 mod.observer.observe_backward(mod, dy2, qdy, qdy_t)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy2.float().sum(0).to(ctx.b_dtype)
+                db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.b_dtype)
         return dx, dw, db, None, None
+
+
+def fp8_linear(x, layer, bias):
+    """F.linear(x, layer.weight, bias) with the three GEMMs in FP8, by the layer's recipe,
+    scaling state and hooks. The output dtype is autocast's where autocast is on, else x's."""
+    dev = x.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    with torch.autocast(dev, enabled=False):  # we choose every dtype ourselves
+        return _Fp8LinearFunction.apply(x, layer.weight, bias, layer, out_dtype)
 
 
 class Fp8Linear(nn.Linear):
@@ -686,10 +708,45 @@ class Fp8Linear(nn.Linear):
         return ops
 
     def cast_weight(self):
-        """The FP8 cast itself (tensor-parallel layers override this, not the caching)."""
-        w, r, blk = self.hp_weight().detach(), self.recipe, (BLOCK, BLOCK)
-        qw = _quantize_role(self, WEIGHT, w, r.fwd_fmt, blk)
-        return qw, _requantize_t(self, w, r.fwd_fmt, qw, blk)
+        """The FP8 cast itself (O3, which stores the weight in FP8, overrides this, not the caching)."""
+        w, r = self.hp_weight().detach(), self.recipe
+        qw = self.quantize_operand(WEIGHT, w, r.fwd_fmt)
+        return qw, _requantize_t(self, w, r.fwd_fmt, qw, (BLOCK, BLOCK))
+
+    def quantize_operand(self, role, x2, fmt):
+        """Quantize a GEMM operand (M, K) along K with the layer's recipe: current scaling measures
+        it, delayed scaling takes the scale from the role's history. Tiles of block scales:
+        128x128 for the weight, 1x128 for activations and gradients."""
+        r = self.recipe
+        if r.scaling == "delayed":
+            return self.delayed_quantize(role, x2, fmt)
+        block = (BLOCK, BLOCK) if role == WEIGHT else ACT_BLOCK
+        return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
+
+    # The four communication hooks of _Fp8LinearFunction (section 5). A layer on one device has
+    # nothing to exchange: the input hooks quantize, the output hooks hand their tensor back.
+
+    def gemm_input(self, x):
+        """Before the forward GEMM: x (..., K) -> (FP8 operand (M, K), the high-precision (M, K)
+        it was cast from or None, the leading dims of y)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        return self.quantize_operand(INPUT, x2, self.recipe.fwd_fmt), x2, x.shape[:-1]
+
+    def gemm_output(self, y):
+        """After the forward GEMM: y (*lead, N), in the output dtype."""
+        return y
+
+    def dgrad_input(self, dy):
+        """Before the dgrad GEMM: dy (..., N) -> (FP8 operand (M, N), its high-precision source
+        or None)."""
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        return self.quantize_operand(GRAD_OUTPUT, dy2, self.recipe.bwd_fmt), dy2
+
+    def dgrad_output(self, dx):
+        """After the dgrad GEMM: dx (*lead, K), in dgrad_dtype."""
+        return dx
+
+    dgrad_dtype = None  # what the dgrad GEMM writes; None: the input's dtype
 
     def free_weight_cache(self):
         self._w_cache = None
@@ -735,10 +792,7 @@ class Fp8Linear(nn.Linear):
         return q
 
     def forward(self, x):
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):  # we choose every dtype ourselves
-            return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+        return fp8_linear(x, self, self.bias)
 
     def extra_repr(self):
         r = self.recipe

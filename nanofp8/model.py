@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 # -----------------------------------------------------------------------------
 # Configuration
@@ -145,19 +146,22 @@ def apply_rope(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. The number of heads is read from the tensors, not the
+    config: under tensor parallelism (nanofp8/parallel.py) c_attn is one rank's shard and writes
+    only that rank's heads, and this same module runs on them."""
+
     def __init__(self, config):
         super().__init__()
         d, b = config.n_embd, config.has_bias
-        self.n_head = config.n_head
+        self.head_dim = d // config.n_head
         self.c_attn = nn.Linear(d, 3 * d, bias=b)  # q, k, v in one GEMM: bigger is faster
         self.c_proj = nn.Linear(d, d, bias=b)  # back into the residual stream
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, rope=None):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # (B, T, 3 * heads * head_dim): the columns are [q | k | v], each head after head
+        q, k, v = rearrange(self.c_attn(x), "b t (qkv h d) -> qkv b h t d", qkv=3, d=self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # The fused kernel (flash / memory-efficient attention) never materializes the T x T
@@ -171,7 +175,7 @@ class CausalSelfAttention(nn.Module):
         with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)
-        y = y.to(dtype).transpose(1, 2).contiguous().view(B, T, C)
+        y = rearrange(y.to(dtype), "b h t d -> b t (h d)")
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -258,25 +262,40 @@ class GPT(nn.Module):
                 n -= self.tok_emb.weight.numel()
         return n
 
-    def forward(self, idx, targets=None):
-        B, T = idx.shape
+    # forward in three parts: a pipeline stage (nanofp8/parallel.py) runs the parts it holds
+
+    def embed(self, idx):
+        """Token ids (B, T) -> the residual stream (B, T, n_embd), fp32."""
+        T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(T, device=idx.device))
-        x = self.drop(x)
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.pos_emb is None else None
-        for block in self.blocks:
+        return self.drop(x)
+
+    def run_blocks(self, x, blocks, T):
+        """The residual stream through `blocks`, for sequences of length T (x may hold a slice
+        of them: sequence parallelism)."""
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.config.arch == "llama" else None
+        for block in blocks:
             x = block(x, rope)
+        return x
+
+    def head(self, x, targets=None):
+        """Final norm and LM head: (logits, loss), or without targets the last position's logits
+        (generation needs no others) and None."""
         x = self.norm_f(x)
-        if targets is None:  # generation: only the last position's logits are needed
+        if targets is None:
             return self.lm_head(x[:, -1:, :]), None
         logits = self.lm_head(x)
         # fp32 for the softmax: log-probabilities of rare tokens are large negative numbers whose
         # differences bf16 (8 bits of mantissa) would blur.
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def forward(self, idx, targets=None):
+        return self.head(self.run_blocks(self.embed(idx), self.blocks, idx.shape[1]), targets)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

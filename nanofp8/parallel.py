@@ -17,6 +17,8 @@ collective per pair, mirrored in backward:
 
 The fused qkv weight has rows [q | k | v]: a rank takes its heads from each of the three, not a
 contiguous third. LLaMA's fused [gate | up] is cut the same way, so gate i and up i share a rank.
+Nothing else in a block changes: attention reads its number of heads from the width its qkv shard
+writes, so tensor parallelism only swaps Linears, as the plan of section 4 (tp_plan) says.
 
 2. Which FP8 scales must the ranks agree on?
 --------------------------------------------
@@ -107,6 +109,7 @@ torch.compile of the parallel layers, O2 (fp16 master) TP layers.
 """
 
 import math
+import re
 from contextlib import nullcontext
 
 import torch
@@ -116,13 +119,12 @@ import torch.nn.functional as F
 
 from . import dist as D
 from .dist import COMM, Fp8Rows
-from .fp8 import (BLOCK, E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8Tensor,
-                  _pack, _requantize_t, _unpack, compute_scale, dequantize, quantize, scaled_gemm)
+from .fp8 import (ACT_BLOCK, E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear,
+                  Fp8Tensor, compute_scale, fp8_linear, quantize)
 from .layout import Layout, make_layout
-from .model import apply_rope
+from .model import GPT
 
 PLAIN = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the baseline communication dtypes
-ACT = (1, BLOCK)  # tile of activation / gradient block scales (fp8.py's convention)
 
 # -----------------------------------------------------------------------------
 # 1. Process groups
@@ -170,13 +172,13 @@ def _gather_operand(x, mod, fmt, role):
     if mod.comm != "fp8":  # baseline: gather in bf16/fp32, then quantize the (replicated) whole
         flat = D.all_gather_plain(x2, mod.group, dtype=PLAIN[mod.comm], out_dtype=torch.float32)
         full = _slices_to_seq(flat, W, B, Tl)
-        return mod.quantize_operand(role, full, fmt, shared=False), full
+        return mod.quantize_operand(role, full, fmt), full  # (replicated: no scale to agree on)
     r = mod.recipe
     if r.granularity == "tensor":  # one agreed scale; the slice travels as one row
         q = quantize(x2, fmt, "tensor", scale=_shared_scale(x2, mod, fmt))
         rows = Fp8Rows(q.data.view(1, -1), q.scale.view(1, 1), x2.numel())
     else:  # row / block: each token's own scales, computed exactly as on one device
-        q = quantize(x2, fmt, r.granularity, ACT, margin=r.margin, power_of_two=r.power_of_two)
+        q = quantize(x2, fmt, r.granularity, ACT_BLOCK, margin=r.margin, power_of_two=r.power_of_two)
         rows = Fp8Rows(q.data, q.scale.view(B * Tl, -1), K)
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
@@ -204,85 +206,50 @@ def _all_reduce(y, mod, fmt):
 
 # -----------------------------------------------------------------------------
 # 3. The tensor-parallel FP8 linear layer
+#
+# fp8.py's Fp8Linear runs its three GEMMs through one autograd Function that calls four hooks of
+# the layer: before and after the forward GEMM, before and after the dgrad GEMM. A shard is an
+# Fp8Linear that fills in those four with the collectives of sections 1 and 3 (the wgrad GEMM
+# needs none: a shard's weight gradient is its own):
+#
+#                 before forward GEMM      after it            before dgrad          after it
+#     column      SP: all-gather x (FP8)   -                   -                     all-reduce dx
+#                                                                                    (SP: r-scatter)
+#     row         -                        all-reduce y        SP: all-gather dy     -
+#                                          (SP: r-scatter)     (FP8)
+#
+# TPLinearPlain, the bf16 baseline, communicates at the same four points, in bf16 or fp32, around
+# autocast's F.linear (one autograd Function per point pair: a collective and its mirror).
 
 
-class _TPLinearFunction(torch.autograd.Function):
-    """The three GEMMs of fp8.py's _Fp8LinearFunction, on a shard, with TP/SP communication.
-
-    column: y_r = x @ W_r^T (+ b_r)     row: y = sum_r x_r @ W_r^T
-    The row-parallel bias is added by the module, after the sum (it must be added once)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mod, out_dtype):
-        r, col, sp = mod.recipe, mod.parallel == "column", mod.sp
-        if col and sp:  # gather the sequence in FP8, straight into the GEMM
-            qx, src = _gather_operand(x, mod, r.fwd_fmt, INPUT)
-            lead = (x.shape[0], x.shape[1] * mod.tp)
-        else:  # column: x is replicated (same scale everywhere); row: x is this rank's features
-            src = x.reshape(-1, x.shape[-1])
-            qx, lead = mod.quantize_operand(INPUT, src, r.fwd_fmt, shared=not col), x.shape[:-1]
-        qw, qw_t = mod.weight_operands()
-        b = bias.to(out_dtype) if col and bias is not None else None
-        y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
-        y = y.view(*lead, -1)
-        if not col:  # the partial sums meet
-            fmt = mod.comm_fmts[0]
-            y = _reduce_scatter_seq(y, mod, fmt) if sp else _all_reduce(y, mod, fmt)
-            y = y.to(out_dtype)
-        # Save the FP8 operands of the backward GEMMs, as fp8.py does. x^T for wgrad comes from
-        # the gathered FP8 values when no high-precision copy of the whole sequence exists (SP,
-        # row/block scales): one more rounding of x for wgrad; tensor scales just transpose.
-        if src is None and r.granularity != "tensor":
-            src = dequantize(qx, torch.float32)
-        qx_t = _requantize_t(mod, src, r.fwd_fmt, qx, ACT)
-        (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
-        ctx.save_for_backward(*tx, *tw)
-        ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
-        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        ctx.b_dtype = None if bias is None else bias.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        mod, r = ctx.mod, ctx.mod.recipe
-        col, sp = mod.parallel == "column", mod.sp
-        saved = ctx.saved_tensors
-        qx_t, qw_t = _unpack(saved[:2], ctx.meta[0]), _unpack(saved[2:], ctx.meta[1])
-        dx = dw = db = None
-        with torch.autocast(dy.device.type, enabled=False):
-            if not col and sp:  # backward of the reduce-scatter: gather dy, FP8 into the GEMM
-                qdy, src = _gather_operand(dy, mod, r.bwd_fmt, GRAD_OUTPUT)
-            else:  # column: dy is this rank's features; row: dy is replicated
-                src = dy.reshape(-1, dy.shape[-1])
-                qdy = mod.quantize_operand(GRAD_OUTPUT, src, r.bwd_fmt, shared=col)
-            if ctx.needs_input_grad[0]:
-                dx = scaled_gemm(qdy, qw_t, torch.float32, backend=r.backend, name=mod.fqn)
-                dx = dx.view(*ctx.lead, -1)
-                if col:  # backward of "x is replicated": the ranks' partial dx are summed
-                    fmt = mod.comm_fmts[1]
-                    dx = _reduce_scatter_seq(dx, mod, fmt) if sp else _all_reduce(dx, mod, fmt)
-                dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                if src is None and r.granularity != "tensor":
-                    src = dequantize(qdy, torch.float32)
-                qdy_t = _requantize_t(mod, src, r.bwd_fmt, qdy, ACT)
-                dw = mod.take_wgrad(scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend,
-                                                name=mod.fqn))
-            if col and ctx.has_bias and ctx.needs_input_grad[2]:  # (column: src is dy itself)
-                db = src.float().sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None
+def _hold_shard(mod, weight, bias, parallel, group, sp, comm):
+    """What both TP layers hold: their own copy of the shard, its place, and the tags that the
+    gradient utilities of section 5 read."""
+    # contiguous copies: a column slice is strided, and the FP8 GEMMs want row-major operands
+    mod.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
+    mod.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+    mod.parallel, mod.group, mod.sp, mod.comm = parallel, group, sp, comm
+    mod.tp = dist.get_world_size(group)
+    mod.weight.tp_sharded = True
+    if mod.bias is not None:
+        mod.bias.tp_sharded = parallel == "column"
+        mod.bias.sp_partial = parallel == "row" and sp
 
 
 class TPLinear(Fp8Linear):
     """One rank's shard of a Linear, parallel="column" (weight rows = output features) or "row"
-    (weight columns = input features). An Fp8Linear in everything else: the same recipe knobs,
-    delayed-scaling buffers and hooks. Delayed scaling keeps one history per rank (valid by
-    section 2; tensor scales of shards then differ from the twin's), except for an input that
-    SP gathers in FP8: it is quantized before it exists whole, so it gets current scaling.
+    (weight columns = input features). An Fp8Linear in everything else: the same Function, recipe
+    knobs, delayed-scaling buffers and hooks. Delayed scaling keeps one history per rank (valid by
+    section 2; tensor scales of shards then differ from the twin's), except for an input that SP
+    gathers in FP8: it is quantized before it exists whole, so it gets current scaling.
+
+    column: y_r = x @ W_r^T (+ b_r)     row: y = sum_r x_r @ W_r^T (+ b, added once after the sum)
 
     Parameters are tagged for the gradient utilities of section 5: `tp_sharded` (a different
     tensor on every TP rank) and `sp_partial` (replicated, but under SP each rank only sees the
     gradient from its own tokens: must be summed over the TP group)."""
+
+    dgrad_dtype = torch.float32  # partial dx are summed over the ranks from fp32
 
     def __init__(self, weight, bias, parallel, group, sp=False, recipe=None, comm="fp8", fqn="",
                  comm_fmts=None):
@@ -290,48 +257,49 @@ class TPLinear(Fp8Linear):
         super().__init__(in_f, out_f, bias is not None, device="meta", recipe=recipe, fqn=fqn)
         if parallel not in ("column", "row") or comm not in ("fp8", *PLAIN):
             raise ValueError(f"parallel={parallel!r} / comm={comm!r}")
-        # contiguous copies: a column slice is strided, and the FP8 GEMMs want row-major operands
-        self.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        _hold_shard(self, weight, bias, parallel, group, sp, comm)
         self._init_scaling_state(weight.device)
-        self.parallel, self.group, self.sp, self.comm = parallel, group, sp, comm
         self.comm_fmts = comm_fmts or (self.recipe.fwd_fmt, self.recipe.bwd_fmt)
-        self.tp = dist.get_world_size(group)
-        self.weight.tp_sharded = True
-        if self.bias is not None:
-            self.bias.tp_sharded = parallel == "column"
-            self.bias.sp_partial = parallel == "row" and sp
 
-    def quantize_operand(self, role, x2, fmt, shared):
-        """fp8.py's quantization for a tensor role, plus the agreed tensor scale when the
-        operand is sharded (shared=True). Delayed scaling keeps each rank's own history."""
+    def quantize_operand(self, role, x2, fmt):
+        """fp8.py's quantization, plus the agreed tensor scale (section 2) for an operand whose
+        values are spread over the ranks: the weight, a row-parallel input, a column-parallel
+        gradient. (The weight is cast at every forward: Fp8Linear does not cache it, so the amax
+        all-reduce stays matched across ranks.) Delayed scaling keeps each rank's own history."""
         r = self.recipe
-        if r.scaling == "delayed":
-            return self.delayed_quantize(role, x2, fmt)
-        scale = None
-        if shared and r.granularity == "tensor" and self.tp > 1:
-            scale = _shared_scale(x2, self, fmt)
-        block = (BLOCK, BLOCK) if role == WEIGHT else ACT
-        return quantize(x2, fmt, r.granularity, block, scale=scale, margin=r.margin,
-                        power_of_two=r.power_of_two)
+        spread = role == WEIGHT or (role == INPUT) == (self.parallel == "row")
+        if spread and r.scaling == "current" and r.granularity == "tensor" and self.tp > 1:
+            return quantize(x2, fmt, "tensor", scale=_shared_scale(x2, self, fmt))
+        return super().quantize_operand(role, x2, fmt)
 
-    def cast_weight(self):
-        r = self.recipe
-        if r.scaling == "delayed" or r.granularity != "tensor" or self.tp == 1:
-            return super().cast_weight()  # rows and tiles of a shard are its own
-        # One tensor scale for the whole (sharded) weight: every rank casts at every forward,
-        # so the amax all-reduce inside stays matched across ranks.
-        qw = self.quantize_operand(WEIGHT, self.hp_weight().detach(), r.fwd_fmt, shared=True)
-        return qw, qw.t()
+    def gemm_input(self, x):
+        if self.parallel == "column" and self.sp:  # gather the sequence in FP8, into the GEMM
+            qx, x2 = _gather_operand(x, self, self.recipe.fwd_fmt, INPUT)
+            return qx, x2, (x.shape[0], x.shape[1] * self.tp)
+        return super().gemm_input(x)  # column: x is replicated; row: this rank's features
+
+    def gemm_output(self, y):
+        if self.parallel == "column":
+            return y  # this rank's output features
+        fmt = self.comm_fmts[0]  # row: the partial sums meet
+        return (_reduce_scatter_seq(y, self, fmt) if self.sp else _all_reduce(y, self, fmt)).to(y.dtype)
+
+    def dgrad_input(self, dy):
+        if self.parallel == "row" and self.sp:  # backward of the reduce-scatter: gather dy (FP8)
+            return _gather_operand(dy, self, self.recipe.bwd_fmt, GRAD_OUTPUT)
+        return super().dgrad_input(dy)  # column: this rank's features; row: dy is replicated
+
+    def dgrad_output(self, dx):
+        if self.parallel == "row":
+            return dx
+        fmt = self.comm_fmts[1]  # column: backward of "x is replicated": partial dx are summed
+        return _reduce_scatter_seq(dx, self, fmt) if self.sp else _all_reduce(dx, self, fmt)
 
     def forward(self, x):
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):
-            y = _TPLinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
-            if self.parallel == "row" and self.bias is not None:
-                y = y + self.bias.to(out_dtype)
-        return y
+        if self.parallel == "column" or self.bias is None:
+            return super().forward(x)
+        y = fp8_linear(x, self, None)  # row: the bias is added once, after the sum
+        return y + self.bias.to(y.dtype)
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, {self.parallel}-parallel x{self.tp}, sp={self.sp}, "
@@ -379,14 +347,7 @@ class TPLinearPlain(nn.Module):
         if parallel not in ("column", "row") or comm not in PLAIN:
             raise ValueError(f"parallel={parallel!r} / comm={comm!r} (bf16 layers: 'bf16' or 'fp32')")
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        self.parallel, self.group, self.sp, self.comm = parallel, group, sp, comm
-        self.tp = dist.get_world_size(group)
-        self.weight.tp_sharded = True
-        if self.bias is not None:
-            self.bias.tp_sharded = parallel == "column"
-            self.bias.sp_partial = parallel == "row" and sp
+        _hold_shard(self, weight, bias, parallel, group, sp, comm)
 
     def forward(self, x):
         if self.parallel == "column":
@@ -402,6 +363,22 @@ class TPLinearPlain(nn.Module):
 
 # -----------------------------------------------------------------------------
 # 4. Converting a GPT (nanofp8.model) in place
+#
+# model.py's attention and MLP read their sizes from the tensors they get (heads = width /
+# head_dim), so a block runs unchanged on a shard: tensor parallelism only swaps its Linears.
+# Which ones, and how, is data: the plan below, read by parallelize (to cut) and by
+# merge_tp_state_dicts (section 7, to glue back).
+
+
+def tp_plan(config):
+    """Block submodule -> (cut, pieces). "column": output features, i.e. the weight's rows and
+    the bias; "row": input features, the weight's columns (its bias is whole, added after the
+    sum). pieces: the matrices stacked in a fused weight; each is cut on its own, so that a rank
+    holds the same heads of q, k and v (section 1), and the same units of gate and up."""
+    return {"attn.c_attn": ("column", ("q", "k", "v")),
+            "attn.c_proj": ("row", ()),
+            "mlp.c_fc": ("column", ("gate", "up") if config.arch == "llama" else ("fc",)),
+            "mlp.c_proj": ("row", ())}
 
 
 def _shard_rows(t, pieces, rank, tp):
@@ -409,54 +386,24 @@ def _shard_rows(t, pieces, rank, tp):
     return torch.cat([p.chunk(tp, dim=0)[rank] for p in t.chunk(pieces, dim=0)], dim=0)
 
 
-class TPAttention(nn.Module):
-    """CausalSelfAttention over this rank's n_head / tp heads (the same math as model.py)."""
-
-    def __init__(self, attn, rank, tp, make):
-        super().__init__()
-        C = attn.c_attn.in_features
-        self.n_head, self.head_dim = attn.n_head // tp, C // attn.n_head
-        a, p = attn.c_attn, attn.c_proj  # q, k, v each cut by heads
-        self.c_attn = make(_shard_rows(a.weight, 3, rank, tp),
-                           None if a.bias is None else _shard_rows(a.bias, 3, rank, tp), "column")
-        self.c_proj = make(p.weight.chunk(tp, dim=1)[rank], p.bias, "row")
-        self.dropout, self.resid_dropout = attn.dropout, attn.resid_dropout
-
-    def forward(self, x, rope=None):
-        qkv = self.c_attn(x)  # (B, T, 3 * local width): the whole sequence, also under SP
-        B, T, _ = qkv.shape
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        dtype = q.dtype
-        if q.device.type == "cpu":  # as in model.py: CPU attention is faster in fp32
-            q, k, v = q.float(), k.float(), v.float()
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.to(dtype).transpose(1, 2).reshape(B, T, -1)
-        return self.resid_dropout(self.c_proj(y))
+def _merge_rows(shards, pieces):
+    """The inverse of _shard_rows, given every rank's share."""
+    cut = [s.chunk(pieces, dim=0) for s in shards]
+    return torch.cat([torch.cat([c[i] for c in cut], dim=0) for i in range(pieces)], dim=0)
 
 
-class TPMLP(nn.Module):
-    """The MLP with the hidden units cut across ranks (gate and up alike, for SwiGLU)."""
-
-    def __init__(self, mlp, rank, tp, make):
-        super().__init__()
-        self.swiglu = mlp.swiglu
-        fc, pr, pieces = mlp.c_fc, mlp.c_proj, 2 if mlp.swiglu else 1
-        self.c_fc = make(_shard_rows(fc.weight, pieces, rank, tp),
-                         None if fc.bias is None else _shard_rows(fc.bias, pieces, rank, tp), "column")
-        self.c_proj = make(pr.weight.chunk(tp, dim=1)[rank], pr.bias, "row")
-        self.dropout = mlp.dropout
-
-    def forward(self, x):
-        h = self.c_fc(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+def shard_linears(block, plan, rank, tp, make):
+    """Replace the block's Linears named in the plan by this rank's shards:
+    make(weight shard, bias shard or None, "column" | "row", submodule name) -> module."""
+    for name, (cut, pieces) in plan.items():
+        parent, attr = name.rsplit(".", 1)
+        lin = block.get_submodule(name)
+        if cut == "column":
+            w = _shard_rows(lin.weight, len(pieces), rank, tp)
+            b = None if lin.bias is None else _shard_rows(lin.bias, len(pieces), rank, tp)
         else:
-            h = F.gelu(h, approximate="tanh")
-        return self.dropout(self.c_proj(h))
+            w, b = lin.weight.chunk(tp, dim=1)[rank], lin.bias
+        setattr(block.get_submodule(parent), attr, make(w, b, cut, name))
 
 
 class _SeqScatter(torch.autograd.Function):
@@ -499,8 +446,8 @@ def _gather_seq_plain(x, group):
 
 def parallelize(model, tp_group, sp=False, recipe=None, comm="fp8", comm_fmts=None):
     """Convert a nanofp8.model.GPT in place to tensor parallelism over tp_group (and sequence
-    parallelism if sp). Every rank must hold the same weights when it is called. The four block
-    Linears become TPLinear shards (recipe: the given one, else the one apply_fp8 already put on
+    parallelism if sp). Every rank must hold the same weights when it is called. The block
+    Linears named in tp_plan become TPLinear shards (recipe: the given one, else the one apply_fp8 already put on
     them), or, in a model without FP8 recipe and with comm "bf16" / "fp32", TPLinearPlain shards
     (bf16 autocast GEMMs); embeddings, norms and LM head stay replicated. Returns the model.
 
@@ -515,16 +462,19 @@ def parallelize(model, tp_group, sp=False, recipe=None, comm="fp8", comm_fmts=No
     cfg = model.config
     if cfg.n_head % tp or cfg.hidden % tp:
         raise ValueError(f"n_head={cfg.n_head} and MLP width {cfg.hidden} must divide by tp={tp}")
+    plan = tp_plan(cfg)
     for i, blk in enumerate(model.blocks):
         rec = recipe or getattr(blk.attn.c_attn, "recipe", None)
         if rec is None and comm == "fp8":
             raise ValueError("parallelize needs an FP8 recipe (pass recipe= or apply_fp8 first), "
                              "or comm='bf16' / 'fp32' for bf16 layers")
-        make = lambda w, b, kind, i=i: (  # noqa: E731
-            TPLinearPlain(w, b, kind, tp_group, sp, comm) if rec is None else
-            TPLinear(w, b, kind, tp_group, sp, rec, comm, f"blocks.{i}.{kind}", comm_fmts))
-        blk.attn = TPAttention(blk.attn, rank, tp, make)
-        blk.mlp = TPMLP(blk.mlp, rank, tp, make)
+
+        def make(w, b, cut, name, rec=rec, i=i):
+            if rec is None:
+                return TPLinearPlain(w, b, cut, tp_group, sp, comm)
+            return TPLinear(w, b, cut, tp_group, sp, rec, comm, f"blocks.{i}.{name}", comm_fmts)
+
+        shard_linears(blk, plan, rank, tp, make)
         if sp:  # the norms see only this rank's tokens: their gradients are partial
             for p in list(blk.norm_1.parameters()) + list(blk.norm_2.parameters()):
                 p.sp_partial = True
@@ -646,22 +596,13 @@ class PipelineStage(nn.Module):
     def act_shape(self, B, T):
         return (B, T // self.seq_div, self.config.n_embd)
 
+    # GPT.forward's three parts, the same functions, run on the modules this stage holds
+    embed, run_blocks, head = GPT.embed, GPT.run_blocks, GPT.head
+
     def forward(self, inp, targets=None, seq_len=None):
-        T = seq_len or inp.shape[1]
-        x = inp
-        if self.first:
-            x = self.tok_emb(inp)
-            if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(T, device=inp.device))
-            x = self.drop(x)
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.config.arch == "llama" else None
-        for blk in self.blocks.values():
-            x = blk(x, rope)
-        if not self.last:
-            return x
-        logits = self.lm_head(self.norm_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1)
+        x = self.embed(inp) if self.first else inp
+        x = self.run_blocks(x, self.blocks.values(), seq_len or inp.shape[1])
+        return self.head(x, targets)[1] if self.last else x
 
 
 def _send(x, dst, group, fmt):
@@ -747,20 +688,18 @@ def checkpoint_suffix(groups):
 
 
 def merge_tp_state_dicts(states, config):
-    """The TP ranks' state_dicts of one model (or stage) -> one state_dict with full tensors.
-    FP8 scaling buffers (per shard) are taken from rank 0: a single-device model starts from them
-    as from any other estimate."""
-    out = {}
+    """The TP ranks' state_dicts of one model (or stage) -> one state_dict with full tensors, cut
+    back together as tp_plan says. FP8 scaling buffers (per shard) are taken from rank 0: a
+    single-device model starts from them as from any other estimate."""
+    plan, out = tp_plan(config), {}
     for k, v in states[0].items():
+        m = re.fullmatch(r"blocks\.\d+\.(.+)\.(weight|bias)", k)
+        cut, pieces = plan.get(m[1], (None, ())) if m else (None, ())
         shards = [s[k] for s in states]
-        if not k.endswith((".weight", ".bias")) or ".c_" not in k:
-            out[k] = v  # replicated
-        elif ".c_proj.weight" in k:
+        if cut == "column":
+            out[k] = _merge_rows(shards, len(pieces))
+        elif cut == "row" and m[2] == "weight":
             out[k] = torch.cat(shards, dim=1)
-        elif ".c_proj.bias" in k:
+        else:  # replicated: a row-parallel bias, norms, embeddings, LM head, scaling buffers
             out[k] = v
-        else:  # column-parallel rows: undo _shard_rows
-            pieces = 3 if ".c_attn." in k else 2 if config.arch == "llama" else 1
-            cut = [s.chunk(pieces, dim=0) for s in shards]
-            out[k] = torch.cat([torch.cat([c[i] for c in cut], dim=0) for i in range(pieces)], dim=0)
     return out

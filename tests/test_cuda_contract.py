@@ -267,7 +267,7 @@ def one_rank_group():
 def test_tp_sp_layers_obey_the_contract(contract, one_rank_group):
     # parallelize() leaves a one-rank model alone, so the TP blocks are built as it builds them
     from nanofp8.model import GPT, GPTConfig
-    from nanofp8.parallel import TPAttention, TPLinear, TPMLP
+    from nanofp8.parallel import TPLinear, shard_linears, tp_plan
 
     for gran in ("tensor", "row", "block"):
         for sp in (False, True):
@@ -277,8 +277,8 @@ def test_tp_sp_layers_obey_the_contract(contract, one_rank_group):
                 model = GPT(cfg)
                 rec = Recipe(granularity=gran)
                 blk = model.blocks[0]
-                make = lambda w, b, kind: TPLinear(w, b, kind, one_rank_group, sp, rec, "fp8", kind)  # noqa: E731
-                blk.attn, blk.mlp = TPAttention(blk.attn, 0, 1, make), TPMLP(blk.mlp, 0, 1, make)
+                make = lambda w, b, kind, name: TPLinear(w, b, kind, one_rank_group, sp, rec, "fp8", name)  # noqa: E731
+                shard_linears(blk, tp_plan(cfg), 0, 1, make)
                 idx = torch.randint(0, 128, (4, 64))
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                     logits, loss = model(idx, idx)

@@ -123,3 +123,58 @@ def test_load_state_across_precisions():
         load_model_state(GPT(tiny(n_embd=128)), bf16.state_dict())
     with pytest.raises(CheckpointError, match="does not fit"):
         load_model_state(GPT(tiny(n_layer=2)), bf16.state_dict())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_attention_and_mlp_run_on_a_shard(arch):
+    """Attention and MLP read their head count and width from the tensors, so tensor parallelism
+    only swaps their Linears (nanofp8/parallel.py): with the Linears cut as the plan says, the
+    ranks' partial outputs (+ the row-parallel bias, once) sum to the whole module's output. In
+    fp64 the two differ only by summation order."""
+    import copy
+
+    from nanofp8.parallel import shard_linears, tp_plan
+
+    torch.manual_seed(0)
+    cfg = tiny(arch=arch, n_embd=64, n_head=4, mlp_hidden=512 if arch == "gpt2" else 256)
+    m = GPT(cfg).double()
+    for p in m.parameters():  # biases off zero, so that adding the row bias once is checked
+        nn.init.normal_(p, std=0.1)
+    blk, T = m.blocks[0], 32
+    rope = (m.rope_cos[:T].double(), m.rope_sin[:T].double()) if arch == "llama" else None
+    x = torch.randn(2, T, cfg.n_embd, dtype=torch.float64)
+    for tp in (2, 4):
+        attn, mlp = torch.zeros_like(x), torch.zeros_like(x)
+        for rank in range(tp):
+            shard = copy.deepcopy(blk)
+
+            def make(w, b, cut, name):
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None and cut == "column",
+                                dtype=w.dtype)
+                lin.weight.data.copy_(w)
+                if lin.bias is not None:
+                    lin.bias.data.copy_(b)
+                return lin
+
+            shard_linears(shard, tp_plan(cfg), rank, tp, make)
+            assert shard.attn.c_attn.out_features == 3 * cfg.n_embd // tp
+            attn += shard.attn(x, rope)
+            mlp += shard.mlp(x)
+        if cfg.has_bias:
+            attn, mlp = attn + blk.attn.c_proj.bias, mlp + blk.mlp.c_proj.bias
+        for got, want in ((attn, blk.attn(x, rope)), (mlp, blk.mlp(x))):
+            assert (got - want).norm() / want.norm() < 1e-13, (arch, tp)
+
+
+def test_forward_is_embed_blocks_head():
+    """GPT.forward is its three parts in a row (nanofp8/parallel.py's PipelineStage runs them
+    on its share of the model): bit for bit, logits and loss."""
+    torch.manual_seed(0)
+    m = GPT(tiny(arch="llama"))
+    x = torch.randint(0, 96, (2, 32))
+    logits, loss = m(x, x)
+    h = m.run_blocks(m.embed(x), m.blocks[:1], 32)
+    l2, loss2 = m.head(m.run_blocks(h, m.blocks[1:], 32), x)
+    assert torch.equal(logits, l2) and torch.equal(loss, loss2)
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        m.embed(torch.zeros(1, 33, dtype=torch.long))

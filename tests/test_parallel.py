@@ -17,8 +17,10 @@ What "right" means here:
     included) bit-identical on the ranks that hold it, and merged shards loadable on one device.
 """
 
+import copy
 import functools
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -441,3 +443,48 @@ def test_groups_layout(ranks):
     assert P.stage_layers(5, 2, 0) == (0, 3) and P.stage_layers(5, 2, 1) == (3, 5)
     with pytest.raises(ValueError):
         P.stage_layers(1, 2, 0)
+
+
+# -- in-process checks of the plan and the stages (no ranks) ------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_plan_cuts_and_the_merge_glues_back(arch):
+    """shard_linears (what parallelize does) and merge_tp_state_dicts read the one plan: the
+    ranks' state_dicts merge back into the model's own, bit for bit, fused q|k|v and gate|up
+    included (a plain concatenation of those shards would interleave the pieces)."""
+    torch.manual_seed(0)
+    model = GPT(make_model(arch, "tensor").config)
+    want = model.state_dict()
+
+    def linear(w, b, cut, name):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        lin.weight = torch.nn.Parameter(w.detach().clone())
+        lin.bias = None if b is None else torch.nn.Parameter(b.detach().clone())
+        return lin
+
+    for tp in (2, 4):
+        states = []
+        for rank in range(tp):
+            shard = copy.deepcopy(model)
+            for blk in shard.blocks:
+                P.shard_linears(blk, P.tp_plan(model.config), rank, tp, linear)
+            assert shard.blocks[0].attn.c_attn.weight.shape[0] == 3 * 128 // tp
+            states.append(shard.state_dict())
+        merged = P.merge_tp_state_dicts(states, model.config)
+        assert merged.keys() == want.keys()
+        assert all(torch.equal(merged[k], want[k]) for k in want), (arch, tp)
+        k = "blocks.0.attn.c_attn.weight"
+        assert not torch.equal(torch.cat([s[k] for s in states]), want[k])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_pipeline_stages_run_the_models_forward(arch):
+    """A PipelineStage runs GPT.forward's own parts (embed, run_blocks, head) on its share of the
+    model: two stages in a row give the single model's loss bit for bit."""
+    x, y = batch(0)
+    want = make_model(arch, "row")(x, y)[1]
+    first, last = (P.PipelineStage(make_model(arch, "row"), SimpleNamespace(pp_rank=s, pp=2))
+                   for s in range(2))
+    assert list(first.blocks) == ["0"] and list(last.blocks) == ["1"]
+    assert torch.equal(last(first(x), y, x.shape[1]), want)
