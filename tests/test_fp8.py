@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8 import fp8
-from nanofp8.fp8 import (E4M3, E5M2, GRAD_OUTPUT, INPUT, Fp8Linear, Recipe, convert_to_fp8,
+from nanofp8.fp8 import (E4M3, E5M2, INPUT, Fp8Linear, Recipe, convert_to_fp8,
                          dequantize, quantize, scaled_gemm, sqnr)
 
 ML = {E4M3.name: ml_dtypes.float8_e4m3fn, E5M2.name: ml_dtypes.float8_e5m2}

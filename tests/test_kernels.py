@@ -9,11 +9,9 @@ What holds, and is checked here:
   difference left is fp32 summation order: relative error <= 1e-6, SQNR > 120 dB.
 """
 import os
-import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
+os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported (conftest sets it too)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import importlib  # noqa: E402
 

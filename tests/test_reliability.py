@@ -19,12 +19,13 @@ import time
 import pytest
 import torch
 
-from test_train import REPO, TINY, run, shakespeare  # noqa: F401  (the fixture prepares the data)
+import sample
+import train
+from conftest import REPO, TINY, run
+from nanofp8.configurator import ConfigError, read_dataset_meta
+from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint
 
-import sample  # noqa: E402
-import train  # noqa: E402
-from nanofp8.configurator import ConfigError, read_dataset_meta  # noqa: E402
-from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+pytestmark = pytest.mark.usefixtures("shakespeare")
 
 SHAKESPEARE = os.path.join(REPO, "data", "shakespeare_char")
 
@@ -217,6 +218,7 @@ def test_gradient_accumulation_says_what_to_pass(monkeypatch, capsys):
     assert e.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_exit_statuses(tmp_path, capsys):
     """11: an unknown dataset is a config error (2) like the others, in one line naming it."""
     with pytest.raises(SystemExit) as e:
@@ -243,6 +245,7 @@ def test_sample_arguments(arg, match, tmp_path):
         sample.main([f"--out_dir={tmp_path}", arg])
 
 
+@pytest.mark.slow
 def test_sample_command_line_and_tokenizer():
     r = run("sample.py", "--temperature=-0.5")
     assert r.returncode == 2 and "'temperature' must be >= 0" in r.stderr
@@ -385,6 +388,8 @@ train.cli(tiny + ["precision=O1", "gradient_accumulation_steps=2", "max_iters=10
 """
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_torchrun_dropout_resume_and_frozen_rank(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(repo=REPO, out=str(tmp_path), tiny=TINY))
