@@ -64,8 +64,9 @@ def _quantizer_variants():
     """Each quantizer once per input dtype / format pairing that changes its code, with the
     block sizes kernels.quantize launches for rows of >= 1024 values."""
     import kernels
-    fmt = {"e4m3": ("fp8e4nv", dict(FP8_MAX=448.0, MBITS=3, EMIN=-6)),
-           "e5m2": ("fp8e5", dict(FP8_MAX=57344.0, MBITS=2, EMIN=-14))}
+    import torch
+    fmt = {name: (ty, dict(zip(("FP8_MAX", "MBITS", "EMIN"), kernels.FP8_FORMATS[dtype])))
+           for name, ty, dtype in (("e4m3", "fp8e4nv", torch.float8_e4m3fn), ("e5m2", "fp8e5", torch.float8_e5m2))}
     out = [("amax bf16", "_amax_partial_kernel", {"x_ptr": "*bf16", "partial_ptr": "*fp32", "n": "i32"},
             dict(BLOCK=4096), 4, 3)]
     for f, x_t in (("e4m3", "bf16"), ("e5m2", "fp32")):
