@@ -167,6 +167,7 @@ def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at):
     assert largest <= 2 * ref + sr_slack(lin.weight), (largest, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999)])
 def test_fuzz_adversarial_sequences_o2(betas):
     worst = 0.0
@@ -214,6 +215,7 @@ def test_fp16_scale_of_a_tiny_tensor_is_finite():
 # 2. Master updates that survive
 
 
+@pytest.mark.slow
 def test_weight_decay_survives_the_fp16_master():
     """Decay only (zero gradients), GPT-2's lr and weight decay: 1000 steps shrink the weights by
     0.60% in fp32 AdamW; the fp16 master must shrink within 5% of that (relative)."""

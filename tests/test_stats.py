@@ -278,6 +278,7 @@ def test_train_strict_refuses_an_fp8_lm_head_that_cannot_be(tmp_path, capsys):
 # in training: bit-identical, logged, drawn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_statistics_leave_training_bit_identical(tmp_path, capsys, monkeypatch, level):
     off = train.main(TINY + [f"precision={level}", f"out_dir={tmp_path / 'off'}"])
