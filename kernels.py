@@ -53,14 +53,25 @@ We round onto the fp8 grid ourselves before the final cast. The cast of an alrea
 representable value is exact on every backend, so the bytes match torch's cast on the GPU and
 in the CPU interpreter (TRITON_INTERPRET=1), whose own float->fp8/bf16 casts round differently.
 
-Run `python kernels.py` for a correctness check (CPU: interpreter, no timings) and, on a
-CUDA GPU, a benchmark against torch._scaled_mm and bf16 torch.matmul (`--json PATH` saves it).
+Who calls them: nanofp8/fp8.py's backend="triton" (Recipe(backend="triton"), fp8_backend=triton
+in train.py) runs every GEMM of an FP8 Linear on fp8_gemm and, with current scaling, every cast on
+these quantizers; a tensor-scaled cast writes its transpose in the same pass (quantize_transpose),
+so the backward GEMMs' x^T, W^T and dy^T cost no second read of the tensor.
+
+This file imports torch and triton only (nanofp8 imports it, never the other way round), so it
+runs from anywhere on its own: `python kernels.py` is a correctness check against the contract
+written in plain torch at the bottom (CPU: interpreter, no timings) and, on a CUDA GPU, a
+benchmark against torch._scaled_mm and bf16 torch.matmul (`--json PATH` saves it). It keeps its
+own copies of the format maxima, the amax floor, the block size and sqnr for that reason;
+tests/test_kernels.py checks that they equal nanofp8.fp8's and that the kernels are bit-exact
+with nanofp8.fp8.quantize.
 """
 
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 if __name__ == "__main__" and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: run the kernels in the interpreter
@@ -76,10 +87,11 @@ except ImportError as e:  # keep the failure readable: nanofp8 works without Tri
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 # torch dtype -> (largest finite value, mantissa bits, exponent of the smallest normal)
+# (the values of nanofp8.fp8.E4M3 and E5M2; tests/test_kernels.py checks they agree)
 FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KBLOCK = 128  # K step of the GEMM = width of a scaling tile (DeepSeek-V3)
-AMAX_EPS = tl.constexpr(1e-12)  # amax floor: an all-zero tensor gets a large finite scale
+KBLOCK = 128  # K step of the GEMM = width of a scaling tile (DeepSeek-V3): nanofp8.fp8.BLOCK
+AMAX_EPS = tl.constexpr(1e-12)  # amax floor: an all-zero tensor gets a large finite scale (ditto)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # |v| <= FLT_MAX  <=>  v is finite (NaN fails)
 NAN_BYTE = tl.constexpr(0x7F)  # torch's positive NaN in both E4M3FN and E5M2
 
@@ -578,39 +590,85 @@ GEMM_SHAPES = ([(f"square {s}", (s, s, s)) for s in (1024, 2048, 4096, 8192)]  #
                   {"qkv": (4096, 12288), "o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}.items()])
 
 
-def _sqnr(ref, x):
+def sqnr(ref, x):
+    """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - x|) (nanofp8.fp8.sqnr)."""
     noise = (ref.double() - x.double()).norm()
     return float("inf") if noise == 0 else (20 * torch.log10(ref.double().norm() / noise)).item()
 
 
+def reference_quantize(x, fmt_dtype, granularity="tensor", block=(1, KBLOCK), margin=0,
+                       power_of_two=False):
+    """The quantizers' contract in plain torch, as nanofp8.fp8.quantize computes it: amax per
+    tensor / row / tile (padding reads 0), scale = fp8_max / max(amax, 1e-12) in float64 (rounded
+    down to a power of two, divided by 2^margin), 1.0 where amax is not finite; then clamp, NaN
+    for non-finite inputs, and torch's round-to-nearest-even cast. Returns (data, scale)."""
+    fp8_max = FP8_FORMATS[fmt_dtype][0]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    R, C = x2.shape
+    br, bc = {"tensor": (R, C), "row": (1, C)}.get(granularity, tuple(block))
+    padded = F.pad(x2.abs(), (0, -C % bc, 0, -R % br))
+    amax = padded.reshape(padded.shape[0] // br, br, -1, bc).amax(dim=(1, 3))
+    s = fp8_max / amax.double().clamp(min=AMAX_EPS.value)
+    if power_of_two:
+        s = torch.exp2(torch.floor(torch.log2(s)))
+    s = torch.where(torch.isfinite(amax), (s / 2.0**margin).float(), 1.0)
+    s_el = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:R, :C]
+    data = torch.where(torch.isfinite(x2), (x2 * s_el).clamp(-fp8_max, fp8_max), torch.nan)
+    return data.to(fmt_dtype), s.reshape(()) if granularity == "tensor" else s
+
+
+def reference_gemm(a, b, a_inv_scale, b_inv_scale, bias=None):
+    """fp32 (a * a_inv_scale) @ (b * b_inv_scale)^T (+ bias), summed per 128-wide slice of K."""
+    def dequantize(d, s):
+        rows, k = d.shape
+        if s.numel() > 1 and tuple(s.shape) != (rows, 1):  # tiles: one scale per element
+            s = s.repeat_interleave(1 if s.shape[0] == rows else KBLOCK, 0)[:rows]
+            s = s.repeat_interleave(KBLOCK, 1)[:, :k]
+        return d.float() * s
+    a32, b32 = dequantize(a, a_inv_scale), dequantize(b, b_inv_scale)
+    out = sum(a32[:, k:k + KBLOCK] @ b32[:, k:k + KBLOCK].t() for k in range(0, a.shape[1], KBLOCK))
+    return out if bias is None else out + bias.float()
+
+
 def _self_check(device):
-    """Quantizers vs nanofp8.fp8.quantize (bytes and scales), GEMM vs dequantize-then-matmul."""
-    from nanofp8 import fp8  # the pure-torch reference this file must agree with
+    """Quantizers vs reference_quantize (bytes and scales), GEMM vs reference_gemm."""
     torch.manual_seed(0)
     M, N, K = (65, 96, 200) if device == "cpu" else (1000, 1536, 2000)
     x = torch.randn(M, K, device=device) * 4
     x[0, :3] = torch.tensor([float("inf"), float("nan"), 1e-30])
+    grans = (("tensor", (1, KBLOCK)), ("row", (1, KBLOCK)), ("block", (1, KBLOCK)),
+             ("block", (KBLOCK, KBLOCK)))
+    same_bytes = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
+    name = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
     ok = True
-    for fmt in (fp8.E4M3, fp8.E5M2):
-        for gran, block in (("tensor", (1, 128)), ("row", (1, 128)), ("block", (1, 128)), ("block", (128, 128))):
-            ref = fp8.quantize(x, fmt, gran, block, margin=1)
-            data, scale = quantize(x, fmt.dtype, gran, block, margin=1)
-            same = torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale)
+    for fmt in FP8_FORMATS:
+        for gran, block in grans:
+            ref, ref_scale = reference_quantize(x, fmt, gran, block, margin=1)
+            data, scale = quantize(x, fmt, gran, block, margin=1)
+            same = same_bytes(data, ref) and torch.equal(scale, ref_scale)
             ok &= same
-            print(f"quantize {fmt.name} {gran:6s} {str(block) if gran == 'block' else '':10s} bit-exact: {same}")
+            print(f"quantize {name[fmt]} {gran:6s} {str(block) if gran == 'block' else '':10s} "
+                  f"bit-exact: {same}")
+        data, data_t, scale = quantize_transpose(x, fmt, margin=1)
+        ref, ref_scale = reference_quantize(x, fmt, margin=1)
+        same = same_bytes(data, ref) and same_bytes(data_t, ref.t()) and torch.equal(scale, ref_scale)
+        ok &= same
+        print(f"quantize_transpose {name[fmt]}            bit-exact: {same}")
+    x = x.nan_to_num(0.0, 0.0, 0.0)
     w = torch.randn(N, K, device=device) * 0.05
     bias = torch.randn(N, device=device)
-    for (fa, fb) in ((fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3)):
-        for gran, ba, bb in (("tensor", None, None), ("row", None, None), ("block", (1, 128), (128, 128))):
-            a = fp8.quantize(x.nan_to_num(0.0, 0.0, 0.0), fa, gran, ba or (1, 128))
-            b = fp8.quantize(w, fb, gran, bb or (1, 128))
-            ref = fp8.scaled_gemm(a, b, torch.float32, bias, backend="emulate")
-            out = fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, torch.float32, bias)
+    for fa, fb in ((torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)):
+        for gran, ba, bb in (("tensor", None, None), ("row", None, None),
+                             ("block", (1, KBLOCK), (KBLOCK, KBLOCK))):
+            a, sa = quantize(x, fa, gran, ba or (1, KBLOCK))
+            b, sb = quantize(w, fb, gran, bb or (1, KBLOCK))
+            ref = reference_gemm(a, b, sa.reciprocal(), sb.reciprocal(), bias)
+            out = fp8_gemm(a, b, sa.reciprocal(), sb.reciprocal(), torch.float32, bias)
             rel = ((out - ref).abs().max() / ref.abs().max()).item()
             ok &= rel < 1e-5
-            print(f"fp8_gemm {fa.name}x{fb.name} {gran:6s} M,N,K={M},{N},{K}: max rel err {rel:.2e}, "
-                  f"SQNR vs fp32 reference {_sqnr(ref, out):.1f} dB, vs unquantized "
-                  f"{_sqnr(x.nan_to_num(0.0, 0.0, 0.0) @ w.t() + bias, out):.1f} dB")
+            print(f"fp8_gemm {name[fa]}x{name[fb]} {gran:6s} M,N,K={M},{N},{K}: max rel err {rel:.2e}, "
+                  f"SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
+                  f"{sqnr(x @ w.t() + bias, out):.1f} dB")
     print("correctness:", "OK" if ok else "FAILED")
     return ok
 
@@ -624,8 +682,8 @@ def _benchmark(json_path=None):
              "bf16 matmul"]
     print(f"\nGEMM TFLOPS (2*M*N*K / time) on {torch.cuda.get_device_name()}, bf16 output; "
           "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales")
-    from nanofp8.fp8 import scaled_mm_support
-    print(f"torch._scaled_mm here: {scaled_mm_support(torch.device('cuda'))}")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, compute capability "
+          f"{torch.cuda.get_device_capability()}; 'n/a' where torch._scaled_mm refuses a GEMM")
     print(f"{'shape':22s} {'M':>5s} {'N':>6s} {'K':>6s} " + " ".join(f"{n:>15s}" for n in names))
     results = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(),
                "torch": torch.__version__, "triton": triton.__version__, "gemm": [], "quantize": []}
@@ -640,8 +698,8 @@ def _benchmark(json_path=None):
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16, use_fast_accum=True),
                # native 1x128 x 128x128 (SM90, cuBLASLt >= 12.9, torch >= 2.11), in the scale
-               # layouts nanofp8.fp8._block_scale_arg gives: (M, K/128) with strides (1, M), and
-               # the transpose of the weight's (N/128, K/128) grid; "n/a" where it is refused
+               # layouts the CUDA kernel asks for (nanofp8/fp8.py passes the same): (M, K/128)
+               # with strides (1, M), and the transpose of the weight's (N/128, K/128) grid
                lambda: torch._scaled_mm(ta, tb.t(), tia.t().contiguous().t(), tib.t(), out_dtype=bf16),
                lambda: torch.matmul(x, w.t())]
         row = {"shape": label, "M": M, "N": N, "K": K}
@@ -678,7 +736,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--json", metavar="PATH", help="write the benchmark figures to PATH")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ok = _self_check(device)
     if device == "cuda":

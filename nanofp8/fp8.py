@@ -107,6 +107,7 @@ tensor scale would have needed. Every Linear's FP8 status is listed at start-up,
 that falls back to high precision at run time is counted (fallbacks), or refused (strict).
 """
 
+import os
 import warnings
 from dataclasses import dataclass, fields
 
@@ -169,7 +170,9 @@ class Fp8Tensor:
     block: tuple
     shape: torch.Size  # original shape
     dtype: torch.dtype  # original dtype
-    amax: torch.Tensor = None  # the amax the data was measured with (NaN where it was non-finite)
+    amax: torch.Tensor = None  # the amax the data was measured with (NaN where it was non-finite;
+    #                            None where a Triton quantizer measured it and kept it on chip)
+    data_t: torch.Tensor = None  # the transposed copy, where the quantizer wrote it in the same pass
 
     @property
     def inv_scale(self):
@@ -182,8 +185,9 @@ class Fp8Tensor:
             raise ValueError("row-scaled FP8 data cannot be transposed: re-quantize the transpose")
         scale = self.scale if self.granularity == "tensor" else self.scale.t().contiguous()
         rows, cols = self.data.shape
-        return Fp8Tensor(self.data.t().contiguous(), scale, self.fmt, self.granularity,
-                         self.block[::-1], torch.Size((cols, rows)), self.dtype, self.amax)
+        data_t = self.data.t().contiguous() if self.data_t is None else self.data_t
+        return Fp8Tensor(data_t, scale, self.fmt, self.granularity, self.block[::-1],
+                         torch.Size((cols, rows)), self.dtype, self.amax)
 
 
 def _tile_amax(x2, block):
@@ -424,24 +428,50 @@ def _gemm_block_loop(a, b, out_dtype, bias):
     return out.to(out_dtype)
 
 
-def _gemm_triton(a, b, out_dtype, bias, fast_accum):
+def _kernels():
+    """The Triton kernels of backend="triton": the top-level kernels.py, next to this package and
+    not in it (it imports torch and triton only, and runs on its own: `python kernels.py`). It is
+    importable where the repo root is on sys.path, as it is for the scripts of the repo."""
     try:
-        import kernels  # top-level kernels.py: on sys.path when run from the repo root
-    except ImportError as e:
-        raise RuntimeError("backend='triton' needs the repo's kernels.py importable (run from "
-                           "the repo root) and the triton package installed") from e
-    return kernels.fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, out_dtype, bias,
-                            fast_accum=fast_accum)
+        import kernels
+    except ModuleNotFoundError as e:
+        if e.name != "kernels":  # triton itself: kernels.py raises its own message for that
+            raise
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        raise ImportError(f"backend='triton' needs kernels.py from the repo root ({repo}), which is "
+                          "not on sys.path: run from the repo root or add it to PYTHONPATH") from None
+    return kernels
+
+
+def _gemm_triton(a, b, out_dtype, bias, fast_accum):
+    return _kernels().fp8_gemm(a.data, b.data, a.inv_scale, b.inv_scale, out_dtype, bias,
+                               fast_accum=fast_accum)
 
 
 def _triton_available(device):
+    """May backend="torch" fall back to the Triton GEMM? On CUDA, where kernels.py imports."""
     if device.type != "cuda":
         return False
     try:
-        import kernels  # noqa: F401
+        _kernels()
         return True
     except ImportError:
         return False
+
+
+def _quantize_triton(x2, fmt, granularity, block, margin, power_of_two):
+    """quantize() on kernels.py's Triton quantizers (bit-exact with it: tests/test_kernels.py),
+    for backend="triton". A tensor-scaled cast also writes its transpose in the same pass
+    (kernels.quantize_transpose), so the x^T, W^T and dy^T of the backward GEMMs cost no second
+    read of the tensor (Fp8Tensor.t() returns that copy)."""
+    kernels = _kernels()
+    if granularity == "tensor":
+        data, data_t, scale = kernels.quantize_transpose(x2, fmt.dtype, margin, power_of_two)
+    else:
+        data_t = None
+        data, scale = kernels.quantize(x2, fmt.dtype, granularity, block, margin, power_of_two)
+    block = tuple(block) if granularity == "block" else (1, x2.shape[1])
+    return Fp8Tensor(data, scale, fmt, granularity, block, x2.shape, x2.dtype, data_t=data_t)
 
 
 def _shape_refusal(a, b, sup):
@@ -582,10 +612,12 @@ ACT_BLOCK = (1, BLOCK)  # block-scale tile of activations and gradients: one tok
 def _requantize_t(mod, x2, fmt, q, block):
     """The operand for a backward GEMM that contracts over x2's *first* dim: the transpose of
     the FP8 copy where scales allow it, else a fresh quantization of x2^T along that dim."""
-    if mod.recipe.granularity == "tensor" or (mod.recipe.granularity == "block" and q.block[0] > 1):
+    r = mod.recipe
+    if r.granularity == "tensor" or (r.granularity == "block" and q.block[0] > 1):
         return q.t()
-    return quantize(x2.t(), fmt, mod.recipe.granularity, block, margin=mod.recipe.margin,
-                    power_of_two=mod.recipe.power_of_two)
+    if r.backend == "triton":
+        return _quantize_triton(x2.t(), fmt, r.granularity, block, r.margin, r.power_of_two)
+    return quantize(x2.t(), fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 
 
 def _pack(q):  # Fp8Tensor -> (tensors for save_for_backward, metadata for ctx)
@@ -721,6 +753,8 @@ class Fp8Linear(nn.Linear):
         if r.scaling == "delayed":
             return self.delayed_quantize(role, x2, fmt)
         block = (BLOCK, BLOCK) if role == WEIGHT else ACT_BLOCK
+        if r.backend == "triton":
+            return _quantize_triton(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
         return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 
     # The four communication hooks of _Fp8LinearFunction (section 5). A layer on one device has

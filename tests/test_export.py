@@ -19,46 +19,30 @@ What is checked, on tiny models:
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import conftest
+import export
+import sample
+import train
+from nanofp8.checkpoint import _moments, freeze_fp8, load_for_inference, load_moments, read_checkpoint
+from nanofp8.fp8 import E4M3, quantize, sqnr
+from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable
+from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state
 
-import export  # noqa: E402
-import sample  # noqa: E402
-import train  # noqa: E402
-from nanofp8.checkpoint import (_moments, freeze_fp8, load_for_inference, load_moments,  # noqa: E402
-                                read_checkpoint)
-from nanofp8.fp8 import E4M3, quantize, sqnr  # noqa: E402
-from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable  # noqa: E402
-from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
-from nanofp8.run import MODEL_KEYS  # noqa: E402
+from nanofp8.run import MODEL_KEYS
 
-TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
-        "batch_size=4", "gradient_accumulation_steps=2", "eval_iters=2", "log_interval=1",
-        "device=cpu", "compile=False", "learning_rate=3e-3", "warmup_iters=2", "min_lr=3e-4",
-        "lr_decay_iters=8", "eval_interval=3", "max_iters=3"]
+pytestmark = pytest.mark.usefixtures("shakespeare")
+
+# conftest's tiny model, 2 micro-batches per step, 3 steps
+TINY = conftest.TINY + ["gradient_accumulation_steps=2", "lr_decay_iters=8", "eval_interval=3", "max_iters=3"]
 ARGS = dict(vocab_size=84, n_layer=2, n_head=2, n_embd=32, block_size=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shakespeare():
-    data_dir = os.path.join(REPO, "data", "shakespeare_char")
-    if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.pkl")):
-        subprocess.run([sys.executable, os.path.join(data_dir, "prepare.py")], check=True)
-
-
 def torchrun(nproc, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "train.py"), *TINY, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    return conftest.torchrun(nproc, *TINY, *args, timeout=240).stdout
 
 
 def val_losses(stdout):
@@ -116,6 +100,8 @@ def test_bf16_and_o1_sample(tmp_path, capsys, precision):
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     """O3 on 2 ranks: the weights come back from the sharded fp16 masters, not from the FP8 copies
     in the model state, and in the right order: cast to E4M3 they give back (all but a few
@@ -147,6 +133,8 @@ def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     assert load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["state"][0]["step"] == 5
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_tp2_to_one_process(tmp_path, capsys):
     """TP=2 (one file per rank): sample.py merges the shards, and one process resumes them; its
     evaluation matches the TP run's on the same batches (bf16 GEMMs cut in two: rounding only)."""

@@ -7,19 +7,22 @@ What holds, and is checked here:
   whose partial sums are small integers the result is EXACT (any summation order), and a bf16
   output equals the fp32 reference rounded to nearest even. With random data the only
   difference left is fp32 summation order: relative error <= 1e-6, SQNR > 120 dB.
+* backend="triton" of nanofp8.fp8 casts on these quantizers (a tensor-scaled cast writes the
+  transpose for the backward GEMMs in the same pass) and saves the same FP8 bytes as the torch
+  casts; a kernels.py that cannot be imported is an error that says why.
+* kernels.py is standalone (torch and triton only): its copies of the format constants, the amax
+  floor, the block size, sqnr and its plain-torch references equal nanofp8's, and its self-check
+  (`python kernels.py`) passes.
 """
 import os
-import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
+os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported (conftest sets it too)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 import kernels  # noqa: E402
@@ -35,21 +38,9 @@ GRANS = [("tensor", (1, 128)), ("row", (1, 128)), ("block", (1, 128)), ("block",
 
 
 def ref_quantize(x, dtype, gran, block=(1, 128), margin=0, pow2=False):
-    """The contract in plain torch: amax per tile (float64 division, 1e-12 floor, optional
-    power of two, /2^margin, non-finite amax -> 1.0), clamp, NaN for non-finite, RNE cast."""
-    fmax = FMT[dtype].max
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    R, C = x2.shape
-    br, bc = {"tensor": (R, C), "row": (1, C)}.get(gran, block)
-    pad = F.pad(x2.abs(), (0, -C % bc, 0, -R % br))
-    amax = pad.reshape(pad.shape[0] // br, br, -1, bc).amax(dim=(1, 3))
-    s = fmax / amax.double().clamp(min=1e-12)
-    if pow2:
-        s = torch.exp2(torch.floor(torch.log2(s)))
-    s = torch.where(torch.isfinite(amax), (s / 2.0**margin).float(), 1.0)
-    s_el = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:R, :C]
-    y = torch.where(torch.isfinite(x2), (x2 * s_el).clamp(-fmax, fmax), torch.nan).to(dtype)
-    return y, s.reshape(()) if gran == "tensor" else s  # row: already (R, 1)
+    """The contract in plain torch: kernels.reference_quantize (what `python kernels.py` checks
+    against; test_reference_is_nanofp8 below holds it to nanofp8.fp8.quantize, bit for bit)."""
+    return kernels.reference_quantize(x, dtype, gran, block, margin, pow2)
 
 
 def assert_same_quant(got, want):
@@ -146,22 +137,8 @@ def test_quantize_transpose():
 # GEMM
 
 
-def ref_gemm(a, b, sa, sb, bias=None):
-    """Dequantize to fp32 and multiply; scales that vary along K are summed per 128-slice."""
-    def deq(d, s):
-        rows, k = d.shape
-        if s.numel() > 1 and tuple(s.shape) != (rows, 1):  # tiles: expand to one per element
-            per = 1 if s.shape[0] == rows else 128
-            s = s.repeat_interleave(per, 0)[:rows].repeat_interleave(128, 1)[:, :k]
-        return d.float() * s
-    a32, b32 = deq(a, sa), deq(b, sb)
-    out = sum(a32[:, k:k + 128] @ b32[:, k:k + 128].t() for k in range(0, a.shape[1], 128))
-    return out if bias is None else out + bias.float()
-
-
-def sqnr(ref, x):
-    noise = (ref.double() - x.double()).norm()
-    return float("inf") if noise == 0 else (20 * torch.log10(ref.double().norm() / noise)).item()
+ref_gemm = kernels.reference_gemm  # dequantize to fp32, sum per 128-slice of K
+sqnr = fp8.sqnr
 
 
 def pow2_scales(kind, rows, K, gen):
@@ -267,7 +244,7 @@ def test_errors():
 @pytest.mark.parametrize("gran", ["tensor", "row", "block"])
 def test_fp8_linear_with_triton_backend(gran):
     """The whole layer (forward, dgrad, wgrad) on the Triton kernels agrees with the reference."""
-    from nanofp8.fp8 import Recipe, convert_to_fp8, sqnr
+    from nanofp8.fp8 import Recipe, convert_to_fp8
 
     outs = []
     for backend in ("triton", "emulate"):
@@ -332,3 +309,117 @@ def test_autotuner_tries_exactly_the_configs_of_the_variant():
                 assert got == want and got, (out_dtype, tma, fast, blockwise, b_rows)
                 if out_dtype == torch.float32 and tma:  # 3 stages of 128x256 need 279,576 B
                     assert all(s <= 2 for bm, bn, s, w in got if bm * bn >= 128 * 256)
+
+
+# -----------------------------------------------------------------------------
+# kernels.py standalone, and the triton backend of nanofp8.fp8
+
+
+def test_kernels_imports_only_torch_and_triton():
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, "kernels.py")).read())
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert roots <= {"os", "sys", "torch", "triton", "argparse", "datetime", "json"}, roots
+    assert "sys.path" not in open(os.path.join(ROOT, "kernels.py")).read()
+
+
+def test_constants_are_nanofp8s():
+    """kernels.py keeps its own copies (it imports nothing from nanofp8): they must be the same."""
+    for dtype, (fmax, mbits, emin) in kernels.FP8_FORMATS.items():
+        fi = torch.finfo(dtype)
+        assert fmax == FMT[dtype].max == fi.max
+        assert 2.0**emin == FMT[dtype].min_normal == fi.smallest_normal
+        assert 2.0**-mbits == fi.eps
+    assert set(kernels.FP8_FORMATS) == {f.dtype for f in (fp8.E4M3, fp8.E5M2)}
+    assert kernels.KBLOCK == fp8.BLOCK and kernels.AMAX_EPS.value == fp8.AMAX_EPS
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 1e-30, 1e30):
+        ref = torch.randn(257, generator=g) * scale
+        x = ref + torch.randn(257, generator=g) * scale * 1e-3
+        assert kernels.sqnr(ref, x) == fp8.sqnr(ref, x)
+    assert kernels.sqnr(ref, ref) == fp8.sqnr(ref, ref) == float("inf")
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("gran,block", GRANS)
+def test_reference_is_nanofp8(dtype, gran, block):
+    """kernels.reference_quantize (the self-check's and these tests' contract) is
+    nanofp8.fp8.quantize, bit for bit; reference_gemm is fp8.scaled_gemm's fp32 reference (exact
+    here: integer-valued products with power-of-two scales, so no summation order matters)."""
+    x = special_input((70, 300), seed=4)
+    x[3, :2] = torch.tensor([float("inf"), float("nan")])
+    for margin, pow2 in ((0, False), (2, True)):
+        q = fp8.quantize(x, FMT[dtype], gran, block, margin=margin, power_of_two=pow2)
+        assert_same_quant(ref_quantize(x, dtype, gran, block, margin, pow2), (q.data, q.scale))
+    g = torch.Generator().manual_seed(1)
+    a = fp8.quantize(torch.randint(-8, 9, (33, 300), generator=g).float(), FMT[dtype], gran, (1, 128),
+                     power_of_two=True)
+    b = fp8.quantize(torch.randint(-8, 9, (48, 300), generator=g).float(), fp8.E4M3, gran, block,
+                     power_of_two=True)
+    bias = torch.randn(48, generator=g)
+    want = fp8.scaled_gemm(a, b, torch.float32, bias, backend="emulate")
+    assert torch.equal(ref_gemm(a.data, b.data, a.inv_scale, b.inv_scale, bias), want)
+
+
+def test_self_check_passes(capsys):
+    """`python kernels.py` on a machine without a GPU: quantizers and GEMM against the references."""
+    assert kernels._self_check("cpu")
+    out = capsys.readouterr().out
+    assert "correctness: OK" in out and "bit-exact: False" not in out
+
+
+@pytest.mark.parametrize("gran,casts", [("tensor", {"quantize_transpose": 3}), ("row", {"quantize": 6}),
+                                        ("block", {"quantize": 5})])
+def test_triton_backend_casts_on_the_kernels(gran, casts, monkeypatch):
+    """backend="triton" runs the layer's casts on kernels.py's quantizers. Tensor scaling: x, W and
+    dy once each, every cast writing the transpose its backward GEMM reads in the same pass
+    (nothing re-quantized, no separate transpose). Row: x, W, dy and their re-quantized
+    transposes. Block: the same less W^T (a 128x128 grid transposes). The FP8 operands saved for
+    backward are the torch casts' bytes, adversarial inputs included."""
+    calls = {}
+
+    def counted(name):
+        real = getattr(kernels, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    for name in ("quantize", "quantize_transpose"):
+        monkeypatch.setattr(kernels, name, counted(name))
+    saved = {}
+    for backend in ("triton", "emulate"):
+        calls.clear()
+        torch.manual_seed(0)
+        layer = fp8.convert_to_fp8(torch.nn.Linear(200, 144), fp8.Recipe(granularity=gran, backend=backend))
+        x = special_input((3, 40, 200), seed=5).requires_grad_()
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            y = layer(x)
+        y.backward(special_input(tuple(y.shape), seed=6))
+        saved[backend] = [t for t in packed if t.dtype in (E4M3, E5M2)]
+        assert torch.isfinite(layer.weight.grad).all() and torch.isfinite(x.grad).all()
+        if backend == "triton":
+            assert calls == casts
+    assert calls == {}  # the torch path never calls the kernels
+    assert len(saved["triton"]) == len(saved["emulate"]) == 2  # x^T and W^T
+    for got, want in zip(saved["triton"], saved["emulate"]):
+        assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_triton_backend_says_why_kernels_do_not_import(monkeypatch):
+    import sys
+
+    a = fp8.quantize(torch.randn(16, 128), fp8.E4M3)
+    monkeypatch.setitem(sys.modules, "kernels", None)  # as if run from outside the repo root
+    with pytest.raises(ImportError, match="kernels.py from the repo root .* not on sys.path"):
+        fp8.scaled_gemm(a, a, torch.float32, backend="triton")
+    assert not fp8._triton_available(torch.device("cuda"))  # backend="torch" falls back elsewhere
+    monkeypatch.delitem(sys.modules, "kernels")
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton not installed
+    with pytest.raises(ImportError, match="kernels.py needs the `triton` package"):
+        fp8.scaled_gemm(a, a, torch.float32, backend="triton")
+

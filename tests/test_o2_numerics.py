@@ -13,15 +13,13 @@ O3 runs on 2 gloo ranks, every scenario in one spawn."""
 import copy
 import io
 import os
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
+from conftest import spawn
 from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.optim import (Fp8AdamW, O2Linear, adam_moments, adam_ratio_bound, convert_to_o2,
                            to_fp16_scaled)
@@ -169,6 +167,7 @@ def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at):
     assert largest <= 2 * ref + sr_slack(lin.weight), (largest, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999)])
 def test_fuzz_adversarial_sequences_o2(betas):
     worst = 0.0
@@ -216,6 +215,7 @@ def test_fp16_scale_of_a_tiny_tensor_is_finite():
 # 2. Master updates that survive
 
 
+@pytest.mark.slow
 def test_weight_decay_survives_the_fp16_master():
     """Decay only (zero gradients), GPT-2's lr and weight decay: 1000 steps shrink the weights by
     0.60% in fp32 AdamW; the fp16 master must shrink within 5% of that (relative)."""
@@ -323,12 +323,6 @@ def test_o2_resume_is_bit_exact():
 # 5. O3 on 2 gloo ranks: every scenario above in one spawn
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _max_all(x):
     t = torch.tensor([float(x)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -339,9 +333,7 @@ def _min_all(x):
     return -_max_all(-float(x))
 
 
-def o3_worker(rank, world, port, outdir):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def o3_worker(rank, world, outdir):  # run by conftest.spawn: the process group is up
     res = {}
     # spike
     for v_format in ("fp16", "fp8"):
@@ -396,17 +388,17 @@ def o3_worker(rank, world, port, outdir):
     res["resume"] = _min_all(same)
     if rank == 0:
         torch.save(res, os.path.join(outdir, "o3.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def o3_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("o3")
-    mp.spawn(o3_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn(o3_worker, 2, str(out))
     return torch.load(out / "o3.pt", weights_only=False)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("v_format", ["fp16", "fp8"])
 def test_o3_spike_never_gives_a_step_larger_than_adamw(o3_results, v_format):
     r = o3_results[f"spike_{v_format}"]
@@ -414,17 +406,23 @@ def test_o3_spike_never_gives_a_step_larger_than_adamw(o3_results, v_format):
     assert r["finite"] and r["o3"] <= 2 * r["ref"] + r["slack"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_o3_weight_decay_survives(o3_results):
     r = o3_results["decay"]
     print(f"O3 decay only, 1000 steps: fp32 AdamW shrinks {100 * r['ref']:.3f}%, O3 {100 * r['o3']:.3f}%")
     assert abs(r["o3"] - r["ref"]) <= 0.05 * r["ref"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_o3_fuzz_adversarial_sequences(o3_results):
     r = o3_results["fuzz"]
     print(f"fuzz O3: largest O3 update / largest AdamW update = {r['worst']:.3f}")
     assert r["finite"] and r["worst"] <= 2
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_o3_resume_is_bit_exact(o3_results):
     assert o3_results["resume"]

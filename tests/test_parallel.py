@@ -267,6 +267,8 @@ def own_scales(gran, kind, comm, i):
     return (comm.startswith("delayed") and i < 3) or cut_rows
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_layers_reproduce_their_single_device_twin(ranks):
     """fp32 communication isolates what sharding does to the FP8 GEMMs: where the shard uses the
     twin's scales (tensor scales agreed over the group, block scales of 128-aligned shards, row
@@ -285,6 +287,8 @@ def test_layers_reproduce_their_single_device_twin(ranks):
                 assert s >= 60, (key, i, s)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_fp8_communication_costs_one_rounding(ranks):
     """FP8 payloads that carry partial sums (row-parallel y, column-parallel dx) add one FP8
     rounding of the partial sums (the all-reduce two: it re-quantizes the sum to gather it).
@@ -313,6 +317,8 @@ def test_fp8_communication_costs_one_rounding(ranks):
     assert e4["twin"][1] > e5["twin"][1] + 3
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_sp_gather_and_scatter_on_adversarial_activations(ranks):
     sp = ranks[2][0]["sp"]
     for k, v in sp.items():
@@ -329,6 +335,8 @@ def test_sp_gather_and_scatter_on_adversarial_activations(ranks):
                 assert g >= 28 and rt >= 25, (gran, kind, g, rt)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_sp_traffic_is_about_half_of_bf16(ranks):
     for gran, res in ranks[2][0]["bytes"].items():
         fp8, bf16 = res["fp8"]["bytes_sent"], res["bf16"]["bytes_sent"]
@@ -369,6 +377,8 @@ def runs(ranks, name):
     return [o[name] for o in ranks[world]]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("name", list(RUNS))
 def test_training_matches_single_device(ranks, name):
     arch, gran = RUNS[name][:2]
@@ -405,6 +415,8 @@ def test_training_matches_single_device(ranks, name):
                     assert torch.equal(a["state"]["tok_emb.weight"], b["state"]["lm_head.weight"])
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_pipeline_traffic_is_about_half_of_bf16(ranks):
     """Activations (E4M3) and gradients (E5M2) between stages: 1 byte per value + 4 per token."""
     for name in ("pp2", "pp2_tp2_sp"):
@@ -415,6 +427,8 @@ def test_pipeline_traffic_is_about_half_of_bf16(ranks):
             assert 0 < b["fp8"] <= 0.52 * b["bf16"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_merged_checkpoint_loads_on_one_device(ranks):
     """The TP shards (and PP stages) of a run merge into a single-device state dict that
     evaluates to the loss the parallel model reported."""
@@ -434,6 +448,8 @@ def test_merged_checkpoint_loads_on_one_device(ranks):
         assert abs(loss - rs[0]["eval"]) / loss < 0.01
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_groups_layout(ranks):
     """tp varies fastest, then dp, then pp: (dp_rank, tp_rank, pp_rank) of global ranks 0..3."""
     assert [o["dp2_tp2"]["groups"] for o in ranks[4]] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]

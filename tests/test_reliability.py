@@ -19,14 +19,16 @@ import time
 import pytest
 import torch
 
-from test_train import REPO, TINY, run, shakespeare  # noqa: F401  (the fixture prepares the data)
+import sample
+import train
+from conftest import REPO, TINY, run
+from nanofp8.configurator import ConfigError, read_dataset_meta
+from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint
 
-import sample  # noqa: E402
-import train  # noqa: E402
-from nanofp8.configurator import ConfigError, read_dataset_meta  # noqa: E402
-from nanofp8.layout import is_collective_failure  # noqa: E402
-from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
-from nanofp8.run import MODEL_KEYS, TrainingStopped  # noqa: E402
+from nanofp8.layout import is_collective_failure
+from nanofp8.run import MODEL_KEYS, TrainingStopped
+
+pytestmark = pytest.mark.usefixtures("shakespeare")
 
 SHAKESPEARE = os.path.join(REPO, "data", "shakespeare_char")
 
@@ -219,6 +221,7 @@ def test_gradient_accumulation_says_what_to_pass(monkeypatch, capsys):
     assert e.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_exit_statuses(tmp_path, capsys):
     """11: an unknown dataset is a config error (2) like the others, in one line naming it."""
     with pytest.raises(SystemExit) as e:
@@ -245,6 +248,7 @@ def test_sample_arguments(arg, match, tmp_path):
         sample.main([f"--out_dir={tmp_path}", arg])
 
 
+@pytest.mark.slow
 def test_sample_command_line_and_tokenizer():
     r = run("sample.py", "--temperature=-0.5")
     assert r.returncode == 2 and "'temperature' must be >= 0" in r.stderr
@@ -387,6 +391,8 @@ train.cli(tiny + ["precision=O1", "gradient_accumulation_steps=2", "max_iters=10
 """
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_torchrun_dropout_resume_and_frozen_rank(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(repo=REPO, out=str(tmp_path), tiny=TINY))

@@ -10,10 +10,13 @@ import torch
 import torch.nn as nn
 
 import bench
+import conftest
 import train
 from nanofp8 import fp8, stats
 from nanofp8.fp8 import BLOCK, E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.model import GPT, GPTConfig, apply_fp8
+
+pytestmark = pytest.mark.usefixtures("shakespeare")  # the training runs at the end
 
 # ---------------------------------------------------------------------------------------------
 # planted faults, found in exactly the layer that has them
@@ -257,9 +260,9 @@ def test_runtime_fallbacks_are_counted_and_strict_raises(monkeypatch):
         lin(x)
 
 
-TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32", "batch_size=4",
-        "eval_iters=1", "log_interval=1", "warmup_iters=2", "max_iters=3", "lr_decay_iters=3", "eval_interval=3",
-        "device=cpu", "gradient_accumulation_steps=2", "always_save_checkpoint=False"]
+# conftest's tiny model, 3 steps of 2 micro-batches, no checkpoint
+TINY = conftest.TINY + ["eval_iters=1", "max_iters=3", "lr_decay_iters=3", "eval_interval=3",
+                        "gradient_accumulation_steps=2", "always_save_checkpoint=False"]
 
 
 def test_train_strict_refuses_an_fp8_lm_head_that_cannot_be(tmp_path, capsys):
@@ -275,6 +278,7 @@ def test_train_strict_refuses_an_fp8_lm_head_that_cannot_be(tmp_path, capsys):
 # in training: bit-identical, logged, drawn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_statistics_leave_training_bit_identical(tmp_path, capsys, monkeypatch, level):
     off = train.main(TINY + [f"precision={level}", f"out_dir={tmp_path / 'off'}"])

