@@ -78,7 +78,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, Fp8Linear, dequantize, quantize
+from nanofp8.fp8 import E4M3, Fp8Linear, compute_scale, dequantize, quantize
 
 FP16_MAX = 65504.0
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16
@@ -114,8 +114,12 @@ def round_stochastic_fp16(y, generator):
     in spacings. This holds in fp16's normal range, which the scale gives every weight within
     2^26 of the tensor's amax; smaller ones (fp16 subnormals) are rounded to nearest by .half()."""
     bits = y.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 13, y.shape, generator=generator, device=y.device, dtype=torch.int32)
-    return ((bits + noise) & ~((1 << 13) - 1)).view(torch.float32)
+    return ((bits + _rounding_noise(y, generator)) & ~((1 << 13) - 1)).view(torch.float32)
+
+
+def _rounding_noise(y, generator):
+    """Integers in [0, 2^13), one per element of y: the noise of round_stochastic_fp16."""
+    return torch.randint(0, 1 << 13, y.shape, generator=generator, device=y.device, dtype=torch.int32)
 
 
 GRAD_ACCUM = ("fp16", "fp8")
@@ -272,18 +276,13 @@ class Fp8AdamW(torch.optim.Optimizer):
         state_dict = {k: v for k, v in state_dict.items() if k != "v_format"}
         # torch.optim casts loaded state to each parameter's dtype (fp16 for an O2 master), which
         # would turn FP8 moments and fp32 scales into fp16: put back the tensors as they were saved.
+        # The step counter stays on the host (see _init_state), wherever the parameter is.
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for i, st in state_dict["state"].items():
             for k, v in st.items():
                 if torch.is_tensor(v):
-                    self.state[params[i]][k] = v.to(params[i].device, copy=True)
-
-    def _grad(self, p):
-        if p in self.o2:
-            q = self.o2[p].wgrad
-            return None if q is None else dequantize(q, torch.float32)
-        return p.grad
+                    self.state[params[i]][k] = v.to("cpu" if k == "step" else params[i].device, copy=True)
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
@@ -292,18 +291,28 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def grads_finite(self):
         """One flag for all gradients, one sync. O2 gradients are judged by their amax, which is
-        non-finite exactly when the fp32 gradient was."""
-        flags = []
+        non-finite exactly when the fp32 gradient was; the others by their largest magnitude
+        (one foreach reduction: NaN propagates through it, and an inf is its own maximum)."""
+        flag = self.grads_finite_flag()
+        return True if flag is None else bool(flag)
+
+    def grads_finite_flag(self):
+        """grads_finite() as a 0-dim bool tensor on the device, without the sync (None: no
+        gradient at all). train.py folds it into the one read of its step."""
+        amaxes, plain = [], []
         for g in self.param_groups:
             for p in g["params"]:
                 if p in self.o2 and self.o2[p].wgrad is not None:
-                    flags.append(torch.isfinite(self.o2[p].wgrad.amax).all())
+                    amaxes.append(self.o2[p].wgrad.amax.reshape(()).float())
                 elif p.grad is not None:
-                    flags.append(torch.isfinite(p.grad).all())
-        return bool(torch.stack(flags).all()) if flags else True
+                    plain.append(p.grad)
+        amaxes += [a.float() for a in torch._foreach_norm(plain, float("inf"))] if plain else []
+        return torch.isfinite(torch.stack(amaxes)).all() if amaxes else None
 
     def _init_state(self, p):
-        """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight."""
+        """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight. The
+        step counter lives on the host, as in torch.optim's non-fused AdamW: the step reads it
+        for its bias corrections, and reading host memory is no device sync."""
         st = self.state[p]
         st["step"] = torch.zeros((), dtype=torch.float32)
         zeros = torch.zeros_like(p, dtype=torch.float32)
@@ -313,51 +322,163 @@ class Fp8AdamW(torch.optim.Optimizer):
         else:
             st["exp_avg"], st["exp_avg_sq"] = zeros, zeros.clone()
 
-    def _decoupled_update(self, st, w, g, group):
-        """One AdamW step of an fp32 weight w from FP8 m and fp16 (or FP8 sqrt) v held in st;
-        stores the new moments back into st and returns the new w (fp32, not yet rounded)."""
-        m = _loaded(st["exp_avg"], st["exp_avg_scale"])
-        v = _loaded(st["exp_avg_sq"], st["exp_avg_sq_scale"])
-        if self.v_format == "fp8":
-            v = v.square()  # stored as sqrt(v)
-        st["step"] += 1
-        t = st["step"].item()
-        adam_moments(m, v, g, group["betas"])
-        # (3): no |m| beyond what Adam's recursion allows next to this v (m = 0 where v is 0)
-        lim = v.sqrt().mul_(adam_ratio_bound(t, *group["betas"]))
-        torch.minimum(m, lim, out=m)
-        torch.maximum(m, lim.neg_(), out=m)
-        w = adamw_apply(w, m, v, t, group)
-        st["exp_avg"], st["exp_avg_scale"] = _stored(m, "fp8")
-        vs = v.sqrt() if self.v_format == "fp8" else v
-        st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(vs, self.v_format)
-        return w
+    @staticmethod
+    def _count_steps(sts):
+        """Advance the step counters of these states (one foreach add) and return them as Python
+        numbers (one read of host memory for all of them, no .item() per parameter)."""
+        steps = [st["step"] for st in sts]
+        if not steps:
+            return []
+        torch._foreach_add_(steps, 1)
+        return torch.stack(steps).tolist()
 
-    def _fp32_update(self, p, g, group):
-        st = self.state[p]
-        st["step"] += 1
-        p.copy_(adamw_math(p.float(), g, st["exp_avg"], st["exp_avg_sq"], st["step"].item(), group))
+    def _decoupled_update(self, sts, ws, gs, group, ts):
+        """One AdamW step of fp32 weights ws from FP8 m and fp16 (or FP8 sqrt) v held in the
+        states sts, each at its step count in ts, for all of them at once (foreach): stores the
+        new moments into the states and returns the new weights (fp32, not yet rounded)."""
+        # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
+        ms = _loaded_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
+                         [st["exp_avg_scale"] for st in sts])
+        vs = _loaded_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
+                         [st["exp_avg_sq_scale"] for st in sts])
+        ws = [w.view(g.shape) for w, g in zip(ws, gs)]
+        if self.v_format == "fp8":
+            vs = torch._foreach_pow(vs, 2)  # stored as sqrt(v)
+        adam_moments(ms, vs, gs, group["betas"])
+        # (3): no |m| beyond what Adam's recursion allows next to this v (m = 0 where v is 0)
+        lim = torch._foreach_sqrt(vs)
+        torch._foreach_mul_(lim, [adam_ratio_bound(t, *group["betas"]) for t in ts])
+        torch._foreach_minimum_(ms, lim)
+        torch._foreach_neg_(lim)
+        torch._foreach_maximum_(ms, lim)
+        ws = adamw_apply(ws, ms, vs, ts, group)
+        for st, (data, scale) in zip(sts, _stored_all(ms, "fp8")):
+            st["exp_avg"], st["exp_avg_scale"] = data, scale
+        if self.v_format == "fp8":
+            vs = torch._foreach_sqrt(vs)
+        for st, (data, scale) in zip(sts, _stored_all(vs, self.v_format)):
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = data, scale
+        return ws
+
+    def _fp32_update(self, ps, gs, group):
+        """torch.optim.AdamW on ordinary parameters, all of them at once (foreach)."""
+        sts = [self.state[p] for p in ps]
+        ts = self._count_steps(sts)
+        ws = adamw_math([p.float() for p in ps], gs, [st["exp_avg"] for st in sts],
+                        [st["exp_avg_sq"] for st in sts], ts, group)
+        torch._foreach_copy_(ps, ws)
+
+    def _o2_update(self, ps, gs, group, number):
+        """The O2 weights ps of one param group: AdamW on dequantized copies, then each new weight
+        rounded stochastically into its fp16 master, with its own generator (see (5) above)."""
+        mods, sts = [self.o2[p] for p in ps], [self.state[p] for p in ps]
+        ts = self._count_steps(sts)
+        ws = _loaded_all([m.weight for m in mods], [m.weight_scale for m in mods])
+        ws = self._decoupled_update(sts, ws, gs, group, ts)
+        gens = [self.rounding_generator(number[p], t, p.device) for p, t in zip(ps, ts)]
+        set_weights(mods, ws, gens)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        if not self.grads_finite():
+    def step(self, closure=None, grads_finite=None):
+        """One AdamW step over every parameter with a gradient, in a handful of foreach kernels
+        per param group (plus, per O2 weight, the draw of its rounding noise). Returns whether it
+        was taken. grads_finite: the caller's verdict on the gradients (train.py has one from its
+        own single sync); None: check them here (one sync)."""
+        if grads_finite is None:
+            grads_finite = self.grads_finite()
+        if not grads_finite:
             self.skipped_steps += 1
             return False
         number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for group in self.param_groups:
+            o2, grads, plain = [], [], []
             for p in group["params"]:
-                g = self._grad(p)
-                if g is None:
+                q = self.o2[p].wgrad if p in self.o2 else None
+                if q is None and (p in self.o2 or p.grad is None):
                     continue
                 if not self.state[p]:
                     self._init_state(p)
-                if p in self.o2:
-                    mod, st = self.o2[p], self.state[p]
-                    w = self._decoupled_update(st, mod.hp_weight(), g, group)
-                    mod.set_weight(w, self.rounding_generator(number[p], st["step"].item(), p.device))
+                if q is None:
+                    plain.append(p)
                 else:
-                    self._fp32_update(p, g, group)
+                    o2.append(p)
+                    grads.append(q)
+            if plain:
+                self._fp32_update(plain, [p.grad for p in plain], group)
+            if o2:  # the FP8 gradients, dequantized (dequantize's operations, foreach)
+                gs = _loaded_all([q.data for q in grads], [q.scale for q in grads])
+                self._o2_update(o2, [g.view(p.shape) for g, p in zip(gs, o2)], group, number)
         return True
+
+
+# -----------------------------------------------------------------------------
+# The update, on lists of tensors: every elementwise operation is one foreach call over all the
+# tensors of a kind, and each tensor gets the same operations, in the same order, as a one-tensor
+# update would (the CPU runs foreach ops tensor by tensor with the ordinary kernels, so the two are
+# bit-identical; tests/test_optim.py holds the fp32 parameters to torch.optim.AdamW's bits).
+
+
+def _loaded_all(datas, scales):
+    """[data.float() * scale.reciprocal()] for stored tensors of one dtype: a foreach cast (copy
+    into fp32) and a foreach multiply by the per-tensor reciprocal scales."""
+    out = [torch.empty(d.shape, dtype=torch.float32, device=d.device) for d in datas]
+    torch._foreach_copy_(out, datas)
+    torch._foreach_mul_(out, torch._foreach_reciprocal(scales))
+    return out
+
+
+def _amaxes(xs):
+    """The amax of every tensor, stacked (one foreach reduction, one stack)."""
+    return torch.stack([a.float() for a in torch._foreach_norm(xs, float("inf"))])
+
+
+def _stored_all(xs, fmt):
+    """_stored for a list of fp32 tensors: [(data, scale)], the scales computed for all tensors
+    at once from their stacked amaxes. The values are finite (the step checked the gradients,
+    and m and v are made from them), so the E4M3 cast needs no NaN guard (quantize has one)."""
+    amax = _amaxes(xs)
+    if fmt == "fp8":
+        scales, dtype = compute_scale(amax, E4M3).unbind(), E4M3.dtype
+    else:
+        scales, dtype = _fp16_scale(amax, FP16_MAX / 4).unbind(), torch.float16
+    ys = torch._foreach_mul(xs, list(scales))
+    if fmt == "fp8":
+        torch._foreach_clamp_min_(ys, -E4M3.max)
+        torch._foreach_clamp_max_(ys, E4M3.max)
+    datas = [torch.empty(y.shape, dtype=dtype, device=y.device) for y in ys]
+    torch._foreach_copy_(datas, ys)
+    return list(zip(datas, scales))
+
+
+def _scaled_rounded(xs, generators, target):
+    """to_fp16_scaled for many tensors, stopping short of the cast: (fp32 tensors whose values
+    fp16 holds exactly, their scales). One draw of noise per tensor, the rest foreach."""
+    scales = list(_fp16_scale(_amaxes(xs), target).unbind())
+    ys = torch._foreach_mul(xs, scales)
+    bits = [y.view(torch.int32) for y in ys]
+    torch._foreach_add_(bits, [_rounding_noise(y, gen) for y, gen in zip(ys, generators)])
+    for b in bits:  # clear the 13 bits fp16 does not hold (see round_stochastic_fp16)
+        b.bitwise_and_(~((1 << 13) - 1))
+    return ys, scales
+
+
+def to_fp16_scaled_all(xs, generators, target=MASTER_HEADROOM):
+    """[to_fp16_scaled(x, target, generator)] for lists of tensors and generators."""
+    ys, scales = _scaled_rounded(xs, generators, target)
+    halves = [torch.empty(y.shape, dtype=torch.float16, device=y.device) for y in ys]
+    torch._foreach_copy_(halves, ys)
+    return list(zip(halves, scales))
+
+
+@torch.no_grad()
+def set_weights(mods, ws, generators):
+    """O2Linear.set_weight for many modules: each new fp32 weight stored as its scaled fp16
+    master, rounded stochastically with its own generator."""
+    ys, scales = _scaled_rounded(ws, generators, MASTER_HEADROOM)
+    torch._foreach_copy_([m.weight for m in mods], ys)
+    torch._foreach_copy_([m.weight_scale for m in mods], scales)
+    for m in mods:
+        m.free_weight_cache()
 
 
 def adam_ratio_bound(t, b1, b2):
@@ -372,26 +493,34 @@ def adam_ratio_bound(t, b1, b2):
 
 
 def adam_moments(m, v, g, betas):
-    """Adam's moment recursions, in place, in torch.optim.AdamW's operations and order."""
+    """Adam's moment recursions, in place, in torch.optim.AdamW's operations and order. m, v, g:
+    tensors, or lists of tensors (one foreach call per operation)."""
+    if torch.is_tensor(m):
+        m, v, g = [m], [v], [g]
     b1, b2 = betas
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, value=1 - b2)
 
 
-def adamw_apply(w, m, v, t, group):
-    """The AdamW update of w from the moments after step t (decay first, as torch does)."""
+def adamw_apply(ws, ms, vs, ts, group):
+    """The AdamW update of the weights ws from the moments after steps ts (lists, one step
+    count per tensor), decay first, as torch does. Returns the new weights (new tensors)."""
     lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    w = w * (1 - lr * wd)
-    denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-    return w.addcdiv(m, denom, value=-lr / (1 - b1**t))
+    ws = torch._foreach_mul(ws, 1 - lr * wd)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(ws, ms, denom, [-lr / (1 - b1**t) for t in ts])
+    return ws
 
 
-def adamw_math(w, g, m, v, t, group):
-    """AdamW on fp32 tensors: updates m and v in place, returns the new w. The operations and
-    their order are torch.optim.AdamW's (single-tensor path), so fp32 parameters come out
-    bit-identical to it."""
-    adam_moments(m, v, g, group["betas"])
-    return adamw_apply(w, m, v, t, group)
+def adamw_math(ws, gs, ms, vs, ts, group):
+    """AdamW on lists of fp32 tensors: updates ms and vs in place, returns the new weights. The
+    operations and their order are torch.optim.AdamW's (single-tensor path), one foreach call
+    each, so fp32 parameters come out bit-identical to it."""
+    adam_moments(ms, vs, gs, group["betas"])
+    return adamw_apply(ws, ms, vs, ts, group)
 
 
 @torch.no_grad()
