@@ -498,27 +498,38 @@ def build_optimizer(model, cfg, device_type):
 
 
 def optimizer_step(model, optimizer, cfg):
-    """Clip, step, clear. Returns (gradient norm, whether the step was taken).
+    """Clip, step, clear. Returns (gradient norm, whether the step was taken, whether the weights
+    the step started from were finite).
 
     A non-finite gradient norm means some gradient overflowed or a NaN came through (FP8 casts
     turn non-finite inputs into NaN on purpose, so they are seen here and not hidden): skip the
-    step rather than write NaN into every weight. The cost is one device sync per step."""
+    step rather than write NaN into every weight. Deciding that costs one device sync per step,
+    and it is the only one (tests/test_syncs.py): the same read brings the norm and the check of
+    the weights that the previous update left (check_step acts on it, one step later than the
+    update; a checkpoint is never written before that check, see main)."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     finite = True
     if isinstance(model, Fp8DataParallel):  # FP8 gradient communication (see wrap_data_parallel)
         finite = model.sync_gradients()  # the same verdict on every rank
         if cfg["precision"] == "O2":
             sync_fp8_wgrads([m for m in model.modules() if isinstance(m, O2Linear)], model.group)
+    weights_ok = weights_finite_flag(model)
     if cfg["precision"] == "O3":  # reduce-scatter, clip by the global norm, step the shards
+        weights_ok = bool(weights_ok)
         stepped = optimizer.step(grads_finite=finite, max_norm=max_norm)
-        norm = optimizer.grad_norm
+        norm = optimizer.grad_norm.item()
     else:
         norm = clip_grad_norm(model, max_norm)  # sees O2's FP8 gradients too
-        stepped = finite and bool(torch.isfinite(norm))
-        if stepped:
+        # The one sync: a device-to-host copy of both values (copy=True makes it a copy on a CPU
+        # run too, where tests/test_syncs.py counts it).
+        norm, weights_ok = torch.stack([norm.float(), weights_ok.float()]).to("cpu", copy=True).tolist()
+        stepped = finite and math.isfinite(norm)
+        if stepped and isinstance(optimizer, Fp8AdamW):
+            optimizer.step(grads_finite=True)  # a finite norm: every gradient is finite
+        elif stepped:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm.item(), stepped
+    return norm, stepped, weights_ok == 1
 
 
 def wrap_data_parallel(model, device, cfg):
@@ -744,6 +755,23 @@ def weights_finite(model, group_size):
     return bool(ok.item())
 
 
+@torch.no_grad()
+def weights_finite_flag(model):
+    """weights_finite as a device tensor (1.0 or 0.0), without the sync: the largest magnitude of
+    every floating-point parameter and buffer, one foreach reduction per dtype (NaN propagates
+    through it, an inf is its own maximum). Under torchrun the ranks agree by a MIN all-reduce."""
+    by_dtype = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            t = t.detach() if t.element_size() > 1 else t.detach().float()  # no FP8 kernels
+            by_dtype.setdefault(t.dtype, []).append(t)
+    amax = [a.float() for ts in by_dtype.values() for a in torch._foreach_norm(ts, float("inf"))]
+    ok = torch.isfinite(torch.stack(amax)).all().float()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return ok
+
+
 def rng_state_for_checkpoint(device_type, device, group, group_size, writer):
     """The dropout RNG of every data-parallel rank (called on all of them), for the writer to save.
     Each rank draws its own masks, so each one's stream has to be saved for a bit-exact resume."""
@@ -803,11 +831,18 @@ def check_resume_layout(ckpt, cfg, path, device):
 # Helpers
 
 
-def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, lr, cfg, world_size, ckpt_path, log):
+def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, lr, cfg, world_size, ckpt_path, log,
+               weights_ok=None):
     """After each optimizer step: stop when the weights went non-finite, or when steps keep being
     skipped for non-finite gradients (a run that only skips learns nothing and would keep writing
-    checkpoints). Returns the new count of skipped steps in a row."""
-    if stepped and not weights_finite(model, world_size):
+    checkpoints). Returns the new count of skipped steps in a row. weights_ok: optimizer_step's
+    verdict on the weights this step started from, i.e. on the previous iteration's update (None:
+    check this iteration's update here, with a sync of its own)."""
+    if weights_ok is None:  # model parallel: this iteration's update, checked now (a sync of its own)
+        weights_ok = not stepped or weights_finite(model, world_size)
+    else:
+        iter_num, lr = iter_num - 1, lr_at(iter_num - 1, cfg)
+    if not weights_ok:
         bad = nonfinite_tensors(model)
         raise TrainingStopped(f"the update of iteration {iter_num} (learning rate {lr:g}) made weights "
                               f"non-finite{' (' + ', '.join(bad[:3]) + ')' if bad else ' on another rank'}: "
@@ -822,6 +857,19 @@ def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, lr, cfg, w
                               f"stopped; {ckpt_path} holds the last good state: resume from it with a lower "
                               f"learning_rate, or look for bad data")
     return skipped_in_a_row
+
+
+def read_losses(losses):
+    """The training losses are kept as device tensors until a logging iteration reads them (one
+    sync for all of them): replace the unread ones, at the end of the list, by floats. Returns
+    the last loss."""
+    start = len(losses)
+    while start > 0 and torch.is_tensor(losses[start - 1][1]):
+        start -= 1
+    if start < len(losses):
+        values = torch.stack([l for _, l in losses[start:]]).tolist()
+        losses[start:] = [(it, v) for (it, _), v in zip(losses[start:], values)]
+    return losses[-1][1] if losses else float("nan")
 
 
 def lr_at(it, cfg):
@@ -1058,6 +1106,9 @@ def main(argv=None):
             if save and not math.isfinite(losses["val"]):  # never replace a good checkpoint by this
                 log(f"not saving a checkpoint: the val loss is {losses['val']}")
                 save = False
+            if save and not weights_finite(raw_model, world_size):  # the next step's check comes too late
+                log("not saving a checkpoint: the last update left non-finite weights")
+                save = False
             opt_state = optimizer_state_for_checkpoint(optimizer, cfg, writer) if save else None
             rng = rng_state_for_checkpoint(device_type, device, rng_group, dp_size, writer) if save else None
             if writer and save:
@@ -1094,8 +1145,8 @@ def main(argv=None):
                         _, loss = model(x, y)
                     (loss / accum).backward()
                 loss_sum += loss.detach().float()
-            grad_norm, stepped = optimizer_step(model, optimizer, cfg)
-            loss_value = loss_sum.item() / accum  # .item() waits for the GPU: time is honest
+            grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg)
+            loss_value = loss_sum / accum  # read at logging iterations: no sync of its own here
         else:
             # Model parallel: GPipe runs the replica's micro-batches forward through the stages,
             # then backward; the mean loss comes back on every rank (nanofp8/parallel.py).
@@ -1104,11 +1155,12 @@ def main(argv=None):
             loss = parallel.pipeline_step(model, micro_batches, groups, autocast=autocast,
                                           act_fmt=act, grad_fmt=grad)
             grad_norm, stepped = model_parallel_step(model, dp_sync, optimizer, groups, cfg)
+            weights_ok = None  # check_step checks this update itself
             if groups.dp > 1:  # log the whole batch's loss, comparable with one device's
                 torch.distributed.all_reduce(loss, group=groups.dp_group)
             loss_value = loss.item() / groups.dp
         skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, lr,
-                                      cfg, world_size, ckpt_path, log)
+                                      cfg, world_size, ckpt_path, log, weights_ok)
         history["losses"].append((iter_num, loss_value))
         for line in stats.finish(iter_num, optimizer) if stats is not None else ():
             log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
@@ -1117,6 +1169,7 @@ def main(argv=None):
         if iter_num % cfg["log_interval"] == 0:
             dt, step_time, step_count = step_time / step_count, 0.0, 0  # mean since the last log line
             tok_per_s = tokens_per_iter / dt
+            loss_value = read_losses(history["losses"])
             line = f"iter {iter_num}: loss {loss_value:.4f}, time {dt * 1000:.2f}ms, {tok_per_s:,.0f} tok/s"
             if peak and iter_num > start_iter + 2:  # the first iterations include compilation
                 # MFU is per GPU: the world's tokens are shared by world_size GPUs. (Model parallel:
@@ -1129,6 +1182,7 @@ def main(argv=None):
             log(line)
         iter_num += 1
 
+    read_losses(history["losses"])
     if cfg["precision"] != "bf16":
         log(fallback_line())
     if ddp:
