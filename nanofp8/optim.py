@@ -147,7 +147,9 @@ class O2Linear(Fp8Linear):
         master, s = to_fp16_scaled(lin.weight.detach())
         new.weight = nn.Parameter(master)
         new.register_buffer("weight_scale", s)
+        new.register_buffer("wgrad_in_scale", torch.ones((), device=s.device), persistent=False)
         new.wgrad = None
+        new.ensure_grad_hook()
         new.train(lin.training)
         return new
 
@@ -174,7 +176,19 @@ class O2Linear(Fp8Linear):
         return _fp8_nbytes(self._wgrad)
 
     def take_wgrad(self, dw):
-        """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum."""
+        """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum.
+
+        Under torch.compile this runs while dynamo traces the backward, where storing into the
+        module would be a side effect it cannot keep in the graph (a graph break around every
+        layer). There the gradient goes to autograd instead, as the weight's own gradient: scaled
+        by a power of two into fp16 (the weight's dtype; the scale in a buffer, written in place,
+        which dynamo keeps), and a hook on the weight, run by autograd once it has the gradient,
+        hands it back here, outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the
+        graph break.)"""
+        if torch.compiler.is_compiling() and self.weight.dtype == torch.float16:
+            s = _fp16_scale(dw.detach().abs().amax(), FP16_MAX / 4)
+            self.wgrad_in_scale.copy_(s)
+            return (dw.float() * s).half()
         dw = dw.float()
         if self.grad_accum == "fp8":  # dequantize the FP8 sum, add, re-quantize: 1 B, compounds
             if self.wgrad is not None:
@@ -191,6 +205,30 @@ class O2Linear(Fp8Linear):
         if self.observer is not None:  # a statistics step: the sum so far and its E4M3 cast
             self.observer.observe_wgrad(self, dw, quantize(dw, E4M3))
         return None  # nothing for autograd: .weight.grad stays None
+
+    def ensure_grad_hook(self):
+        """Put the hook of take_wgrad's compiled path on the weight, if this weight has none yet
+        (a deep copy of the module has a new weight, without hooks). Called at conversion, after a
+        copy, by every eager forward, and by Fp8AdamW for the weights it updates."""
+        if getattr(self, "_hooked", None) != id(self.weight):
+            self.weight.register_post_accumulate_grad_hook(self._grad_from_autograd)
+            self._hooked = id(self.weight)
+
+    def __setstate__(self, state):  # a deep copy, or an unpickled module
+        super().__setstate__(state)
+        self.ensure_grad_hook()
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling():
+            self.ensure_grad_hook()
+        return super().forward(x)
+
+    @torch.no_grad()
+    def _grad_from_autograd(self, weight):
+        """The hook of take_wgrad's compiled path: take the gradient back out of .grad."""
+        g, weight.grad = weight.grad, None
+        if g is not None:  # (autograd also runs it when eager take_wgrad gave it no gradient)
+            self.take_wgrad(g.float() * self.wgrad_in_scale.reciprocal())
 
     @torch.no_grad()
     def set_weight(self, w, generator=None):
@@ -251,6 +289,8 @@ class Fp8AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.v_format, self.seed = v_format, seed
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
+        for m in self.o2.values():
+            m.ensure_grad_hook()
         self.skipped_steps = 0
         self._generators = {}  # device -> the generator re-seeded for every rounding
 
