@@ -65,12 +65,18 @@ fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to tor
     as above.
 
 Non-finite gradients: before any state is touched, one check over every gradient (a single
-device-to-host sync per step) decides whether the step is taken. If any is NaN or inf, the step is
-skipped and counted (`optimizer.skipped_steps`), and no scale, moment or weight changes. A scale
-computed from a tiny amax stays a finite power of two (at most 2^126).
+device-to-host sync per step, or the caller's verdict: train.py has one from its own single sync)
+decides whether the step is taken. If any is NaN or inf, the step is skipped and counted
+(`optimizer.skipped_steps`), and no scale, moment or weight changes. A scale computed from a tiny
+amax stays a finite power of two (at most 2^126).
 
-The optimizer math itself runs in fp32 on dequantized copies, one tensor at a time, with the
-same betas, lr, weight decay and schedule as torch.optim.AdamW.
+The optimizer math itself runs in fp32 on dequantized copies, with the same betas, lr, weight
+decay and schedule as torch.optim.AdamW, for all tensors of a param group at once: each
+operation is one torch._foreach_* call over every O2 weight (or every fp32 parameter), so a step
+is ~130 operator calls whatever the model's depth, plus two per O2 weight for its own seeded
+rounding noise (tests/test_optim.py counts them). The price is transient memory: the fp32
+copies of w, m, v and g, and the temporaries of the update, exist for all O2 weights of a group
+at once during the step, where a tensor-by-tensor step needs them for one tensor at a time.
 """
 
 import math
