@@ -84,7 +84,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, Fp8Linear, compute_scale, dequantize, quantize
+from nanofp8.fp8 import E4M3, WEIGHT, Fp8Linear, _pack, _unpack, compute_scale, dequantize, quantize
 
 FP16_MAX = 65504.0
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16
@@ -139,7 +139,6 @@ class O2Linear(Fp8Linear):
     above): "fp16" sums micro-steps in a scaled fp16 buffer that becomes the FP8 gradient when
     `.wgrad` is first read; "fp8" re-quantizes the FP8 sum after every micro-step."""
 
-    cache_weight = True  # cast once per step: the optimizer's set_weight() frees the cast
     grad_accum = "fp16"
 
     @classmethod
@@ -157,7 +156,63 @@ class O2Linear(Fp8Linear):
         new.wgrad = None
         new.ensure_grad_hook()
         new.train(lin.training)
+        new._fp8_key = None
+        new.refresh_fp8_weight()
+        new.register_load_state_dict_post_hook(O2Linear._loaded_state)
         return new
+
+    # The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through
+    # free_weight_cache) right after it writes the new master; the casts W (N, K) and W^T (K, N)
+    # stay in buffers (not saved: they are made from the master) until the next step. A forward
+    # takes them as they are, also a compiled one: dynamo reads buffers as graph inputs, and the
+    # cast stays out of the graph. (Fp8Linear's own cache is keyed on the weight's version, which
+    # only eager code can read, so it is off under torch.compile.) Eager mode also notices a
+    # weight changed some other way (a load, a copy, a move to another device) and casts again.
+
+    @torch.no_grad()
+    def refresh_fp8_weight(self, record=True):
+        """Cast the weight to FP8 now and keep W and W^T in buffers. record=False (a weight that
+        was loaded or moved, not stepped): under delayed scaling, cast with the scale the weight
+        last had and record no amax, as the step that made this weight already did."""
+        if record or self.recipe.scaling == "current":
+            qw, qwt = self.cast_weight()
+        else:
+            qw = quantize(self.hp_weight().detach(), self.recipe.fwd_fmt, "tensor", scale=self.scale[WEIGHT])
+            qwt = qw.t()
+        meta = []
+        for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
+            (data, scale), m = _pack(q)
+            meta.append(m)
+            for key, t in ((name, data), (name + "_scale", scale)):
+                # a new tensor, not a copy into the old one: a graph saved for backward may
+                # still hold the old one (autograd would refuse it after an in-place write)
+                self.register_buffer(key, t if t is not self.weight_scale else t.clone(), persistent=False)
+        self._fp8_meta = tuple(meta)
+        self._fp8_key = (self.weight._version, self.weight.data_ptr())
+        self._w_cache = None
+
+    def _fp8_operands(self):
+        return (_unpack((self.fp8_w, self.fp8_w_scale), self._fp8_meta[0]),
+                _unpack((self.fp8_wt, self.fp8_wt_scale), self._fp8_meta[1]))
+
+    def weight_operands(self):
+        """FP8 W and W^T for the forward and dgrad GEMMs: the casts of the last step."""
+        if torch.compiler.is_compiling():
+            return self._fp8_operands()
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._fp8_key != key:
+            self.refresh_fp8_weight(record=False)
+        if self._w_cache is None:  # the same objects for every micro-step of a step
+            self._w_cache = (key, self._fp8_operands())
+        return self._w_cache[1]
+
+    def free_weight_cache(self):
+        """Called by the optimizer once it wrote a new weight: cast it, once for this step."""
+        self.refresh_fp8_weight()
+
+    @staticmethod
+    def _loaded_state(module, incompatible_keys):
+        module.refresh_fp8_weight(record=False)  # the loaded weight, with its loaded scale
 
     def hp_weight(self):
         return self.weight.float() * self.weight_scale.reciprocal()
@@ -612,7 +667,8 @@ def training_state_bytes(model, optimizer, is_block_linear=None):
 
     weight = the stored (master) weight, grad = gradients (fp32, bf16 or FP8 + scale), optimizer
     = every tensor of the optimizer state, gemm_weight = the FP8 weight copies an Fp8Linear holds
-    from its first forward of a step to the optimizer step (reported, not in per_param)."""
+    from its first forward of a step to the optimizer step, an O2Linear from one step to the next
+    (reported, not in per_param)."""
     if is_block_linear is None:
         is_block_linear = lambda fqn, m: isinstance(m, nn.Linear) and not fqn.endswith("lm_head")
     owner = {}
@@ -632,7 +688,11 @@ def training_state_bytes(model, optimizer, is_block_linear=None):
         if isinstance(m, O2Linear):
             row["grad"] += m.wgrad_nbytes()  # without ending an accumulation
             row["weight"] += _nbytes(m.weight_scale)
-        if isinstance(m, Fp8Linear) and m._w_cache is not None:
+        if isinstance(m, O2Linear):  # the step's casts, held until the next step
+            own = {p.untyped_storage().data_ptr()}  # (O3: the forward's W is the stored weight)
+            row["gemm_weight"] += sum(_nbytes(t) for t in {getattr(m, k) for k in ("fp8_w", "fp8_w_scale", "fp8_wt", "fp8_wt_scale")}
+                                      if t.untyped_storage().data_ptr() not in own)
+        elif isinstance(m, Fp8Linear) and m._w_cache is not None:
             row["gemm_weight"] += sum(_fp8_nbytes(q) for q in m._w_cache[1] if q is not None)
         for v in optimizer.state.get(p, {}).values():
             if torch.is_tensor(v):

@@ -95,7 +95,7 @@ def test_o2_gpt_traces_as_one_graph_and_keeps_its_gradients():
     Compiled with aot_eager: the graph, not inductor's kernels, is what is tested here."""
     from nanofp8.fp8 import dequantize, sqnr
     from nanofp8.model import GPT, GPTConfig, apply_fp8
-    from nanofp8.optim import O2Linear, convert_to_o2
+    from nanofp8.optim import Fp8AdamW, O2Linear, convert_to_o2
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -108,7 +108,10 @@ def test_o2_gpt_traces_as_one_graph_and_keeps_its_gradients():
     explained = torch._dynamo.explain(lambda x: model(x, x)[1])(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
-    compiled = torch.compile(model, backend="aot_eager")
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
     pairs = [(a, b) for a, b in zip(eager.modules(), model.modules()) if isinstance(a, O2Linear)]
     assert len(pairs) == 4
     for micro in range(3):
@@ -121,3 +124,22 @@ def test_o2_gpt_traces_as_one_graph_and_keeps_its_gradients():
                 assert torch.equal(a.wgrad.scale, b.wgrad.scale)
     for a, b in pairs:
         assert sqnr(dequantize(a.wgrad), dequantize(b.wgrad)) > 40
+
+    # The FP8 weight is cast once per step, by the optimizer's step, outside the graph: after a
+    # step on both models (the same gradients), the compiled forward runs on the new weight
+    # without tracing again, and gives eager's loss bit for bit; it reads the step's FP8 weight.
+    for a, b in pairs:
+        b.wgrad = a.wgrad
+    for m in (eager, model):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p) if p.dtype == torch.float32 else None
+    for m in (eager, model):
+        opt = Fp8AdamW(m.parameters(), m, lr=0.05)
+        assert opt.step()
+    for a, b in pairs:
+        assert torch.equal(a.weight, b.weight) and a.fp8_w_scale == b.fp8_w_scale
+    assert torch.equal(compiled(x, x)[1], eager(x, x)[1])
+    assert counter.frame_count == 1  # one graph, traced once: the new weight needed no retrace
+    for _, b in pairs:  # and that graph reads the step's cast, not a cast of its own
+        b.fp8_w = torch.zeros_like(b.fp8_w)
+    assert not torch.equal(compiled(x, x)[1], eager(x, x)[1])
