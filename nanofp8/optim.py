@@ -72,9 +72,10 @@ amax stays a finite power of two (at most 2^126).
 
 The optimizer math itself runs in fp32 on dequantized copies, with the same betas, lr, weight
 decay and schedule as torch.optim.AdamW, for all tensors of a param group at once: each
-operation is one torch._foreach_* call over every O2 weight (or every fp32 parameter), so a step
-is ~130 operator calls whatever the model's depth, plus two per O2 weight for its own seeded
-rounding noise (tests/test_optim.py counts them). The price is transient memory: the fp32
+operation is one torch._foreach_* call over every O2 weight (or every fp32 parameter), so the
+update is ~130 operator calls whatever the model's depth, plus two per O2 weight for its own
+seeded rounding noise (tests/test_optim.py counts them; each weight's FP8 cast for the next
+forward, which the step also makes, is per tensor: see O2Linear.refresh_fp8_weight). The price is transient memory: the fp32
 copies of w, m, v and g, and the temporaries of the update, exist for all O2 weights of a group
 at once during the step, where a tensor-by-tensor step needs them for one tensor at a time.
 """
