@@ -37,16 +37,12 @@ differs between layouts (a pipeline's schedule, gradients spread over ranks, O3'
 a checkpoint file per model-parallel rank) is in nanofp8/run.py. The loop is flat: evaluate every
 eval_interval iterations (and checkpoint), forward/backward over the micro-batches, step.
 
-Seeing the numerics (nanofp8/stats.py): the FP8 levels print a table of the Linears (FP8 or not,
-and why) and count the GEMMs that fell back to high precision (fp8_strict=True: an error).
-fp8_stats_interval=N records every FP8 cast's underflow, saturation, SQNR and scales to
-out_dir/fp8_stats.jsonl every N iterations, leaving the training step bit-identical.
+Seeing the numerics (nanofp8/stats.py): a table of the Linears (FP8 or not, and why), a count of
+GEMMs that fell back to high precision, and fp8_stats_interval=N: per-cast statistics to jsonl.
 
-Reproducibility: the batch of iteration i is drawn from a generator seeded with (seed, i, micro
-step, rank) (nanofp8/data.py), so a run resumed from its checkpoint (init_from='resume') sees the
-batches of one that never stopped, and on CPU reproduces its losses bit for bit. The config is
-read-only once validated; what the run derives from it (device, vocabulary, the checkpoint's
-architecture) is kept, and saved, apart.
+Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, rank), so a resumed
+run (init_from='resume') reproduces one that never stopped, on CPU bit for bit. The config is
+read-only once validated; what the run derives from it is kept, and saved, apart.
 """
 
 import math
@@ -67,8 +63,8 @@ from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.parallel import TPDataParallel
 from nanofp8.run import (Clock, check_replicas, check_step, checkpoint_path, clip, command, eval_loss,
                          forward_backward, grad_comm_format, nonfinite_tensors, optimizer_state,
-                         peak_flops_for, pipeline_formats, restore_state, resume_point, rng_state,
-                         shard_model, show_fp8_layers, sync_gradients)
+                         peak_flops_for, pipeline_formats, read_losses, restore_state, resume_point,
+                         rng_state, shard_model, show_fp8_layers, sync_gradients, weights_finite, weights_finite_flag)
 from nanofp8.stats import Fp8Stats, fallback_line
 
 # -----------------------------------------------------------------------------
@@ -217,24 +213,27 @@ def build_optimizer(model, cfg, device_type):
 
 
 def optimizer_step(model, optimizer, cfg, layout=Layout()):
-    """Sum gradients over ranks, clip, step, clear. Returns (gradient norm, whether stepped).
+    """Sum gradients over ranks, clip, step, clear. Returns (norm, stepped, weights were finite).
 
-    A non-finite gradient norm means some gradient overflowed or a NaN came through (FP8 casts
-    turn non-finite inputs into NaN on purpose, so they are seen here and not hidden): skip the
-    step rather than write NaN into every weight. The cost is one device sync per step."""
+    A non-finite gradient norm (an overflow, or a NaN that FP8 casts let through on purpose): skip
+    the step rather than write NaN into every weight. Deciding that is the step's one device sync
+    (a copy to the host, also on CPU where tests/test_syncs.py counts it), which also reads the
+    check of the weights that the last update left."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     finite = sync_gradients(model, layout)  # the same verdict on every rank
+    weights_ok = weights_finite_flag(model, layout)
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
         stepped = optimizer.step(grads_finite=finite, max_norm=max_norm, shards=shards)
-        norm = optimizer.grad_norm
+        norm, weights_ok = optimizer.grad_norm.item(), weights_ok.item()
     else:
         norm = clip(model, max_norm, layout)  # the whole model's norm, the same on every rank
-        stepped = finite and bool(torch.isfinite(norm))
-        if stepped:
-            optimizer.step()
+        norm, weights_ok = torch.stack([norm.float(), weights_ok]).to("cpu", copy=True).tolist()
+        stepped = finite and math.isfinite(norm)
+        if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
+            optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
     optimizer.zero_grad(set_to_none=True)
-    return norm.item(), stepped
+    return norm, stepped, weights_ok == 1
 
 
 def wrap_data_parallel(model, cfg, layout):
@@ -332,8 +331,9 @@ def save_if_better(raw_model, optimizer, cfg, run, layout, iter_num, val_loss, b
     improved, best_val_loss = val_loss < best_val_loss, min(best_val_loss, val_loss)
     if iter_num == 0 or cfg["eval_only"] or not (improved or cfg["always_save_checkpoint"]):
         return best_val_loss
-    if not math.isfinite(val_loss):
-        log(f"not saving a checkpoint: the val loss is {val_loss}")
+    if not math.isfinite(val_loss) or not weights_finite(raw_model, layout):  # never replace a good one
+        why = "the last update left non-finite weights" if math.isfinite(val_loss) else f"the val loss is {val_loss}"
+        log(f"not saving a checkpoint: {why}")
         return best_val_loss
     state = {
         "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
@@ -341,8 +341,7 @@ def save_if_better(raw_model, optimizer, cfg, run, layout, iter_num, val_loss, b
         "model_args": run["model_args"],
         "config": dict(cfg),
         "derived": {k: v for k, v in run.items() if k != "model_args"},
-        "iter_num": iter_num,
-        "best_val_loss": best_val_loss,
+        "iter_num": iter_num, "best_val_loss": best_val_loss,
         "rng": rng_state(layout),
         # Batches are a function of (seed, iteration): the iteration is the position.
         "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
@@ -386,7 +385,6 @@ def main(argv=None):
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
     model = wrap_data_parallel(model, cfg, layout)
-    formats = pipeline_formats(cfg)  # what crosses between pipeline stages
     log(f"{n_params / 1e6:.2f}M parameters ({model_args['arch']}, {model_args['n_layer']} layers, "
         f"d={model_args['n_embd']}), {precision_desc}\ndevice {layout.device} x {layout.world} = "
         f"{layout.describe(cfg['sequence_parallel'])}, {accum} micro-batches per replica, compile="
@@ -422,19 +420,20 @@ def main(argv=None):
         batches = [get_batch(data["train"], cfg["batch_size"], cfg["block_size"],
                              batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, j, rank), layout.device)
                    for j, rank in layout.micro_batch_keys(accum)]
-        loss = forward_backward(model, batches, layout, autocast, formats)
-        grad_norm, stepped = optimizer_step(model, optimizer, cfg, layout)
-        skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, lr,
-                                      cfg, layout, log)
-        history["losses"].append((iter_num, loss))
+        loss = forward_backward(model, batches, layout, autocast, pipeline_formats(cfg))
+        grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg, layout)
+        skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok,
+                                      lr_at(iter_num - 1, cfg), cfg, layout, log)
+        history["losses"].append((iter_num, loss))  # a device tensor until a log line reads it
         for line in stats.finish(iter_num, optimizer) if stats is not None else ():
             log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
         clock.tick()
         if iter_num % cfg["log_interval"] == 0:
-            log(f"iter {iter_num}: loss {loss:.4f}, {clock.report(iter_num - start_iter)}"
+            log(f"iter {iter_num}: loss {read_losses(history['losses']):.4f}, {clock.report(iter_num - start_iter)}"
                 + ("" if stepped else f", SKIPPED (grad norm {grad_norm})"))
         iter_num += 1
 
+    read_losses(history["losses"])
     if cfg["precision"] != "bf16":
         log(fallback_line())
     stop(layout)

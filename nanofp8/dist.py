@@ -110,7 +110,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, quantize
-from .optim import Fp8AdamW, O2Linear, _loaded, _stored, convert_to_o2, to_fp16_scaled
+from .optim import (Fp8AdamW, O2Linear, _loaded_all, _stored, convert_to_o2, to_fp16_scaled,
+                    to_fp16_scaled_all)
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
 # versions lack the new ones). Same semantics.
@@ -895,23 +896,28 @@ class ZeroFp8AdamW(Fp8AdamW):
         coef = torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0)
         for t in shards + others:
             t.mul_(coef.to(t.dtype))
-        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v), the O2 update
+        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v), the O2 update,
+        # foreach over all shards of a param group (and over its replicated parameters)
         new = []
         number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for group in self.param_groups:
-            for p in group["params"]:
-                if p in self.o2:
-                    st = self.state[p]
-                    g = shards[index[p]]
-                    w = _loaded(st["master"], st["master_scale"])
-                    w = self._decoupled_update(st, w, g, group)
-                    gen = self.rounding_generator(number[p], st["step"].item(), w.device)
-                    st["master"], st["master_scale"] = to_fp16_scaled(w, generator=gen)
-                    new.append((p, w))
-                elif p.grad is not None:
-                    if not self.state[p]:
-                        self._init_state(p)
-                    self._fp32_update(p, p.grad, group)
+            mine = [p for p in group["params"] if p in self.o2]
+            plain = [p for p in group["params"] if p not in self.o2 and p.grad is not None]
+            for p in plain:
+                if not self.state[p]:
+                    self._init_state(p)
+            if plain:
+                self._fp32_update(plain, [p.grad for p in plain], group)
+            if not mine:
+                continue
+            sts = [self.state[p] for p in mine]
+            ts = self._count_steps(sts)
+            ws = _loaded_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
+            ws = self._decoupled_update(sts, ws, [shards[index[p]] for p in mine], group, ts)
+            gens = [self.rounding_generator(number[p], t, w.device) for p, t, w in zip(mine, ts, ws)]
+            for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, gens)):
+                st["master"], st["master_scale"] = master, scale
+            new += list(zip(mine, ws))
         # 3. all-gather the new weights in FP8, under one scale per weight
         layouts = [self.o2[p].weight_layout() for p, _ in new]
         gathered = gather_shared_scale([w for _, w in new], self.group, layouts=layouts)

@@ -65,12 +65,19 @@ fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to tor
     as above.
 
 Non-finite gradients: before any state is touched, one check over every gradient (a single
-device-to-host sync per step) decides whether the step is taken. If any is NaN or inf, the step is
-skipped and counted (`optimizer.skipped_steps`), and no scale, moment or weight changes. A scale
-computed from a tiny amax stays a finite power of two (at most 2^126).
+device-to-host sync per step, or the caller's verdict: train.py has one from its own single sync)
+decides whether the step is taken. If any is NaN or inf, the step is skipped and counted
+(`optimizer.skipped_steps`), and no scale, moment or weight changes. A scale computed from a tiny
+amax stays a finite power of two (at most 2^126).
 
-The optimizer math itself runs in fp32 on dequantized copies, one tensor at a time, with the
-same betas, lr, weight decay and schedule as torch.optim.AdamW.
+The optimizer math itself runs in fp32 on dequantized copies, with the same betas, lr, weight
+decay and schedule as torch.optim.AdamW, for all tensors of a param group at once: each
+operation is one torch._foreach_* call over every O2 weight (or every fp32 parameter), so the
+update is ~130 operator calls whatever the model's depth, plus two per O2 weight for its own
+seeded rounding noise (tests/test_optim.py counts them; each weight's FP8 cast for the next
+forward, which the step also makes, is per tensor: see O2Linear.refresh_fp8_weight). The price is transient memory: the fp32
+copies of w, m, v and g, and the temporaries of the update, exist for all O2 weights of a group
+at once during the step, where a tensor-by-tensor step needs them for one tensor at a time.
 """
 
 import math
@@ -78,7 +85,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, Fp8Linear, dequantize, quantize
+from nanofp8.fp8 import E4M3, WEIGHT, Fp8Linear, _pack, _unpack, compute_scale, dequantize, quantize
 
 FP16_MAX = 65504.0
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16
@@ -114,8 +121,12 @@ def round_stochastic_fp16(y, generator):
     in spacings. This holds in fp16's normal range, which the scale gives every weight within
     2^26 of the tensor's amax; smaller ones (fp16 subnormals) are rounded to nearest by .half()."""
     bits = y.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 13, y.shape, generator=generator, device=y.device, dtype=torch.int32)
-    return ((bits + noise) & ~((1 << 13) - 1)).view(torch.float32)
+    return ((bits + _rounding_noise(y, generator)) & ~((1 << 13) - 1)).view(torch.float32)
+
+
+def _rounding_noise(y, generator):
+    """Integers in [0, 2^13), one per element of y: the noise of round_stochastic_fp16."""
+    return torch.randint(0, 1 << 13, y.shape, generator=generator, device=y.device, dtype=torch.int32)
 
 
 GRAD_ACCUM = ("fp16", "fp8")
@@ -129,7 +140,6 @@ class O2Linear(Fp8Linear):
     above): "fp16" sums micro-steps in a scaled fp16 buffer that becomes the FP8 gradient when
     `.wgrad` is first read; "fp8" re-quantizes the FP8 sum after every micro-step."""
 
-    cache_weight = True  # cast once per step: the optimizer's set_weight() frees the cast
     grad_accum = "fp16"
     # "Weight gradient ready": called with the module after every take_wgrad. Data parallelism
     # (nanofp8/dist.py, Fp8DataParallel(wgrads=...)) sets it to launch the reduction of this
@@ -148,9 +158,67 @@ class O2Linear(Fp8Linear):
         master, s = to_fp16_scaled(lin.weight.detach())
         new.weight = nn.Parameter(master)
         new.register_buffer("weight_scale", s)
+        new.register_buffer("wgrad_in_scale", torch.ones((), device=s.device), persistent=False)
         new.wgrad = None
+        new.ensure_grad_hook()
         new.train(lin.training)
+        new._fp8_key = None
+        new.refresh_fp8_weight()
+        new.register_load_state_dict_post_hook(O2Linear._loaded_state)
         return new
+
+    # The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through
+    # free_weight_cache) right after it writes the new master; the casts W (N, K) and W^T (K, N)
+    # stay in buffers (not saved: they are made from the master) until the next step. A forward
+    # takes them as they are, also a compiled one: dynamo reads buffers as graph inputs, and the
+    # cast stays out of the graph. (Fp8Linear's own cache is keyed on the weight's version, which
+    # only eager code can read, so it is off under torch.compile.) Eager mode also notices a
+    # weight changed some other way (a load, a copy, a move to another device) and casts again.
+
+    @torch.no_grad()
+    def refresh_fp8_weight(self, record=True):
+        """Cast the weight to FP8 now and keep W and W^T in buffers. record=False (a weight that
+        was loaded or moved, not stepped): under delayed scaling, cast with the scale the weight
+        last had and record no amax, as the step that made this weight already did."""
+        if record or self.recipe.scaling == "current":
+            qw, qwt = self.cast_weight()
+        else:
+            qw = quantize(self.hp_weight().detach(), self.recipe.fwd_fmt, "tensor", scale=self.scale[WEIGHT])
+            qwt = qw.t()
+        meta = []
+        for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
+            (data, scale), m = _pack(q)
+            meta.append(m)
+            for key, t in ((name, data), (name + "_scale", scale)):
+                # a new tensor, not a copy into the old one: a graph saved for backward may
+                # still hold the old one (autograd would refuse it after an in-place write)
+                self.register_buffer(key, t if t is not self.weight_scale else t.clone(), persistent=False)
+        self._fp8_meta = tuple(meta)
+        self._fp8_key = (self.weight._version, self.weight.data_ptr())
+        self._w_cache = None
+
+    def _fp8_operands(self):
+        return (_unpack((self.fp8_w, self.fp8_w_scale), self._fp8_meta[0]),
+                _unpack((self.fp8_wt, self.fp8_wt_scale), self._fp8_meta[1]))
+
+    def weight_operands(self):
+        """FP8 W and W^T for the forward and dgrad GEMMs: the casts of the last step."""
+        if torch.compiler.is_compiling():
+            return self._fp8_operands()
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._fp8_key != key:
+            self.refresh_fp8_weight(record=False)
+        if self._w_cache is None:  # the same objects for every micro-step of a step
+            self._w_cache = (key, self._fp8_operands())
+        return self._w_cache[1]
+
+    def free_weight_cache(self):
+        """Called by the optimizer once it wrote a new weight: cast it, once for this step."""
+        self.refresh_fp8_weight()
+
+    @staticmethod
+    def _loaded_state(module, incompatible_keys):
+        module.refresh_fp8_weight(record=False)  # the loaded weight, with its loaded scale
 
     def hp_weight(self):
         return self.weight.float() * self.weight_scale.reciprocal()
@@ -175,7 +243,19 @@ class O2Linear(Fp8Linear):
         return _fp8_nbytes(self._wgrad)
 
     def take_wgrad(self, dw):
-        """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum."""
+        """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum.
+
+        Under torch.compile this runs while dynamo traces the backward, where storing into the
+        module would be a side effect it cannot keep in the graph (a graph break around every
+        layer). There the gradient goes to autograd instead, as the weight's own gradient: scaled
+        by a power of two into fp16 (the weight's dtype; the scale in a buffer, written in place,
+        which dynamo keeps), and a hook on the weight, run by autograd once it has the gradient,
+        hands it back here, outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the
+        graph break.)"""
+        if torch.compiler.is_compiling() and self.weight.dtype == torch.float16:
+            s = _fp16_scale(dw.detach().abs().amax(), FP16_MAX / 4)
+            self.wgrad_in_scale.copy_(s)
+            return (dw.float() * s).half()
         dw = dw.float()
         if self.grad_accum == "fp8":  # dequantize the FP8 sum, add, re-quantize: 1 B, compounds
             if self.wgrad is not None:
@@ -200,6 +280,30 @@ class O2Linear(Fp8Linear):
         # step's time; whatever a hook did not launch, sync_gradients() launches after backward.
         if self.wgrad_hook is not None and not torch.compiler.is_compiling():
             self.wgrad_hook(self)
+
+    def ensure_grad_hook(self):
+        """Put the hook of take_wgrad's compiled path on the weight, if this weight has none yet
+        (a deep copy of the module has a new weight, without hooks). Called at conversion, after a
+        copy, by every eager forward, and by Fp8AdamW for the weights it updates."""
+        if getattr(self, "_hooked", None) != id(self.weight):
+            self.weight.register_post_accumulate_grad_hook(self._grad_from_autograd)
+            self._hooked = id(self.weight)
+
+    def __setstate__(self, state):  # a deep copy, or an unpickled module
+        super().__setstate__(state)
+        self.ensure_grad_hook()
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling():
+            self.ensure_grad_hook()
+        return super().forward(x)
+
+    @torch.no_grad()
+    def _grad_from_autograd(self, weight):
+        """The hook of take_wgrad's compiled path: take the gradient back out of .grad."""
+        g, weight.grad = weight.grad, None
+        if g is not None:  # (autograd also runs it when eager take_wgrad gave it no gradient)
+            self.take_wgrad(g.float() * self.wgrad_in_scale.reciprocal())
 
     @torch.no_grad()
     def set_weight(self, w, generator=None):
@@ -260,6 +364,8 @@ class Fp8AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.v_format, self.seed = v_format, seed
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
+        for m in self.o2.values():
+            m.ensure_grad_hook()
         self.skipped_steps = 0
         self._generators = {}  # device -> the generator re-seeded for every rounding
 
@@ -285,18 +391,13 @@ class Fp8AdamW(torch.optim.Optimizer):
         state_dict = {k: v for k, v in state_dict.items() if k != "v_format"}
         # torch.optim casts loaded state to each parameter's dtype (fp16 for an O2 master), which
         # would turn FP8 moments and fp32 scales into fp16: put back the tensors as they were saved.
+        # The step counter stays on the host (see _init_state), wherever the parameter is.
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for i, st in state_dict["state"].items():
             for k, v in st.items():
                 if torch.is_tensor(v):
-                    self.state[params[i]][k] = v.to(params[i].device, copy=True)
-
-    def _grad(self, p):
-        if p in self.o2:
-            q = self.o2[p].wgrad
-            return None if q is None else dequantize(q, torch.float32)
-        return p.grad
+                    self.state[params[i]][k] = v.to("cpu" if k == "step" else params[i].device, copy=True)
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
@@ -305,18 +406,28 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def grads_finite(self):
         """One flag for all gradients, one sync. O2 gradients are judged by their amax, which is
-        non-finite exactly when the fp32 gradient was."""
-        flags = []
+        non-finite exactly when the fp32 gradient was; the others by their largest magnitude
+        (one foreach reduction: NaN propagates through it, and an inf is its own maximum)."""
+        flag = self.grads_finite_flag()
+        return True if flag is None else bool(flag)
+
+    def grads_finite_flag(self):
+        """grads_finite() as a 0-dim bool tensor on the device, without the sync (None: no
+        gradient at all). train.py folds it into the one read of its step."""
+        amaxes, plain = [], []
         for g in self.param_groups:
             for p in g["params"]:
                 if p in self.o2 and self.o2[p].wgrad is not None:
-                    flags.append(torch.isfinite(self.o2[p].wgrad.amax).all())
+                    amaxes.append(self.o2[p].wgrad.amax.reshape(()).float())
                 elif p.grad is not None:
-                    flags.append(torch.isfinite(p.grad).all())
-        return bool(torch.stack(flags).all()) if flags else True
+                    plain.append(p.grad)
+        amaxes += [a.float() for a in torch._foreach_norm(plain, float("inf"))] if plain else []
+        return torch.isfinite(torch.stack(amaxes)).all() if amaxes else None
 
     def _init_state(self, p):
-        """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight."""
+        """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight. The
+        step counter lives on the host, as in torch.optim's non-fused AdamW: the step reads it
+        for its bias corrections, and reading host memory is no device sync."""
         st = self.state[p]
         st["step"] = torch.zeros((), dtype=torch.float32)
         zeros = torch.zeros_like(p, dtype=torch.float32)
@@ -326,51 +437,163 @@ class Fp8AdamW(torch.optim.Optimizer):
         else:
             st["exp_avg"], st["exp_avg_sq"] = zeros, zeros.clone()
 
-    def _decoupled_update(self, st, w, g, group):
-        """One AdamW step of an fp32 weight w from FP8 m and fp16 (or FP8 sqrt) v held in st;
-        stores the new moments back into st and returns the new w (fp32, not yet rounded)."""
-        m = _loaded(st["exp_avg"], st["exp_avg_scale"])
-        v = _loaded(st["exp_avg_sq"], st["exp_avg_sq_scale"])
-        if self.v_format == "fp8":
-            v = v.square()  # stored as sqrt(v)
-        st["step"] += 1
-        t = st["step"].item()
-        adam_moments(m, v, g, group["betas"])
-        # (3): no |m| beyond what Adam's recursion allows next to this v (m = 0 where v is 0)
-        lim = v.sqrt().mul_(adam_ratio_bound(t, *group["betas"]))
-        torch.minimum(m, lim, out=m)
-        torch.maximum(m, lim.neg_(), out=m)
-        w = adamw_apply(w, m, v, t, group)
-        st["exp_avg"], st["exp_avg_scale"] = _stored(m, "fp8")
-        vs = v.sqrt() if self.v_format == "fp8" else v
-        st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(vs, self.v_format)
-        return w
+    @staticmethod
+    def _count_steps(sts):
+        """Advance the step counters of these states (one foreach add) and return them as Python
+        numbers (one read of host memory for all of them, no .item() per parameter)."""
+        steps = [st["step"] for st in sts]
+        if not steps:
+            return []
+        torch._foreach_add_(steps, 1)
+        return torch.stack(steps).tolist()
 
-    def _fp32_update(self, p, g, group):
-        st = self.state[p]
-        st["step"] += 1
-        p.copy_(adamw_math(p.float(), g, st["exp_avg"], st["exp_avg_sq"], st["step"].item(), group))
+    def _decoupled_update(self, sts, ws, gs, group, ts):
+        """One AdamW step of fp32 weights ws from FP8 m and fp16 (or FP8 sqrt) v held in the
+        states sts, each at its step count in ts, for all of them at once (foreach): stores the
+        new moments into the states and returns the new weights (fp32, not yet rounded)."""
+        # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
+        ms = _loaded_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
+                         [st["exp_avg_scale"] for st in sts])
+        vs = _loaded_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
+                         [st["exp_avg_sq_scale"] for st in sts])
+        ws = [w.view(g.shape) for w, g in zip(ws, gs)]
+        if self.v_format == "fp8":
+            vs = torch._foreach_pow(vs, 2)  # stored as sqrt(v)
+        adam_moments(ms, vs, gs, group["betas"])
+        # (3): no |m| beyond what Adam's recursion allows next to this v (m = 0 where v is 0)
+        lim = torch._foreach_sqrt(vs)
+        torch._foreach_mul_(lim, [adam_ratio_bound(t, *group["betas"]) for t in ts])
+        torch._foreach_minimum_(ms, lim)
+        torch._foreach_neg_(lim)
+        torch._foreach_maximum_(ms, lim)
+        ws = adamw_apply(ws, ms, vs, ts, group)
+        for st, (data, scale) in zip(sts, _stored_all(ms, "fp8")):
+            st["exp_avg"], st["exp_avg_scale"] = data, scale
+        if self.v_format == "fp8":
+            vs = torch._foreach_sqrt(vs)
+        for st, (data, scale) in zip(sts, _stored_all(vs, self.v_format)):
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = data, scale
+        return ws
+
+    def _fp32_update(self, ps, gs, group):
+        """torch.optim.AdamW on ordinary parameters, all of them at once (foreach)."""
+        sts = [self.state[p] for p in ps]
+        ts = self._count_steps(sts)
+        ws = adamw_math([p.float() for p in ps], gs, [st["exp_avg"] for st in sts],
+                        [st["exp_avg_sq"] for st in sts], ts, group)
+        torch._foreach_copy_(ps, ws)
+
+    def _o2_update(self, ps, gs, group, number):
+        """The O2 weights ps of one param group: AdamW on dequantized copies, then each new weight
+        rounded stochastically into its fp16 master, with its own generator (see (5) above)."""
+        mods, sts = [self.o2[p] for p in ps], [self.state[p] for p in ps]
+        ts = self._count_steps(sts)
+        ws = _loaded_all([m.weight for m in mods], [m.weight_scale for m in mods])
+        ws = self._decoupled_update(sts, ws, gs, group, ts)
+        gens = [self.rounding_generator(number[p], t, p.device) for p, t in zip(ps, ts)]
+        set_weights(mods, ws, gens)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        if not self.grads_finite():
+    def step(self, closure=None, grads_finite=None):
+        """One AdamW step over every parameter with a gradient, in a handful of foreach kernels
+        per param group (plus, per O2 weight, the draw of its rounding noise). Returns whether it
+        was taken. grads_finite: the caller's verdict on the gradients (train.py has one from its
+        own single sync); None: check them here (one sync)."""
+        if grads_finite is None:
+            grads_finite = self.grads_finite()
+        if not grads_finite:
             self.skipped_steps += 1
             return False
         number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for group in self.param_groups:
+            o2, grads, plain = [], [], []
             for p in group["params"]:
-                g = self._grad(p)
-                if g is None:
+                q = self.o2[p].wgrad if p in self.o2 else None
+                if q is None and (p in self.o2 or p.grad is None):
                     continue
                 if not self.state[p]:
                     self._init_state(p)
-                if p in self.o2:
-                    mod, st = self.o2[p], self.state[p]
-                    w = self._decoupled_update(st, mod.hp_weight(), g, group)
-                    mod.set_weight(w, self.rounding_generator(number[p], st["step"].item(), p.device))
+                if q is None:
+                    plain.append(p)
                 else:
-                    self._fp32_update(p, g, group)
+                    o2.append(p)
+                    grads.append(q)
+            if plain:
+                self._fp32_update(plain, [p.grad for p in plain], group)
+            if o2:  # the FP8 gradients, dequantized (dequantize's operations, foreach)
+                gs = _loaded_all([q.data for q in grads], [q.scale for q in grads])
+                self._o2_update(o2, [g.view(p.shape) for g, p in zip(gs, o2)], group, number)
         return True
+
+
+# -----------------------------------------------------------------------------
+# The update, on lists of tensors: every elementwise operation is one foreach call over all the
+# tensors of a kind, and each tensor gets the same operations, in the same order, as a one-tensor
+# update would (the CPU runs foreach ops tensor by tensor with the ordinary kernels, so the two are
+# bit-identical; tests/test_optim.py holds the fp32 parameters to torch.optim.AdamW's bits).
+
+
+def _loaded_all(datas, scales):
+    """[data.float() * scale.reciprocal()] for stored tensors of one dtype: a foreach cast (copy
+    into fp32) and a foreach multiply by the per-tensor reciprocal scales."""
+    out = [torch.empty(d.shape, dtype=torch.float32, device=d.device) for d in datas]
+    torch._foreach_copy_(out, datas)
+    torch._foreach_mul_(out, torch._foreach_reciprocal(scales))
+    return out
+
+
+def _amaxes(xs):
+    """The amax of every tensor, stacked (one foreach reduction, one stack)."""
+    return torch.stack([a.float() for a in torch._foreach_norm(xs, float("inf"))])
+
+
+def _stored_all(xs, fmt):
+    """_stored for a list of fp32 tensors: [(data, scale)], the scales computed for all tensors
+    at once from their stacked amaxes. The values are finite (the step checked the gradients,
+    and m and v are made from them), so the E4M3 cast needs no NaN guard (quantize has one)."""
+    amax = _amaxes(xs)
+    if fmt == "fp8":
+        scales, dtype = compute_scale(amax, E4M3).unbind(), E4M3.dtype
+    else:
+        scales, dtype = _fp16_scale(amax, FP16_MAX / 4).unbind(), torch.float16
+    ys = torch._foreach_mul(xs, list(scales))
+    if fmt == "fp8":
+        torch._foreach_clamp_min_(ys, -E4M3.max)
+        torch._foreach_clamp_max_(ys, E4M3.max)
+    datas = [torch.empty(y.shape, dtype=dtype, device=y.device) for y in ys]
+    torch._foreach_copy_(datas, ys)
+    return list(zip(datas, scales))
+
+
+def _scaled_rounded(xs, generators, target):
+    """to_fp16_scaled for many tensors, stopping short of the cast: (fp32 tensors whose values
+    fp16 holds exactly, their scales). One draw of noise per tensor, the rest foreach."""
+    scales = list(_fp16_scale(_amaxes(xs), target).unbind())
+    ys = torch._foreach_mul(xs, scales)
+    bits = [y.view(torch.int32) for y in ys]
+    torch._foreach_add_(bits, [_rounding_noise(y, gen) for y, gen in zip(ys, generators)])
+    for b in bits:  # clear the 13 bits fp16 does not hold (see round_stochastic_fp16)
+        b.bitwise_and_(~((1 << 13) - 1))
+    return ys, scales
+
+
+def to_fp16_scaled_all(xs, generators, target=MASTER_HEADROOM):
+    """[to_fp16_scaled(x, target, generator)] for lists of tensors and generators."""
+    ys, scales = _scaled_rounded(xs, generators, target)
+    halves = [torch.empty(y.shape, dtype=torch.float16, device=y.device) for y in ys]
+    torch._foreach_copy_(halves, ys)
+    return list(zip(halves, scales))
+
+
+@torch.no_grad()
+def set_weights(mods, ws, generators):
+    """O2Linear.set_weight for many modules: each new fp32 weight stored as its scaled fp16
+    master, rounded stochastically with its own generator."""
+    ys, scales = _scaled_rounded(ws, generators, MASTER_HEADROOM)
+    torch._foreach_copy_([m.weight for m in mods], ys)
+    torch._foreach_copy_([m.weight_scale for m in mods], scales)
+    for m in mods:
+        m.free_weight_cache()
 
 
 def adam_ratio_bound(t, b1, b2):
@@ -385,26 +608,34 @@ def adam_ratio_bound(t, b1, b2):
 
 
 def adam_moments(m, v, g, betas):
-    """Adam's moment recursions, in place, in torch.optim.AdamW's operations and order."""
+    """Adam's moment recursions, in place, in torch.optim.AdamW's operations and order. m, v, g:
+    tensors, or lists of tensors (one foreach call per operation)."""
+    if torch.is_tensor(m):
+        m, v, g = [m], [v], [g]
     b1, b2 = betas
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, value=1 - b2)
 
 
-def adamw_apply(w, m, v, t, group):
-    """The AdamW update of w from the moments after step t (decay first, as torch does)."""
+def adamw_apply(ws, ms, vs, ts, group):
+    """The AdamW update of the weights ws from the moments after steps ts (lists, one step
+    count per tensor), decay first, as torch does. Returns the new weights (new tensors)."""
     lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    w = w * (1 - lr * wd)
-    denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-    return w.addcdiv(m, denom, value=-lr / (1 - b1**t))
+    ws = torch._foreach_mul(ws, 1 - lr * wd)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(ws, ms, denom, [-lr / (1 - b1**t) for t in ts])
+    return ws
 
 
-def adamw_math(w, g, m, v, t, group):
-    """AdamW on fp32 tensors: updates m and v in place, returns the new w. The operations and
-    their order are torch.optim.AdamW's (single-tensor path), so fp32 parameters come out
-    bit-identical to it."""
-    adam_moments(m, v, g, group["betas"])
-    return adamw_apply(w, m, v, t, group)
+def adamw_math(ws, gs, ms, vs, ts, group):
+    """AdamW on lists of fp32 tensors: updates ms and vs in place, returns the new weights. The
+    operations and their order are torch.optim.AdamW's (single-tensor path), one foreach call
+    each, so fp32 parameters come out bit-identical to it."""
+    adam_moments(ms, vs, gs, group["betas"])
+    return adamw_apply(ws, ms, vs, ts, group)
 
 
 @torch.no_grad()
@@ -450,7 +681,8 @@ def training_state_bytes(model, optimizer, is_block_linear=None):
 
     weight = the stored (master) weight, grad = gradients (fp32, bf16 or FP8 + scale), optimizer
     = every tensor of the optimizer state, gemm_weight = the FP8 weight copies an Fp8Linear holds
-    from its first forward of a step to the optimizer step (reported, not in per_param)."""
+    from its first forward of a step to the optimizer step, an O2Linear from one step to the next
+    (reported, not in per_param)."""
     if is_block_linear is None:
         is_block_linear = lambda fqn, m: isinstance(m, nn.Linear) and not fqn.endswith("lm_head")
     owner = {}
@@ -470,7 +702,11 @@ def training_state_bytes(model, optimizer, is_block_linear=None):
         if isinstance(m, O2Linear):
             row["grad"] += m.wgrad_nbytes()  # without ending an accumulation
             row["weight"] += _nbytes(m.weight_scale)
-        if isinstance(m, Fp8Linear) and m._w_cache is not None:
+        if isinstance(m, O2Linear):  # the step's casts, held until the next step
+            own = {p.untyped_storage().data_ptr()}  # (O3: the forward's W is the stored weight)
+            row["gemm_weight"] += sum(_nbytes(t) for t in {getattr(m, k) for k in ("fp8_w", "fp8_w_scale", "fp8_wt", "fp8_wt_scale")}
+                                      if t.untyped_storage().data_ptr() not in own)
+        elif isinstance(m, Fp8Linear) and m._w_cache is not None:
             row["gemm_weight"] += sum(_fp8_nbytes(q) for q in m._w_cache[1] if q is not None)
         for v in optimizer.state.get(p, {}).values():
             if torch.is_tensor(v):

@@ -106,7 +106,7 @@ def _stage(model):
 
 def forward_backward(model, batches, layout, autocast, formats):
     """Forward and backward over this rank's micro-batches [(x, y)]; gradients add up in .grad.
-    Returns the mean loss as a float (.item() waits for the device: the step time is honest).
+    Returns the mean loss as a device tensor (read at logging iterations: no sync of its own).
 
     One process or data parallel: one micro-batch after the other, each loss / len(batches);
     with several replicas only the last backward communicates (no_sync on the others), and the
@@ -119,7 +119,7 @@ def forward_backward(model, batches, layout, autocast, formats):
                                       act_fmt=formats[0], grad_fmt=formats[1], dp=replicas)
         if layout.dp > 1:
             dist.all_reduce(loss, group=layout.dp_group)
-        return loss.item() / layout.dp
+        return loss / layout.dp
     loss_sum = torch.zeros((), device=layout.device)
     for m, (x, y) in enumerate(batches):
         local = layout.dp > 1 and m < len(batches) - 1
@@ -128,7 +128,7 @@ def forward_backward(model, batches, layout, autocast, formats):
                 _, loss = model(x, y)
             (loss / len(batches)).backward()
         loss_sum += loss.detach().float()
-    return loss_sum.item() / len(batches)
+    return loss_sum / len(batches)
 
 
 @torch.no_grad()
@@ -233,14 +233,34 @@ def weights_finite(model, layout):
     return bool(ok.item())
 
 
-def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, lr, cfg, layout, log):
+@torch.no_grad()
+def weights_finite_flag(model, layout):
+    """weights_finite as a device tensor (1.0 or 0.0), read by the caller with the step's one sync:
+    the largest magnitude of every floating-point parameter and buffer, one foreach reduction per
+    dtype (NaN propagates through it, an inf is its own maximum); the ranks agree by a MIN."""
+    by_dtype = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            t = t.detach() if t.element_size() > 1 else t.detach().float()  # no FP8 kernels
+            by_dtype.setdefault(t.dtype, []).append(t)
+    amax = [a.float() for ts in by_dtype.values() for a in torch._foreach_norm(ts, float("inf"))]
+    ok = torch.isfinite(torch.stack(amax)).all().float()
+    if layout.world > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return ok
+
+
+def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok, prev_lr, cfg, layout, log):
     """After each optimizer step: stop when the weights went non-finite, or when steps keep being
     skipped for non-finite gradients (a run that only skips learns nothing and would keep writing
-    checkpoints). Returns the new count of skipped steps in a row."""
+    checkpoints). Returns the new count of skipped steps in a row. weights_ok: optimizer_step's
+    verdict on the weights its step started from, i.e. on the update of iteration iter_num - 1,
+    made with learning rate prev_lr (read in the step's one sync; a checkpoint is never written
+    between that update and this check: save_if_better checks the weights itself)."""
     ckpt_path = checkpoint_path(cfg["out_dir"], layout)
-    if stepped and not weights_finite(model, layout):
+    if not weights_ok:
         bad = nonfinite_tensors(model)
-        raise TrainingStopped(f"the update of iteration {iter_num} (learning rate {lr:g}) made weights "
+        raise TrainingStopped(f"the update of iteration {iter_num - 1} (learning rate {prev_lr:g}) made weights "
                               f"non-finite{' (' + ', '.join(bad[:3]) + ')' if bad else ' on another rank'}: "
                               f"stopped; {ckpt_path} is untouched: resume from it with a lower learning_rate")
     if stepped:
@@ -440,6 +460,18 @@ def peak_flops_for(cfg, device_type):
         if key in name:
             return fp8_peak if cfg["precision"] != "bf16" else bf16_peak
     return None
+
+
+def read_losses(losses):
+    """The training losses [(iter, loss)] stay device tensors until a log line reads them, all
+    the unread ones with one sync: they are replaced by floats in place. Returns the last one."""
+    start = len(losses)
+    while start > 0 and torch.is_tensor(losses[start - 1][1]):
+        start -= 1
+    if start < len(losses):
+        values = torch.stack([loss for _, loss in losses[start:]]).tolist()
+        losses[start:] = [(it, v) for (it, _), v in zip(losses[start:], values)]
+    return losses[-1][1] if losses else float("nan")
 
 
 class Clock:

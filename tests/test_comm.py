@@ -314,7 +314,7 @@ def dp_mp_run(layout, overlap):
         P.pipeline_step(stage, micro, groups, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
                         act_fmt=act, grad_fmt=grad, dp=dp)
         events.append("end of backward")
-        norm, stepped = train.optimizer_step(dp, opt, cfg, groups)
+        norm, stepped, _ = train.optimizer_step(dp, opt, cfg, groups)
         assert stepped
         norms.append(norm)
     check_replicas(stage, groups)  # raises if the data-parallel replicas came apart

@@ -1,0 +1,70 @@
+"""Device-to-host syncs of a training step, counted on CPU.
+
+On a GPU every read of a device value by the host (`.item()`, `bool(t)`, `if t:`,
+`torch.equal`, an output whose size depends on the data) waits for everything queued before it,
+so the host stops running ahead of the GPU and each kernel launch is exposed again. train.py
+takes one such read per optimizer step, for the verdict that decides whether the step is taken
+(finite gradients), and folds into it everything else the step reports (the gradient norm, the
+loss, whether the weights the step started from are finite). This test counts the reads under a
+TorchDispatchMode over whole runs of train.main, and takes the difference between a run of 4 and
+one of 2 iterations: the cost of 2 ordinary iterations (forward, backward, clipping, finite
+verdict, optimizer step, the checks after it), outside logging and evaluation iterations.
+
+The CPU run is set up as train.py sets up a CUDA run where that matters here: the FP8 GEMMs go
+through torch._scaled_mm (fp8_backend=torch), and O1 gets the fused AdamW that train.py builds
+on CUDA (the CPU's single-tensor AdamW reads its host-side step counters with .item(), which on
+a GPU is no sync: they live in host memory).
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train
+
+pytestmark = pytest.mark.usefixtures("shakespeare")
+
+# Operators that make the host wait for the device: scalar reads, outputs whose size is data, and
+# copies to the host (counted where they are copies: on a CPU run, .cpu() of a CPU tensor is no op;
+# .tolist() is not an operator at all, so a device value is read with a copy first).
+SYNCS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero",
+         "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim"}
+
+TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block_size=32",
+        "batch_size=4", "gradient_accumulation_steps=2", "eval_iters=1", "device=cpu",
+        "compile=False", "fp8_backend=torch", "log_interval=1000", "eval_interval=1000"]
+
+
+class SyncCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count, self.where = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        kw = kwargs or {}
+        if (name in SYNCS or (name == "repeat_interleave" and not kw.get("output_size"))
+                or (name == "_to_copy" and kw.get("device") == torch.device("cpu")  # .cpu(), .to("cpu")
+                    and kw.get("dtype") in (None, args[0].dtype))):  # (not a cast that names the device)
+            self.count += 1
+            self.where.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def syncs(precision, iters, out_dir):
+    with SyncCounter() as c:
+        train.main(TINY + [f"precision={precision}", f"max_iters={iters}", f"out_dir={out_dir}"])
+    return c.count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["O1", "O2"])
+def test_one_sync_per_training_step(precision, tmp_path, monkeypatch):
+    real = train.build_optimizer
+    monkeypatch.setattr(train, "build_optimizer", lambda model, cfg, device_type: real(model, cfg, "cuda"))
+    short = syncs(precision, 2, tmp_path / "short")
+    long = syncs(precision, 4, tmp_path / "long")
+    per_step = (long - short) / 2
+    print(f"{precision}: {per_step:g} device-to-host syncs per training step")
+    assert per_step <= 1, f"{precision}: {per_step:g} syncs per training step"
+    assert short > 0  # the counter sees syncs at all (evaluation and logging read values)
