@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanofp8.fp8 import BLOCK, E4M3, _expand_tiles, quantize
+from nanofp8.fp8 import BLOCK, E4M3, expand_tiles, quantize
 from nanofp8.interop import is_hf_gpt2, load_hf_gpt2, load_portable
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint
 
@@ -109,7 +109,7 @@ def _o3_masters(ckpt, path):
     return out
 
 
-def _moments(ckpt):
+def fp32_moments(ckpt):
     """{parameter name: {step, exp_avg, exp_avg_sq}} in fp32, from the optimizer state of a
     single-device checkpoint of any level: torch AdamW's fp32 moments, O2's E4M3 m and fp16 (or
     E4M3 sqrt) v with their scales, O3's shards of those glued back. None if there is none."""
@@ -146,11 +146,11 @@ def _moments(ckpt):
 
 @torch.no_grad()
 def load_moments(optimizer, model, moments):
-    """Put fp32 moments (from _moments) into a freshly built optimizer of any level, in its own
+    """Put fp32 moments (from fp32_moments) into a freshly built optimizer of any level, in its own
     formats: fp32 for torch AdamW, E4M3 m and fp16 (or E4M3 sqrt) v for O2 weights, this rank's
     shard of those for O3. Parameters are matched by name; a shape mismatch is an error."""
     from nanofp8.dist import ZeroFp8AdamW, shard_len
-    from nanofp8.optim import Fp8AdamW, _stored
+    from nanofp8.optim import Fp8AdamW, stored
 
     trained = {p for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
@@ -167,9 +167,9 @@ def load_moments(optimizer, model, moments):
                 c, r = shard_len(p.numel(), optimizer.world), optimizer.rank
                 m, v = (F.pad(t.reshape(-1), (0, optimizer.world * c - p.numel()))[r * c : (r + 1) * c]
                         for t in (m, v))
-            st["exp_avg"], st["exp_avg_scale"] = _stored(m, "fp8")
+            st["exp_avg"], st["exp_avg_scale"] = stored(m, "fp8")
             sq = v.sqrt() if optimizer.v_format == "fp8" else v
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(sq, optimizer.v_format)
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = stored(sq, optimizer.v_format)
         else:
             st["exp_avg"], st["exp_avg_sq"] = m.clone(), v.clone()
         # torch's fused AdamW wants its step counter on the parameter's device, the others on the CPU
@@ -295,7 +295,7 @@ def resume_from(out_dir, cfg, world_size):
     moments = None
     cut_before = info["layout"]["tensor_parallel"] * info["layout"]["pipeline_parallel"] > 1
     if not cut_before and cfg["tensor_parallel"] * cfg["pipeline_parallel"] == 1:
-        moments = _moments(load_checkpoint(info["files"][0], map_location="cpu"))
+        moments = fp32_moments(load_checkpoint(info["files"][0], map_location="cpu"))
     fresh = [] if moments else ["optimizer moments (Adam m and v restart from zero)"]
     if "bf16" not in (info["precision"], cfg["precision"]):
         fresh.append("FP8 scaling state (amax histories)")
@@ -380,7 +380,7 @@ class Fp8WeightLinear(nn.Module):
         """The weight as fp8.dequantize computes it: fp8 * (1/scale), per row, tile or tensor."""
         s = self.weight_scale_inv
         if self.granularity == "block":
-            s = _expand_tiles(s, (BLOCK, BLOCK), self.weight_fp8.shape)
+            s = expand_tiles(s, (BLOCK, BLOCK), self.weight_fp8.shape)
         return (self.weight_fp8.float() * s).to(dtype)
 
     def forward(self, x):

@@ -110,7 +110,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, quantize
-from .optim import (Fp8AdamW, O2Linear, _loaded_all, _stored, convert_to_o2, to_fp16_scaled,
+from .optim import (Fp8AdamW, O2Linear, convert_to_o2, dequantize_stored_all, stored, to_fp16_scaled,
                     to_fp16_scaled_all)
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
@@ -205,14 +205,14 @@ def quantize_rows(x2, fmt, block=None):
     return Fp8Rows(q.data.view(rows, c), q.scale.view(rows, c // b), n)
 
 
-def _pack(q):
+def pack_rows(q):
     """Fp8Rows -> one uint8 buffer (R, C + 4 * scales per row): each row's FP8 bytes followed by
     the raw bytes of its fp32 scales, so payload and scales travel in a single collective."""
     return torch.cat([q.data.view(torch.uint8), q.scale.contiguous().view(torch.uint8)], dim=1)
 
 
-def _unpack(buf, c, cols, dtype):
-    """The inverse of _pack for a buffer whose rows hold c FP8 bytes, then the scales."""
+def unpack_rows(buf, c, cols, dtype):
+    """The inverse of pack_rows for a buffer whose rows hold c FP8 bytes, then the scales."""
     return Fp8Rows(buf[:, :c].view(dtype), buf[:, c:].contiguous().view(torch.float32), cols)
 
 
@@ -302,14 +302,14 @@ def reduce_scatter_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=
         c = shard_len(n, world, block)
         flat = F.pad(x.detach().reshape(-1), (0, world * c - n))
         q = quantize_rows(flat.view(world, c), fmt, block)  # row r: the chunk for rank r
-    send = _pack(q)
+    send = pack_rows(q)
     recv = torch.empty_like(send)  # row r: my chunk, as rank r quantized it
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     COMM.add("reduce_scatter_fp8", _nbytes(send), _nbytes(send) * (world - 1) / world,
              q.data.dtype, _nbytes(q.scale))
 
     def finish():
-        total = _unpack(recv, c, q.cols, q.data.dtype).dequantize().sum(0)  # the fp32 sum
+        total = unpack_rows(recv, c, q.cols, q.data.dtype).dequantize().sum(0)  # the fp32 sum
         if op == "mean":
             total = total / world
         return total.to(out_dtype or x.dtype)
@@ -329,7 +329,7 @@ def reduce_scatter_fp8_rows(rows, group=None, op="sum", async_op=False):
         raise ValueError(f"need Fp8Rows of one dtype with one row per rank ({world})")
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', not {op!r}")
-    packed = [_pack(q) for q in rows]
+    packed = [pack_rows(q) for q in rows]
     send = torch.cat(packed, dim=1)
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
@@ -341,7 +341,7 @@ def reduce_scatter_fp8_rows(rows, group=None, op="sum", async_op=False):
         for q, b in zip(rows, packed):
             piece = recv[:, lo : lo + b.shape[1]].contiguous()
             lo += b.shape[1]
-            total = _unpack(piece, q.data.shape[1], q.cols, q.data.dtype).dequantize().sum(0)
+            total = unpack_rows(piece, q.data.shape[1], q.cols, q.data.dtype).dequantize().sum(0)
             out.append((total / world if op == "mean" else total).to(torch.float32))
         return out
 
@@ -363,14 +363,14 @@ def all_gather_fp8(x, group=None, fmt=E4M3, block=None, numel=None, shape=None, 
         _check(x)
         q, dtype = quantize_rows(x.detach().reshape(1, -1), fmt, block), out_dtype or x.dtype
     world = _world(group)
-    send = _pack(q)
+    send = pack_rows(q)
     recv = send.new_empty((world * send.shape[0], send.shape[1]))
     work = _all_gather(recv, send, group=group, async_op=True)
     COMM.add("all_gather_fp8", _nbytes(send), _nbytes(send) * (world - 1), q.data.dtype,
              _nbytes(q.scale))
 
     def finish():
-        got = _unpack(recv, q.data.shape[1], q.cols, q.data.dtype)
+        got = unpack_rows(recv, q.data.shape[1], q.cols, q.data.dtype)
         if keep_fp8:
             return got
         out = got.dequantize(dtype).reshape(-1)[:numel]
@@ -842,8 +842,8 @@ class ZeroFp8AdamW(Fp8AdamW):
             st["step"] = torch.zeros((), dtype=torch.float32)
             st["master"], st["master_scale"] = to_fp16_scaled(full[self.rank * c : (self.rank + 1) * c])
             zeros = torch.zeros(c, device=p.device)
-            st["exp_avg"], st["exp_avg_scale"] = _stored(zeros, "fp8")
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(zeros, self.v_format)
+            st["exp_avg"], st["exp_avg_scale"] = stored(zeros, "fp8")
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = stored(zeros, self.v_format)
 
     def state_dict(self):
         sd = super().state_dict()
@@ -912,7 +912,7 @@ class ZeroFp8AdamW(Fp8AdamW):
                 continue
             sts = [self.state[p] for p in mine]
             ts = self._count_steps(sts)
-            ws = _loaded_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
+            ws = dequantize_stored_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
             ws = self._decoupled_update(sts, ws, [shards[index[p]] for p in mine], group, ts)
             gens = [self.rounding_generator(number[p], t, w.device) for p, t, w in zip(mine, ts, ws)]
             for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, gens)):

@@ -198,7 +198,7 @@ def _tile_amax(x2, block):
     return xp.unflatten(1, (-1, bc)).unflatten(0, (-1, br)).amax(dim=(1, 3))
 
 
-def _expand_tiles(s, block, shape):
+def expand_tiles(s, block, shape):
     """Tile scales (R, C) -> one per element (rows, cols): element (i, j) gets s[i // br, j // bc].
     A gather rather than s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]: under
     torch.compile, inductor's CPU code (torch 2.13) gets that form wrong when a dim is not a
@@ -210,7 +210,7 @@ def _expand_tiles(s, block, shape):
 
 def _per_element(q, s):
     """Broadcast a scale-shaped tensor of q to q.data's shape."""
-    return _expand_tiles(s, q.block, q.data.shape) if q.granularity == "block" else s
+    return expand_tiles(s, q.block, q.data.shape) if q.granularity == "block" else s
 
 
 def _amax(x2, granularity, block):
@@ -250,7 +250,7 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
     # Not a bare scale.float(): on an fp32 tensor that returns the tensor itself, a second name for
     # the same storage, and torch.compile refuses to save such an alias for the backward pass.
     scale = scale if scale.dtype == torch.float32 else scale.float()
-    el = _expand_tiles(scale, block, x2.shape) if granularity == "block" else scale
+    el = expand_tiles(scale, block, x2.shape) if granularity == "block" else scale
     # Contiguous (row-major) whatever x's layout: an elementwise op on a transposed view (the
     # x^T of a backward GEMM) keeps the transposed layout, which FP8 GEMMs do not take.
     data = _saturating_cast(x2.detach(), el, fmt).contiguous()
@@ -416,8 +416,8 @@ def _gemm_block_loop(a, b, out_dtype, bias):
     fp32 outputs summed in fp32 (the "promote every 128 of K" of DeepSeek-V3, done by hand)."""
     k = a.data.shape[1]
     # every row's scale for each 128-wide slice of K: (M, K tiles) and (N, K tiles)
-    ia = _expand_tiles(a.inv_scale, (a.block[0], 1), (len(a.data), a.inv_scale.shape[1]))
-    ib = _expand_tiles(b.inv_scale, (b.block[0], 1), (len(b.data), b.inv_scale.shape[1]))
+    ia = expand_tiles(a.inv_scale, (a.block[0], 1), (len(a.data), a.inv_scale.shape[1]))
+    ib = expand_tiles(b.inv_scale, (b.block[0], 1), (len(b.data), b.inv_scale.shape[1]))
     out = None
     for j, k0 in enumerate(range(0, k, BLOCK)):
         ks = slice(k0, min(k0 + BLOCK, k))
@@ -620,11 +620,11 @@ def _requantize_t(mod, x2, fmt, q, block):
     return quantize(x2.t(), fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 
 
-def _pack(q):  # Fp8Tensor -> (tensors for save_for_backward, metadata for ctx)
+def pack_saved(q):  # Fp8Tensor -> (tensors for save_for_backward, metadata for ctx)
     return (q.data, q.scale), (q.fmt, q.granularity, q.block, q.data.shape, q.dtype)
 
 
-def _unpack(tensors, meta):
+def unpack_saved(tensors, meta):
     return Fp8Tensor(tensors[0], tensors[1], meta[0], meta[1], meta[2], meta[3], meta[4])
 
 
@@ -650,7 +650,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, ACT_BLOCK)
         if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
             mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
-        (tx, mx), (tw, mw) = _pack(qx_t), _pack(qw_t)
+        (tx, mx), (tw, mw) = pack_saved(qx_t), pack_saved(qw_t)
         ctx.save_for_backward(*tx, *tw)
         ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -661,7 +661,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         mod, r = ctx.mod, ctx.mod.recipe
         saved = ctx.saved_tensors
-        qx_t, qw_t = _unpack(saved[:2], ctx.meta[0]), _unpack(saved[2:], ctx.meta[1])
+        qx_t, qw_t = unpack_saved(saved[:2], ctx.meta[0]), unpack_saved(saved[2:], ctx.meta[1])
         dx = dw = db = qdy_t = None
         with torch.autocast(dy.device.type, enabled=False):
             qdy, dy2 = mod.dgrad_input(dy)  # dy2: as x2 in forward

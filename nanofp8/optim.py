@@ -85,7 +85,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, WEIGHT, Fp8Linear, _pack, _unpack, compute_scale, dequantize, quantize
+from nanofp8.fp8 import E4M3, WEIGHT, Fp8Linear, compute_scale, dequantize, pack_saved, quantize, unpack_saved
 
 FP16_MAX = 65504.0
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16
@@ -187,7 +187,7 @@ class O2Linear(Fp8Linear):
             qwt = qw.t()
         meta = []
         for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
-            (data, scale), m = _pack(q)
+            (data, scale), m = pack_saved(q)
             meta.append(m)
             for key, t in ((name, data), (name + "_scale", scale)):
                 # a new tensor, not a copy into the old one: a graph saved for backward may
@@ -198,8 +198,8 @@ class O2Linear(Fp8Linear):
         self._w_cache = None
 
     def _fp8_operands(self):
-        return (_unpack((self.fp8_w, self.fp8_w_scale), self._fp8_meta[0]),
-                _unpack((self.fp8_wt, self.fp8_wt_scale), self._fp8_meta[1]))
+        return (unpack_saved((self.fp8_w, self.fp8_w_scale), self._fp8_meta[0]),
+                unpack_saved((self.fp8_wt, self.fp8_wt_scale), self._fp8_meta[1]))
 
     def weight_operands(self):
         """FP8 W and W^T for the forward and dgrad GEMMs: the casts of the last step."""
@@ -228,7 +228,7 @@ class O2Linear(Fp8Linear):
         """The weight gradient as an Fp8Tensor (E4M3, one tensor scale), or None. Reading it ends
         an fp16 accumulation: the sum is cast to E4M3 once, and the buffer is freed."""
         if self._wgrad_acc is not None:
-            self._wgrad = quantize(_loaded(*self._wgrad_acc), E4M3)
+            self._wgrad = quantize(dequantize_stored(*self._wgrad_acc), E4M3)
             self._wgrad_acc = None
         return self._wgrad
 
@@ -266,7 +266,7 @@ class O2Linear(Fp8Linear):
             self._wgrad_ready()
             return None
         if self._wgrad_acc is not None:
-            dw = dw + _loaded(*self._wgrad_acc)
+            dw = dw + dequantize_stored(*self._wgrad_acc)
         elif self._wgrad is not None:  # a sum already cast (read mid-accumulation): go on from it
             dw = dw + dequantize(self._wgrad, torch.float32)
         self._wgrad, self._wgrad_acc = None, to_fp16_scaled(dw, FP16_MAX / 4)
@@ -335,7 +335,7 @@ def convert_to_o2(model, cls=None, grad_accum="fp16"):
 # The optimizer
 
 
-def _stored(t, fmt):
+def stored(t, fmt):
     """(data, scale) of one moment tensor in its storage format: "fp8" (E4M3) or "fp16"."""
     if fmt == "fp8":
         q = quantize(t, E4M3)
@@ -343,7 +343,7 @@ def _stored(t, fmt):
     return to_fp16_scaled(t, FP16_MAX / 4)
 
 
-def _loaded(data, scale):
+def dequantize_stored(data, scale):
     return data.float() * scale.reciprocal()
 
 
@@ -432,8 +432,8 @@ class Fp8AdamW(torch.optim.Optimizer):
         st["step"] = torch.zeros((), dtype=torch.float32)
         zeros = torch.zeros_like(p, dtype=torch.float32)
         if p in self.o2:
-            st["exp_avg"], st["exp_avg_scale"] = _stored(zeros, "fp8")
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = _stored(zeros, self.v_format)
+            st["exp_avg"], st["exp_avg_scale"] = stored(zeros, "fp8")
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = stored(zeros, self.v_format)
         else:
             st["exp_avg"], st["exp_avg_sq"] = zeros, zeros.clone()
 
@@ -452,9 +452,9 @@ class Fp8AdamW(torch.optim.Optimizer):
         states sts, each at its step count in ts, for all of them at once (foreach): stores the
         new moments into the states and returns the new weights (fp32, not yet rounded)."""
         # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
-        ms = _loaded_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
+        ms = dequantize_stored_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
                          [st["exp_avg_scale"] for st in sts])
-        vs = _loaded_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
+        vs = dequantize_stored_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
                          [st["exp_avg_sq_scale"] for st in sts])
         ws = [w.view(g.shape) for w, g in zip(ws, gs)]
         if self.v_format == "fp8":
@@ -467,11 +467,11 @@ class Fp8AdamW(torch.optim.Optimizer):
         torch._foreach_neg_(lim)
         torch._foreach_maximum_(ms, lim)
         ws = adamw_apply(ws, ms, vs, ts, group)
-        for st, (data, scale) in zip(sts, _stored_all(ms, "fp8")):
+        for st, (data, scale) in zip(sts, stored_all(ms, "fp8")):
             st["exp_avg"], st["exp_avg_scale"] = data, scale
         if self.v_format == "fp8":
             vs = torch._foreach_sqrt(vs)
-        for st, (data, scale) in zip(sts, _stored_all(vs, self.v_format)):
+        for st, (data, scale) in zip(sts, stored_all(vs, self.v_format)):
             st["exp_avg_sq"], st["exp_avg_sq_scale"] = data, scale
         return ws
 
@@ -488,7 +488,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         rounded stochastically into its fp16 master, with its own generator (see (5) above)."""
         mods, sts = [self.o2[p] for p in ps], [self.state[p] for p in ps]
         ts = self._count_steps(sts)
-        ws = _loaded_all([m.weight for m in mods], [m.weight_scale for m in mods])
+        ws = dequantize_stored_all([m.weight for m in mods], [m.weight_scale for m in mods])
         ws = self._decoupled_update(sts, ws, gs, group, ts)
         gens = [self.rounding_generator(number[p], t, p.device) for p, t in zip(ps, ts)]
         set_weights(mods, ws, gens)
@@ -521,7 +521,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             if plain:
                 self._fp32_update(plain, [p.grad for p in plain], group)
             if o2:  # the FP8 gradients, dequantized (dequantize's operations, foreach)
-                gs = _loaded_all([q.data for q in grads], [q.scale for q in grads])
+                gs = dequantize_stored_all([q.data for q in grads], [q.scale for q in grads])
                 self._o2_update(o2, [g.view(p.shape) for g, p in zip(gs, o2)], group, number)
         return True
 
@@ -533,7 +533,7 @@ class Fp8AdamW(torch.optim.Optimizer):
 # bit-identical; tests/test_optim.py holds the fp32 parameters to torch.optim.AdamW's bits).
 
 
-def _loaded_all(datas, scales):
+def dequantize_stored_all(datas, scales):
     """[data.float() * scale.reciprocal()] for stored tensors of one dtype: a foreach cast (copy
     into fp32) and a foreach multiply by the per-tensor reciprocal scales."""
     out = [torch.empty(d.shape, dtype=torch.float32, device=d.device) for d in datas]
@@ -547,8 +547,8 @@ def _amaxes(xs):
     return torch.stack([a.float() for a in torch._foreach_norm(xs, float("inf"))])
 
 
-def _stored_all(xs, fmt):
-    """_stored for a list of fp32 tensors: [(data, scale)], the scales computed for all tensors
+def stored_all(xs, fmt):
+    """stored for a list of fp32 tensors: [(data, scale)], the scales computed for all tensors
     at once from their stacked amaxes. The values are finite (the step checked the gradients,
     and m and v are made from them), so the E4M3 cast needs no NaN guard (quantize has one)."""
     amax = _amaxes(xs)

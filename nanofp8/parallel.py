@@ -609,7 +609,7 @@ def _send(x, dst, group, fmt):
     """Send an activation or gradient: FP8 with one fp32 scale per token appended to its row
     (one message), or plainly in a baseline dtype."""
     if isinstance(fmt, Fp8Format):
-        buf = D._pack(D.quantize_rows(x.detach().reshape(-1, x.shape[-1]), fmt))
+        buf = D.pack_rows(D.quantize_rows(x.detach().reshape(-1, x.shape[-1]), fmt))
     else:
         buf = x.detach().to(fmt).contiguous()
     dist.send(buf, dst, group=group)
@@ -624,7 +624,7 @@ def _recv(shape, src, group, fmt, device):
     if isinstance(fmt, Fp8Format):
         buf = torch.empty(rows, C + 4, dtype=torch.uint8, device=device)
         dist.recv(buf, src, group=group)
-        return D._unpack(buf, C, C, fmt.dtype).dequantize(torch.float32).view(shape)
+        return D.unpack_rows(buf, C, C, fmt.dtype).dequantize(torch.float32).view(shape)
     buf = torch.empty(shape, dtype=fmt, device=device)
     dist.recv(buf, src, group=group)
     return buf.float()

@@ -19,7 +19,7 @@ backends "torch" (torch._scaled_mm) and "emulate", over 3 scripted steps of a 2-
 The MLP uses ReLU, not GELU: inductor's erf is not eager's to the last bit, and that ulp would
 flow into the next layer's amax and hide what is tested here. Its sizes are not multiples of
 128 on purpose: ragged tiles are where inductor's CPU code went silently wrong for block scaling
-(see fp8._expand_tiles). One compile (forward and backward) per case, ~10-30 s each on a CPU.
+(see fp8.expand_tiles). One compile (forward and backward) per case, ~10-30 s each on a CPU.
 """
 
 import copy

@@ -526,8 +526,8 @@ def test_local_helpers():
     q = D.quantize_rows(x, E4M3, block=128)  # 300 -> padded to 384, 3 scales per row
     assert q.data.shape == (3, 384) and q.scale.shape == (3, 3) and q.cols == 300
     assert sqnr(x, q.dequantize()) > 28
-    packed = D._pack(q)
-    back = D._unpack(packed, 384, 300, E4M3.dtype)
+    packed = D.pack_rows(q)
+    back = D.unpack_rows(packed, 384, 300, E4M3.dtype)
     assert torch.equal(back.dequantize(), q.dequantize())
     assert D.shard_len(10007, 4) == 2502 and D.shard_len(10007, 4, 128) == 2560
     ps = [nn.Parameter(torch.zeros(n)) for n in (100, 200, 300, 5000)]

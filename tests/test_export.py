@@ -27,7 +27,7 @@ import conftest
 import export
 import sample
 import train
-from nanofp8.checkpoint import _moments, freeze_fp8, load_for_inference, load_moments, read_checkpoint
+from nanofp8.checkpoint import fp32_moments, freeze_fp8, load_for_inference, load_moments, read_checkpoint
 from nanofp8.fp8 import E4M3, quantize, sqnr
 from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state
@@ -173,7 +173,7 @@ def test_moments_between_levels(v_format):
         opt.zero_grad()
     ckpt = {"optimizer": opt.state_dict(), "model": o2.state_dict(), "model_args": model_args,
             "config": {"o2_v_format": v_format}}
-    moments = _moments(ckpt)
+    moments = fp32_moments(ckpt)
     lin = o2.blocks[1].mlp.c_fc
     st = opt.state[lin.weight]
     m = st["exp_avg"].float() / st["exp_avg_scale"]
@@ -186,7 +186,7 @@ def test_moments_between_levels(v_format):
     assert got["step"] == 3 and opt32.state[bf16.tok_emb.weight]["step"] == 3
     assert torch.equal(opt32.state[bf16.tok_emb.weight]["exp_avg"], opt.state[o2.tok_emb.weight]["exp_avg"])
     back, opt2 = built("O2")
-    load_moments(opt2, back, _moments({**ckpt, "optimizer": opt32.state_dict(), "config": {}}))
+    load_moments(opt2, back, fp32_moments({**ckpt, "optimizer": opt32.state_dict(), "config": {}}))
     st2 = opt2.state[back.blocks[1].mlp.c_fc.weight]
     assert sqnr(m, st2["exp_avg"].float() / st2["exp_avg_scale"]) > 40  # E4M3 of E4M3 values
     v2 = st2["exp_avg_sq"].float() / st2["exp_avg_sq_scale"]
