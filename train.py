@@ -228,8 +228,8 @@ def optimizer_step(model, optimizer, cfg, layout=Layout()):
         norm, weights_ok = optimizer.grad_norm.item(), weights_ok.item()
     else:
         norm = clip(model, max_norm, layout)  # the whole model's norm, the same on every rank
-        norm, weights_ok = torch.stack([norm.float(), weights_ok]).to("cpu", copy=True).tolist()
-        stepped = finite and math.isfinite(norm)
+        norm, weights_ok, finite = torch.stack([norm.float(), weights_ok, finite]).to("cpu", copy=True).tolist()
+        stepped = finite == 1 and math.isfinite(norm)
         if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
             optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
     optimizer.zero_grad(set_to_none=True)

@@ -699,6 +699,11 @@ class Fp8DataParallel(nn.Module):
         docstring). A parameter without a gradient counts as zero and gets the average.
         wgrads="reduce_scatter": the held shards are not judged here (a rank sees only its own):
         ZeroFp8AdamW.step asks every rank with one flag."""
+        return bool(self.sync_gradients_flag())
+
+    def sync_gradients_flag(self):
+        """sync_gradients() without reading the verdict: a 0-dim bool tensor on the device, for a
+        caller that reads it together with other values in one device-to-host copy."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for b in self.buckets:  # finish every reduce-scatter, start every all-gather...
@@ -724,7 +729,7 @@ class Fp8DataParallel(nn.Module):
                         p.grad.copy_(g)
             b.ready, b.pending = set(), None
         self._next = 0
-        return bool(torch.stack(finite).all()) if finite else True
+        return torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
 
 
 # -----------------------------------------------------------------------------

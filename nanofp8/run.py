@@ -144,7 +144,8 @@ def eval_loss(model, x, y, layout, autocast, formats):
 
 def sync_gradients(model, layout):
     """Sum the pieces of each gradient that several ranks hold, then average over the replicas.
-    Returns whether every gradient is finite (the same answer on every rank).
+    Returns whether every gradient is finite, the same on every rank, as a device tensor (1.0 or
+    0.0; optimizer_step reads it in the step's one device-to-host copy).
 
     Model parallel first: the token slices of sequence parallelism, the two copies of a tied
     embedding (first and last stage). Then the replicas: torch's DDP has averaged during
@@ -154,8 +155,8 @@ def sync_gradients(model, layout):
     if layout.model_parallel:
         parallel.sync_model_parallel_grads(_stage(model), layout)
     if not isinstance(model, Fp8DataParallel):
-        return True
-    return model.sync_gradients()
+        return torch.ones((), device=layout.device)  # DDP: a NaN reaches the norm, checked there
+    return model.sync_gradients_flag().to(layout.device, torch.float32)
 
 
 def clip(model, max_norm, layout):

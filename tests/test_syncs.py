@@ -68,3 +68,47 @@ def test_one_sync_per_training_step(precision, tmp_path, monkeypatch):
     print(f"{precision}: {per_step:g} device-to-host syncs per training step")
     assert per_step <= 1, f"{precision}: {per_step:g} syncs per training step"
     assert short > 0  # the counter sees syncs at all (evaluation and logging read values)
+
+
+def _dp_worker(rank, world, level, out_dir):
+    """Two data-parallel replicas (gloo) through train.py's wiring: the syncs of one ordinary step
+    (forward, backward with the FP8 reduction hooks, sync_gradients, clipping, verdict, step)."""
+    import os
+
+    from nanofp8.layout import make_layout
+    from nanofp8.model import GPT, GPTConfig
+    from nanofp8.run import forward_backward
+
+    cfg = train.load_config(["device=cpu", "compile=False", "batch_size=2", "block_size=32",
+                             "gradient_accumulation_steps=4", f"precision={level}", "fp8_backend=torch"])
+    layout = make_layout()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(arch="gpt2", n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=32))
+    train.setup_precision(model, cfg, "cpu")
+    raw = model
+    model = train.wrap_data_parallel(model, cfg, layout)
+    opt = train.build_optimizer(raw, cfg, "cuda")  # the fused AdamW of a CUDA run (see above)
+    g = torch.Generator().manual_seed(rank)
+    counts = []
+    for step in range(3):
+        batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, 64, (2, 2, 33), generator=g)]
+        with SyncCounter() as c:
+            forward_backward(model, batches, layout, torch.autocast("cpu", dtype=torch.bfloat16), ("bf16", "bf16"))
+            _, stepped, _ = train.optimizer_step(model, opt, cfg, layout)
+        assert stepped
+        counts.append((c.count, c.where))
+    torch.save(counts, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("precision", ["O1", "O2"])
+def test_one_sync_per_data_parallel_step(precision, tmp_path):
+    """Under torchrun too: Fp8DataParallel's finite verdict is read in the step's one copy."""
+    from conftest import spawn
+
+    spawn(_dp_worker, 2, precision, str(tmp_path))
+    for rank in range(2):
+        counts = torch.load(tmp_path / f"rank{rank}.pt")
+        print(f"{precision} rank {rank}: syncs per data-parallel step {[n for n, _ in counts]}")
+        assert all(n <= 1 for n, _ in counts[1:]), counts  # (the first step may set things up)
