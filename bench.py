@@ -139,16 +139,21 @@ def measure_memory(cfg, level, tokens):
             "activation_B_per_token": (act - act_short) / (tokens - tokens // 2)}
 
 
-def cmd_memory(args):
-    rows = []
+def memory_models(args):
+    """(label, GPTConfig) of each model the memory subcommands measure (llama cut to --llama_layers)."""
     for name in args.models:
         cfg = MODELS[name]
         if name == "llama":
             cfg = GPTConfig(**{**cfg.__dict__, "n_layer": args.llama_layers})
+        yield (name if name != "llama" else f"llama-{cfg.n_layer}L"), cfg
+
+
+def cmd_memory(args):
+    rows = []
+    for label, cfg in memory_models(args):
         for level in LEVELS:
-            r = measure_memory(cfg, level, args.tokens)
-            rows.append({"model": name if name != "llama" else f"llama-{cfg.n_layer}L", **r})
-            print(f"  measured {rows[-1]['model']} {level}", file=sys.stderr)
+            rows.append({"model": label, **measure_memory(cfg, level, args.tokens)})
+            print(f"  measured {label} {level}", file=sys.stderr)
     cols = ["model", "level", "params", "linear_B_per_param", "linear_B_per_param_at_step", "linear_weight",
             "linear_grad", "linear_optim", "gemm_weight_B_per_param", "model_B_per_param", "activation_B_per_token"]
     print("Training state in bytes per parameter (block Linears, then whole model), measured by "
@@ -184,13 +189,8 @@ def measure_frozen(cfg, granularity):
 
 
 def cmd_memory_frozen(args):
-    rows = []
-    for name in args.models:
-        cfg = MODELS[name]
-        if name == "llama":
-            cfg = GPTConfig(**{**cfg.__dict__, "n_layer": args.llama_layers})
-        for g in FROZEN_GRANULARITIES:
-            rows.append({"model": name if name != "llama" else f"llama-{cfg.n_layer}L", **measure_frozen(cfg, g)})
+    rows = [{"model": label, **measure_frozen(cfg, g)} for label, cfg in memory_models(args)
+            for g in FROZEN_GRANULARITIES]
     print("\nFrozen FP8 model (freeze_fp8: block Linears in E4M3 + fp32 scales, the rest bf16) vs the "
           "same model in bf16, weight bytes (sample.py --fp8_weights=True prints the val-loss cost)")
     cols = ["model", "granularity", "params", "linear_bf16_MB", "linear_fp8_MB", "linear_fp8_B_per_weight",

@@ -225,7 +225,7 @@ def optimizer_step(model, optimizer, cfg, layout=Layout()):
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
         stepped = optimizer.step(grads_finite=finite, max_norm=max_norm, shards=shards)
-        norm, weights_ok = optimizer.grad_norm.item(), weights_ok.item()
+        norm, weights_ok = torch.stack([optimizer.grad_norm.float(), weights_ok]).to("cpu", copy=True).tolist()
     else:
         norm = clip(model, max_norm, layout)  # the whole model's norm, the same on every rank
         norm, weights_ok, finite = torch.stack([norm.float(), weights_ok, finite]).to("cpu", copy=True).tolist()

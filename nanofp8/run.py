@@ -226,12 +226,9 @@ def nonfinite_tensors(model):
 
 
 def weights_finite(model, layout):
-    """Whether every rank's weights are finite (one small all-reduce under torchrun, so that all
-    ranks stop together even if only one of them went bad)."""
-    ok = torch.tensor([0.0 if nonfinite_tensors(model) else 1.0], device=next(model.parameters()).device)
-    if layout.world > 1:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+    """Whether every rank's weights are finite, read now (all ranks stop together even if only one
+    of them went bad). The training step reads weights_finite_flag in its own sync instead."""
+    return bool(weights_finite_flag(model, layout))
 
 
 @torch.no_grad()
