@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -373,17 +374,84 @@ def cmd_comm(args):
 # -----------------------------------------------------------------------------
 # parity
 
-# Every variant differs from the bf16 run in its precision settings only: same model, data order,
-# seed, steps and hyper-parameters.
+# Every variant differs from the bf16 run in its precision settings and layout only: same model,
+# hyper-parameters, steps and tokens per step. name -> (train.py overrides, processes).
 VARIANTS = {
-    "bf16": {"precision": "bf16"},
-    "O1": {"precision": "O1"},
-    "O1-delayed": {"precision": "O1", "fp8_scaling": "delayed"},
-    "O1-row": {"precision": "O1", "fp8_granularity": "row"},
-    "O1-block": {"precision": "O1", "fp8_granularity": "block", "fp8_formats": "e4m3"},
-    "O2": {"precision": "O2"},
-    "O2-fp8v": {"precision": "O2", "o2_v_format": "fp8"},
+    "bf16": ({"precision": "bf16"}, 1),
+    "O1": ({"precision": "O1"}, 1),
+    "O1-delayed": ({"precision": "O1", "fp8_scaling": "delayed"}, 1),
+    "O1-row": ({"precision": "O1", "fp8_granularity": "row"}, 1),
+    "O1-block": ({"precision": "O1", "fp8_granularity": "block", "fp8_formats": "e4m3"}, 1),
+    "O2": ({"precision": "O2"}, 1),
+    "O2-fp8v": ({"precision": "O2", "o2_v_format": "fp8"}, 1),
+    # two gloo ranks of half the batch each: the same 16 sequences per step as one process
+    "O3-dp2": ({"precision": "O3", "batch_size": 8, "gradient_accumulation_steps": 2}, 2),
+    "O1-tp2-sp": ({"precision": "O1", "tensor_parallel": 2, "sequence_parallel": True}, 2),
+    "O1-pp2": ({"precision": "O1", "pipeline_parallel": 2}, 2),
 }
+
+def run_path(runs_dir, name, seed, iters):
+    return os.path.join(runs_dir, f"{name}-seed{seed}-{iters}.json")
+
+
+def start_run(name, seed, iters, config, runs_dir, threads, set_=()):
+    """Start one training run (variant, seed, steps) as a child process: `python train.py ...` or
+    torchrun for the multi-process variants. Returns (popen, path, record without results)."""
+    over, procs = VARIANTS[name]
+    over = {**over, **dict(a.split("=", 1) for a in set_)}
+    tmp = tempfile.mkdtemp(prefix="parity-")
+    argv = [os.path.relpath(config, REPO), f"out_dir={tmp}", "always_save_checkpoint=False", f"max_iters={iters}",
+            f"lr_decay_iters={iters}", f"seed={seed}", "device=cpu"] + [f"{k}={v}" for k, v in over.items()]
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+              if procs > 1 else [sys.executable])
+    out = os.path.join(tmp, "history.json")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    log = open(os.path.join(tmp, "log.txt"), "w")
+    p = subprocess.Popen(launch + ["bench.py", "train", out] + argv, cwd=REPO, env=env, stdout=log, stderr=log)
+    rec = {"variant": name, "seed": seed, "iters": iters, "processes": procs, "threads_per_process": threads,
+           "command": " ".join(["python" if procs == 1 else f"torchrun --nproc_per_node={procs}", "train.py"] + argv[:1]
+                               + [a for a in argv[1:] if not a.startswith("out_dir=")]),
+           "env": environment(), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                                          capture_output=True, text=True).stdout.strip()}
+    return p, out, rec, tmp
+
+
+def cmd_train(args):
+    """One run of start_run's child: train.main, then rank 0 writes the history as JSON."""
+    import train
+
+    h = train.main(args.argv)
+    if os.environ.get("RANK", "0") == "0":
+        with open(args.out, "w") as f:
+            json.dump({"losses": h["losses"], "evals": h["evals"]}, f)
+
+
+def run_all(todo, config, runs_dir, jobs, threads, set_=()):
+    """Run (variant, seed, iters) triples not yet in runs_dir, `jobs` at a time, and write each as
+    runs_dir/<variant>-seed<seed>-<iters>.json with its CPU seconds (os.wait4: the child and the
+    ranks it waited for), so that runs sharing the machine still report their own cost."""
+    os.makedirs(runs_dir, exist_ok=True)
+    todo = [t for t in todo if not os.path.exists(run_path(runs_dir, *t))]
+    running = {}
+    while todo or running:
+        while todo and len(running) < jobs:
+            name, seed, iters = todo.pop(0)
+            p, out, rec, tmp = start_run(name, seed, iters, config, runs_dir, threads, set_)
+            running[p.pid] = (p, out, rec, tmp, time.time())
+            print(f"== start {name} seed {seed} ({iters} steps): {rec['command']}", file=sys.stderr)
+        pid, status, ru = os.wait4(-1, 0)
+        if pid not in running:
+            continue
+        p, out, rec, tmp, t0 = running.pop(pid)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
+            raise RuntimeError(f"{rec['variant']} seed {rec['seed']} failed (exit {p.returncode}); "
+                               f"log: {os.path.join(tmp, 'log.txt')}")
+        rec.update(json.load(open(out)), cpu_seconds=ru.ru_utime + ru.ru_stime, wall_seconds=time.time() - t0)
+        with open(run_path(runs_dir, rec["variant"], rec["seed"], rec["iters"]), "w") as f:
+            json.dump(rec, f)
+        print(f"== done {rec['variant']} seed {rec['seed']}: val {rec['evals'][-1][2]:.4f}, "
+              f"{rec['cpu_seconds']:.0f} CPU s", file=sys.stderr)
 
 
 def cmd_parity(args):
@@ -752,6 +820,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--cpu", action="store_true", help="force the CPU even if a GPU is present")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
+    p = sub.add_parser("train", help="(internal) one run of bench.py parity")
+    p.add_argument("out")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
     p = sub.add_parser("throughput")
     p.add_argument("--models", nargs="+", choices=list(THROUGHPUT_MODELS))
     p.add_argument("--steps", type=int, default=5)
@@ -770,7 +841,7 @@ def main(argv=None):
     p.add_argument("--readme", default=os.path.join(REPO, "README.md"))
     args = ap.parse_args(argv)
     {"memory": cmd_memory, "comm": cmd_comm, "parity": cmd_parity, "throughput": cmd_throughput,
-     "gemm": cmd_gemm, "stats": cmd_stats, "report": cmd_report}[args.cmd](args)
+     "gemm": cmd_gemm, "train": cmd_train, "stats": cmd_stats, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":
