@@ -687,19 +687,28 @@ def checkpoint_suffix(groups):
     return f"tp{groups.tp_rank}-pp{groups.pp_rank}"
 
 
+def tp_cut(key, plan):
+    """How the state_dict entry `key` is cut across the TP ranks, as `plan` (tp_plan) says:
+    (cut, pieces) with cut "column" (a weight's rows, or its bias) or "row" (a weight's columns),
+    or (None, ()) for what every rank holds whole: a row-parallel layer's bias (added after the
+    sum), norms, embeddings, the LM head, scaling buffers."""
+    m = re.fullmatch(r"blocks\.\d+\.(.+)\.(weight|bias)", key)
+    cut, pieces = plan.get(m[1], (None, ())) if m else (None, ())
+    return (None, ()) if cut == "row" and m[2] == "bias" else (cut, pieces)
+
+
 def merge_tp_state_dicts(states, config):
     """The TP ranks' state_dicts of one model (or stage) -> one state_dict with full tensors, cut
     back together as tp_plan says. FP8 scaling buffers (per shard) are taken from rank 0: a
     single-device model starts from them as from any other estimate."""
     plan, out = tp_plan(config), {}
     for k, v in states[0].items():
-        m = re.fullmatch(r"blocks\.\d+\.(.+)\.(weight|bias)", k)
-        cut, pieces = plan.get(m[1], (None, ())) if m else (None, ())
+        cut, pieces = tp_cut(k, plan)
         shards = [s[k] for s in states]
         if cut == "column":
             out[k] = _merge_rows(shards, len(pieces))
-        elif cut == "row" and m[2] == "weight":
+        elif cut == "row":
             out[k] = torch.cat(shards, dim=1)
-        else:  # replicated: a row-parallel bias, norms, embeddings, LM head, scaling buffers
+        else:
             out[k] = v
     return out

@@ -93,12 +93,6 @@ def single_device(precision):
     return [loss for _, loss in single_device_run(precision)["losses"]]
 
 
-def is_sharded(key):
-    """A TP shard (different on every TP rank): the block matrices, and the biases of the
-    column-parallel ones; nanofp8.parallel.merge_tp_state_dicts's rule."""
-    return ".c_" in key and key.endswith((".weight", ".bias")) and not key.endswith(".c_proj.bias")
-
-
 # ---------------------------------------------------------------- the layouts against one device
 
 
@@ -137,15 +131,14 @@ def test_tp_checkpoints_replicate_what_is_not_sharded(run, name):
     _, out_dir = run(name)
     a, b = (load_checkpoint(str(out_dir / f"ckpt-tp{t}-pp0.pt"))["model"] for t in (0, 1))
     assert a.keys() == b.keys()
-    sharded = [k for k in a if is_sharded(k)]
+    config = GPTConfig(**load_checkpoint(str(out_dir / "ckpt-tp0-pp0.pt"))["model_args"])
+    sharded = [k for k in a if parallel.tp_cut(k, parallel.tp_plan(config))[0] is not None]
     assert len(sharded) == 2 * 6  # per block: c_attn w+b, attn.c_proj w, c_fc w+b, mlp.c_proj w
     for k in a:
         if k in sharded:
             assert a[k].shape == b[k].shape and not torch.equal(a[k], b[k]), k
         else:
             assert torch.equal(a[k], b[k]), k
-    ckpt = load_checkpoint(str(out_dir / "ckpt-tp0-pp0.pt"))
-    config = GPTConfig(**ckpt["model_args"])
     load_model_state(GPT(config), parallel.merge_tp_state_dicts([a, b], config))  # strict: all keys
 
 
