@@ -157,12 +157,12 @@ def test_o3_refuses_state_of_another_world_size():
 
 def o2_dp_worker(rank, world, outdir):
     from nanofp8.dist import sync_fp8_wgrads
-    from nanofp8.optim import O2Linear
+    from nanofp8.optim import holds_fp8_grad
 
     torch.manual_seed(100 + rank)
     model = convert_to_o2(convert_to_fp8(base_model(), Recipe(), module_filter=fp8_filter))
-    o2 = [m for m in model.modules() if isinstance(m, O2Linear)]
-    dp = Fp8DataParallel(model, params=[p for p in model.parameters() if p not in {m.weight for m in o2}],
+    o2 = [p for p in model.parameters() if holds_fp8_grad(p)]
+    dp = Fp8DataParallel(model, params=[p for p in model.parameters() if not holds_fp8_grad(p)],
                          overlap=False)
     opt = Fp8AdamW(model.parameters(), model, lr=LR, weight_decay=0.1)
     x, y = data()
