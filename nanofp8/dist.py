@@ -85,13 +85,12 @@ wrapper buckets them too, and each weight's "weight gradient ready" hook (optim.
 called by O2Linear.take_wgrad) marks its gradient final: a full bucket's reduce-scatter (the FP8
 bytes as they are, one all_to_all per bucket) leaves while backward goes on. Only the last
 micro-step's backward launches (no_sync() before it), so reading fp8_grad there ends the fp16 sum
-of the micro-steps with
-the very E4M3 cast a read after backward would make. sync_gradients() then finishes: O2
-all-gathers the averages under shared scales (the gradient is FP8 again, the same on every rank,
-and its finiteness is in the verdict); O3 leaves each rank its fp32 shards (take_wgrad_shards())
-for ZeroFp8AdamW.step, which clips by the global norm and agrees on finiteness with one flag. Every
-chunk is summed as if it travelled alone, so the result is bit-identical to reducing after
-backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
+of the micro-steps with the very E4M3 cast a read after backward would make. sync_gradients() then
+finishes: O2 all-gathers the averages under shared scales (the gradient is FP8 again, the same on
+every rank, and its finiteness is in the verdict); O3 leaves each rank its fp32 shards
+(take_wgrad_shards()) for ZeroFp8AdamW.step, which clips by the global norm and agrees on
+finiteness with one flag. Every chunk is summed as if it travelled alone, so the result is
+bit-identical to reducing after backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
 
 Non-finite gradients: quantize() turns inf and NaN into NaN, the fp32 sum keeps it, the re-
 quantized chunk keeps it, and all_gather hands the very same bytes to every rank. So a NaN on any
