@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from nanofp8.fp8 import Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
-from nanofp8.optim import O2Linear, activation_bytes, training_state_bytes
+from nanofp8.optim import activation_bytes, fp8_grad, training_state_bytes
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -125,10 +125,9 @@ def measure_memory(cfg, level, tokens):
     loss.backward()  # gradients present, as they are between micro-steps
     acc = training_state_bytes(model, opt, is_block_linear=fp8_module_filter())
     lin, tot = acc["linear"], acc["model"]
-    # At the step: O2 has cast its summed gradient to FP8 (reading .wgrad does it)
-    for m in model.modules():
-        if isinstance(m, O2Linear):
-            m.wgrad
+    # At the step: O2 has cast its summed gradient to FP8 (reading fp8_grad does it)
+    for p in model.parameters():
+        fp8_grad(p)
     at_step = training_state_bytes(model, opt, is_block_linear=fp8_module_filter())["linear"]
     return {"level": level, "params": tot["params"],
             "linear_B_per_param": lin["per_param"],
@@ -221,7 +220,6 @@ def _comm_worker(rank, world, port, level, out):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model, opt, _ = build(COMM_CFG, level, "torch")  # as train.py builds them
-    fp8_mods = [m for m in model.modules() if isinstance(m, fdist.O2Linear)]
     # The FP8 layers' weights (bf16: the same block Linears, whose gradients go in fp32).
     lin = [m.weight for fqn, m in model.named_modules()
            if isinstance(m, nn.Linear) and fp8_module_filter()(fqn, m)]
@@ -243,15 +241,13 @@ def _comm_worker(rank, world, port, level, out):
         if dp_lin is not None:
             ok = dp_lin.sync_gradients() and ok
         if level == "O2":
-            fdist.sync_fp8_wgrads(fp8_mods)
+            fdist.sync_fp8_wgrads(model.parameters())
         if level == "O3":  # reduce-scatter of FP8 gradients, flags, all-gather of FP8 weights
             opt.step(grads_finite=ok)
         lin_bytes += fdist.comm_stats(reset=True)["bytes_sent"]
         if level != "O3":
             opt.step()
-        opt.zero_grad()
-        for m in fp8_mods:
-            m.wgrad = None
+        opt.zero_grad()  # (Fp8AdamW's clears the FP8 gradients too)
     n = sum(p.numel() for p in model.parameters())
     n_lin = sum(p.numel() for p in lin)
     if rank == 0:

@@ -10,4 +10,24 @@ interop.py   the portable safetensors export, Hugging Face GPT-2 in and out
 layout.py    the run's layout: a DeviceMesh (pp x dp x tp), sizes of 1 for one process
 run.py       what differs between layouts in train.py's loop: steps, gradient sums, checkpoints
 data.py      token data and reproducible batches; configurator.py: configs and their validation
+
+One O2 weight, from forward to optimizer step, in three files (read in this order):
+
+fp8.py    Fp8Linear.forward                    -> fp8_linear -> _Fp8LinearFunction.forward: the
+                                                  forward GEMM on the weight's FP8 cast
+optim.py  O2Linear.weight_operands             that cast, made once per step by the optimizer
+fp8.py    _Fp8LinearFunction.backward          the wgrad GEMM hands dW to the layer's take_wgrad
+optim.py  O2Linear.take_wgrad                  adds dW to the FP8 gradient the weight itself
+                                                  holds, fp8_grad(p), and calls its fp8_grad_hook
+dist.py   Fp8DataParallel._grad_ready          (that hook) launches the bucket's FP8 reduce-
+                                                  scatter during backward (_launch)
+dist.py   Fp8DataParallel.sync_gradients_flag  all-gathers the average onto the weight
+                                                  (set_fp8_grad)
+optim.py  clip_grad_norm                       the norm of every .grad and every fp8_grad(p)
+optim.py  Fp8AdamW.step                        AdamW on the dequantized fp8_grad(p); the new fp16
+                                                  master (set_weights) and its next FP8 cast
+                                                  (O2Linear.refresh_fp8_weight)
+
+train.py's step calls the last three through run.optimizer_step. Every consumer of the FP8
+gradient asks the parameter (optim.fp8_grad); no module holds it.
 """

@@ -79,18 +79,18 @@ computing earlier layers. sync_gradients() then sums each bucket and starts all 
 before waiting for any. The buckets are launched in one fixed order, and a parameter without a
 gradient is sent as zeros: the sequence of collectives depends on the model, never on the data.
 
-O2 and O3 keep the FP8 layers' weight gradients outside .grad (O2Linear.wgrad), where autograd's
-hooks never see them. With wgrads="all_reduce" (O2) or "reduce_scatter" (O3) the wrapper buckets
-them too, and each layer's "weight gradient ready" hook (O2Linear.wgrad_hook, called by
-take_wgrad) marks its gradient final: a full bucket's reduce-scatter (the FP8 bytes as they are,
-one all_to_all per bucket) leaves while backward goes on. Only the last micro-step's backward
-launches (no_sync() before it), so reading .wgrad there ends the fp16 sum of the micro-steps with
-the very E4M3 cast a read after backward would make. sync_gradients() then finishes: O2
-all-gathers the averages under shared scales (the gradient is FP8 again, the same on every rank,
-and its finiteness is in the verdict); O3 leaves each rank its fp32 shards (take_wgrad_shards())
-for ZeroFp8AdamW.step, which clips by the global norm and agrees on finiteness with one flag. Every
-chunk is summed as if it travelled alone, so the result is bit-identical to reducing after
-backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
+O2 and O3 keep the FP8 layers' weight gradients outside .grad, on the weight (optim.fp8_grad),
+where autograd's hooks never see them. With wgrads="all_reduce" (O2) or "reduce_scatter" (O3) the
+wrapper buckets them too, and each weight's "weight gradient ready" hook (optim.fp8_grad_hook,
+called by O2Linear.take_wgrad) marks its gradient final: a full bucket's reduce-scatter (the FP8
+bytes as they are, one all_to_all per bucket) leaves while backward goes on. Only the last
+micro-step's backward launches (no_sync() before it), so reading fp8_grad there ends the fp16 sum
+of the micro-steps with the very E4M3 cast a read after backward would make. sync_gradients() then
+finishes: O2 all-gathers the averages under shared scales (the gradient is FP8 again, the same on
+every rank, and its finiteness is in the verdict); O3 leaves each rank its fp32 shards
+(take_wgrad_shards()) for ZeroFp8AdamW.step, which clips by the global norm and agrees on
+finiteness with one flag. Every chunk is summed as if it travelled alone, so the result is
+bit-identical to reducing after backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
 
 Non-finite gradients: quantize() turns inf and NaN into NaN, the fp32 sum keeps it, the re-
 quantized chunk keeps it, and all_gather hands the very same bytes to every rank. So a NaN on any
@@ -110,8 +110,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, quantize
-from .optim import (Fp8AdamW, O2Linear, convert_to_o2, dequantize_stored_all, stored, to_fp16_scaled,
-                    to_fp16_scaled_all)
+from .optim import (Fp8AdamW, O2Linear, convert_to_o2, dequantize_stored_all, fp8_grad, fp8_grad_hook,
+                    holds_fp8_grad, set_fp8_grad, stored, to_fp16_scaled, to_fp16_scaled_all)
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
 # versions lack the new ones). Same semantics.
@@ -481,13 +481,13 @@ def broadcast_parameters(module, group=None, src=0):
 
 
 class _Bucket:
-    def __init__(self, params, fmt, block, mods=None):
+    def __init__(self, params, fmt, block, held=False):
         self.params, self.fmt, self.block = params, fmt, block
         # FP8 buckets pad every parameter to a multiple of `block`: a block of values (and so a
         # scale) never spans two parameters, whose gradients can be orders of magnitude apart.
         pad = block if isinstance(fmt, Fp8Format) else 1
         self.spans = [-(-p.numel() // pad) * pad for p in params]
-        self.mods = mods  # O2/O3 layers whose held FP8 gradients this bucket carries, else None
+        self.held = held  # whether it carries held FP8 gradients (fp8_grad) instead of .grad
         self.ready = set()  # ids of the parameters whose gradient is final for this step
         self.pending = None  # the reduction in flight, once launched
 
@@ -535,15 +535,15 @@ class Fp8DataParallel(nn.Module):
     are final, during backward. The gradients are then read during backward: change them
     (clipping, ...) only after sync_gradients(), or pass overlap=False. For gradient
     accumulation, run all backwards but the last in no_sync().
-    wgrads: what to do with the FP8 weight gradients that O2/O3 layers (O2Linear, O3Linear) hold
-    outside .grad. None: nothing (their weights must not be in `params`; the caller reduces them,
-    with sync_fp8_wgrads or in ZeroFp8AdamW.step). "all_reduce" (O2): average them; after
-    sync_gradients() every layer's .wgrad is the same FP8 tensor on every rank. "reduce_scatter"
+    wgrads: what to do with the FP8 weight gradients that O2/O3 weights hold outside .grad
+    (optim.fp8_grad). None: nothing (those weights must not be in `params`; the caller reduces
+    them, with sync_fp8_wgrads or in ZeroFp8AdamW.step). "all_reduce" (O2): average them; after
+    sync_gradients() every weight's fp8_grad is the same FP8 tensor on every rank. "reduce_scatter"
     (O3): reduce-scatter them to the ranks that own the shards; after sync_gradients(),
     take_wgrad_shards() hands over {weight: this rank's averaged fp32 shard} for
     ZeroFp8AdamW.step(shards=...).
     Either way the FP8 bytes travel as they are, bucketed, and with overlap=True a bucket is
-    launched from the layers' "weight gradient ready" hook (O2Linear.wgrad_hook) during backward.
+    launched from the weights' "weight gradient ready" hook (optim.fp8_grad_hook) during backward.
     Results are bit-identical to the non-overlapped run and to sync_fp8_wgrads /
     ZeroFp8AdamW.step reducing them after backward (tests/test_comm.py).
     late: parameters whose gradient is still changed between backward and sync_gradients()
@@ -570,15 +570,15 @@ class Fp8DataParallel(nn.Module):
             raise ValueError(f"wgrads must be one of {WGRADS}, not {wgrads!r}")
         self.module, self.group, self.fmt, self.rest, self.block = module, group, fmt, rest, block
         self.wgrads, self.wgrad_shards = wgrads, {}
-        # The layers whose FP8 gradient is held outside .grad, if this wrapper reduces them.
-        self.held = [m for m in module.modules() if isinstance(m, O2Linear)] if wgrads else []
+        # The weights whose FP8 gradient is held outside .grad, if this wrapper reduces them.
+        self.held = [p for p in module.parameters() if holds_fp8_grad(p)] if wgrads else []
         if wgrads and not self.held:
             raise ValueError(f"wgrads={wgrads!r}, but the module has no O2/O3 layer (convert_to_o2/o3)")
-        o3 = [isinstance(m, O3Linear) for m in self.held]
+        o3 = [p.element_size() == 1 for p in self.held]  # O3 stores the weight itself in FP8
         if wgrads == "reduce_scatter" and not all(o3) or wgrads == "all_reduce" and any(o3):
             raise ValueError(f"wgrads={wgrads!r} does not fit these layers: 'all_reduce' is for "
                              "O2Linear (O2), 'reduce_scatter' for O3Linear (O3, ZeroFp8AdamW)")
-        held = {id(m.weight): m for m in self.held}
+        held = {id(p) for p in self.held}
         # params: the parameters whose .grad this wrapper averages (default: all that need a
         # gradient). O2/O3 weights keep their gradient in FP8 outside .grad and are excluded.
         if params is None:
@@ -595,7 +595,7 @@ class Fp8DataParallel(nn.Module):
         order = params[::-1]
         if self.held:  # place the held weights among the others by registration order
             reg = {id(p): i for i, p in enumerate(module.parameters())}
-            order = sorted(params + [m.weight for m in self.held], key=lambda p: -reg[id(p)])
+            order = sorted(params + self.held, key=lambda p: -reg[id(p)])
         late = {id(p) for p in late}
         pos = {id(p): i + (len(order) if id(p) in late else 0) for i, p in enumerate(order)}
 
@@ -605,8 +605,8 @@ class Fp8DataParallel(nn.Module):
         buckets = []
         for fam in sorted({family(p) for p in order}):
             for ps in make_buckets([p for p in order if family(p) == fam], bucket_mb * 2**20):
-                mods = [held[id(p)] for p in ps] if fam[0] == "held" else None
-                buckets.append(_Bucket(ps, {"held": E4M3, "fp8": fmt, "rest": rest}[fam[0]], block, mods))
+                buckets.append(_Bucket(ps, {"held": E4M3, "fp8": fmt, "rest": rest}[fam[0]], block,
+                                       fam[0] == "held"))
         self.buckets = sorted(buckets, key=lambda b: pos[id(b.params[-1])])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
@@ -616,10 +616,8 @@ class Fp8DataParallel(nn.Module):
             for p in params:
                 if id(p) not in late:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
-            for m in self.held:
-                if m.wgrad_hook is not None:
-                    raise ValueError(f"{m.fqn}: its gradient is already reduced by another wrapper")
-                m.wgrad_hook = self._wgrad_ready
+            for p in self.held:
+                fp8_grad_hook(p, self._grad_ready)
         if broadcast:
             self.broadcast_parameters()
 
@@ -638,11 +636,7 @@ class Fp8DataParallel(nn.Module):
         finally:
             self._sync = True
 
-    def _wgrad_ready(self, mod):
-        # O2Linear.wgrad_hook: the layer's FP8 gradient for this micro-step is in.
-        self._grad_ready(mod.weight)
-
-    def _grad_ready(self, p):
+    def _grad_ready(self, p):  # (.grad and fp8_grad alike: p's gradient for this micro-step is in)
         if not self._sync:
             return
         bucket = self._bucket_of[id(p)]
@@ -664,11 +658,11 @@ class Fp8DataParallel(nn.Module):
     def _launch(self, bucket):
         if self.on_launch is not None:
             self.on_launch(self._next)
-        if bucket.mods is not None:
-            # Held FP8 gradients: their bytes go out as they are (reading .wgrad ends an fp16
+        if bucket.held:
+            # Held FP8 gradients: their bytes go out as they are (reading fp8_grad ends an fp16
             # accumulation of micro-steps with its one E4M3 cast), reduce-scattered to the owner
             # of each shard; O2 all-gathers the averages in sync_gradients().
-            rows = [_held_rows(m, _world(self.group)) for m in bucket.mods]
+            rows = [_held_rows(p, _world(self.group)) for p in bucket.params]
             bucket.pending = reduce_scatter_fp8_rows(rows, self.group, op="mean", async_op=True)
             self._next += 1
             return
@@ -709,15 +703,14 @@ class Fp8DataParallel(nn.Module):
         for b in self.buckets:  # finish every reduce-scatter, start every all-gather...
             b.pending.advance()
         finite = []
-        shards = {id(m): s for b in self.buckets if b.mods is not None
-                  for m, s in zip(b.mods, b.pending.wait())}
+        shards = {id(p): s for b in self.buckets if b.held for p, s in zip(b.params, b.pending.wait())}
         if self.wgrads == "all_reduce":  # (one MAX all-reduce of amaxes, then the all-gathers)
-            _gather_wgrads(self.held, [shards[id(m)] for m in self.held], self.group)
-            finite += [torch.isfinite(m.wgrad.amax).all() for m in self.held]
+            _gather_wgrads(self.held, [shards[id(p)] for p in self.held], self.group)
+            finite += [torch.isfinite(fp8_grad(p).amax).all() for p in self.held]
         if self.wgrads == "reduce_scatter":
-            self.wgrad_shards = {m.weight: shards[id(m)] for m in self.held}
+            self.wgrad_shards = {p: shards[id(p)] for p in self.held}
         for b in self.buckets:  # ...then wait for them
-            if b.mods is None:
+            if not b.held:
                 flat, offset = b.pending.wait(), 0
                 finite.append(torch.isfinite(flat).all())
                 for p, n in zip(b.params, b.spans):
@@ -770,7 +763,8 @@ class O3Linear(O2Linear):
     scales would round it twice). The dgrad GEMM needs W^T quantized along the output rows: a
     tensor scale and square tiles transpose with the data; row scales do not, so under "row" W^T
     is re-quantized from the FP8 weight (a second rounding of the dgrad operand only). The fp16
-    master lives, sharded, in ZeroFp8AdamW. The gradient is kept in FP8 in `.wgrad`, as for O2."""
+    master lives, sharded, in ZeroFp8AdamW. The gradient is kept in FP8 on the weight
+    (optim.fp8_grad), as for O2."""
 
     @classmethod
     def from_fp8_linear(cls, lin):
@@ -779,6 +773,7 @@ class O3Linear(O2Linear):
         new.weight = nn.Parameter(q.data.view(lin.weight.shape))
         new.weight_scale = q.scale.clone()  # (the buffer O2 registered, now the recipe's grid)
         new.init_master = lin.weight.detach().float()  # taken (and dropped) by the optimizer
+        new.ensure_grad_hook()  # the new weight holds the FP8 gradient
         return new
 
     def weight_layout(self):
@@ -871,17 +866,13 @@ class ZeroFp8AdamW(Fp8AdamW):
         averaged fp32 gradient shards, {weight: shard}, where the data-parallel wrapper already
         reduce-scattered them during backward (Fp8DataParallel(wgrads="reduce_scatter")
         .take_wgrad_shards()); None: reduce-scatter the FP8 gradients here (the same bits)."""
-        mods = list(self.o2.items())
-        reduced = shards
+        held, reduced = list(self.o2), shards  # the O3 weights, whose gradients are fp8_grad
         # 1. reduce-scatter the FP8 gradients, all launched before any is waited for
-        pending = []
-        for p, m in mods if reduced is None else ():
-            c = shard_len(p.numel(), self.world)
-            q = m.wgrad if m.wgrad is not None else quantize(torch.zeros_like(p, dtype=torch.float32), E4M3)
-            pending.append(reduce_scatter_fp8(_fp8_rows(q, self.world, c), self.group, op="mean",
-                                              out_dtype=torch.float32, async_op=True))
-        shards = [pd.wait() for pd in pending] if reduced is None else [reduced[p] for p, _ in mods]
-        index = {p: i for i, (p, _) in enumerate(mods)}
+        pending = [reduce_scatter_fp8(_held_rows(p, self.world), self.group, op="mean",
+                                      out_dtype=torch.float32, async_op=True)
+                   for p in (held if reduced is None else ())]
+        shards = [pd.wait() for pd in pending] if reduced is None else [reduced[p] for p in held]
+        index = {p: i for i, p in enumerate(held)}
         # A reduce-scatter shows a NaN only to the shard's owner: ask every rank (one flag).
         others = [p.grad for g in self.param_groups for p in g["params"] if p not in self.o2 and p.grad is not None]
         # The global norm: the shards' squares summed over the ranks (one all-reduce), plus the
@@ -984,38 +975,38 @@ def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
     return [(pd.wait().data.reshape(-1), s.view(grid)) for pd, s, (_, grid) in zip(pending, scales, cells)]
 
 
-def _held_rows(m, world):
-    """The FP8 gradient an O2/O3 layer holds (zeros where this rank has none, so that every rank
-    sends the same bytes count) as Fp8Rows of one shard per rank, for reduce_scatter_fp8."""
-    q = m.wgrad
+def _held_rows(p, world):
+    """The FP8 gradient weight p holds (zeros where this rank has none, so that every rank sends
+    the same bytes count) as Fp8Rows of one shard per rank, for reduce_scatter_fp8."""
+    q = fp8_grad(p)
     if q is None:
-        q = quantize(torch.zeros(m.weight.shape, device=m.weight.device), E4M3)
-    return _fp8_rows(q, world, shard_len(m.weight.numel(), world))
+        q = quantize(torch.zeros(p.shape, device=p.device), E4M3)
+    return _fp8_rows(q, world, shard_len(p.numel(), world))
 
 
-def _gather_wgrads(mods, shards, group):
+def _gather_wgrads(params, shards, group):
     """O2's second half: all-gather the averaged fp32 shards in FP8 under one shared scale per
-    layer; each module's .wgrad becomes the same FP8 tensor on every rank."""
-    for m, (data, s) in zip(mods, gather_shared_scale(shards, group)):
-        data = data[: m.weight.numel()].view(m.weight.shape)
+    weight; each weight's fp8_grad becomes the same FP8 tensor on every rank."""
+    for p, (data, s) in zip(params, gather_shared_scale(shards, group)):
+        data = data[: p.numel()].view(p.shape)
         amax = data.float().abs().amax() / s  # NaN exactly when a NaN came through
-        m.wgrad = Fp8Tensor(data, s, E4M3, "tensor", (1, data.shape[1]), data.shape, torch.float32, amax)
+        set_fp8_grad(p, Fp8Tensor(data, s, E4M3, "tensor", (1, data.shape[1]), data.shape, torch.float32, amax))
 
 
 @torch.no_grad()
-def sync_fp8_wgrads(modules, group=None):
-    """Data parallelism for O2, after backward: average the FP8 weight gradients that O2Linear
-    keeps outside autograd (Fp8DataParallel(params=...) handles the rest;
+def sync_fp8_wgrads(params, group=None):
+    """Data parallelism for O2, after backward: average the FP8 weight gradients that the O2
+    weights among `params` hold outside autograd (fp8_grad; Fp8DataParallel(params=...) handles the rest;
     Fp8DataParallel(wgrads="all_reduce") does this too, overlapped with backward, to the same
     bits). Reduce-scatter the FP8 bytes as they are (1 B per parameter out), sum in fp32,
     all-gather the averaged shards in FP8 under a shared scale (1 B per parameter back): each
-    module's .wgrad becomes the same FP8 tensor on every rank. A NaN anywhere reaches every rank
-    through the sum and the gather. A module without a gradient on some rank counts as zero there
+    weight's fp8_grad becomes the same FP8 tensor on every rank. A NaN anywhere reaches every rank
+    through the sum and the gather. A weight without a gradient on some rank counts as zero there
     (and gets the average everywhere)."""
     world = _world(group)
-    # Every module, with or without a gradient on this rank: a rank that skipped a layer must
+    # Every weight, with or without a gradient on this rank: a rank that skipped a layer must
     # still issue the same collectives as the others (it sends zeros), or the ranks deadlock.
-    mods = list(modules)
-    pending = [reduce_scatter_fp8(_held_rows(m, world), group, op="mean", out_dtype=torch.float32,
-                                  async_op=True) for m in mods]
-    _gather_wgrads(mods, [pd.wait() for pd in pending], group)
+    params = [p for p in params if holds_fp8_grad(p)]
+    pending = [reduce_scatter_fp8(_held_rows(p, world), group, op="mean", out_dtype=torch.float32,
+                                  async_op=True) for p in params]
+    _gather_wgrads(params, [pd.wait() for pd in pending], group)

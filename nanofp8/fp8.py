@@ -631,7 +631,8 @@ def unpack_saved(tensors, meta):
 class _Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T (+ b), its three GEMMs in FP8. `mod` is the layer, kept for backward (ctx.mod):
     backward writes per-layer state that lives there (the grad-output's delayed-scaling history,
-    O2's FP8 gradient sum in take_wgrad, the statistics), and calls its communication hooks."""
+    the statistics), hands dW to its take_wgrad (O2: added to the FP8 gradient the weight holds,
+    optim.fp8_grad), and calls its communication hooks."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mod, out_dtype):

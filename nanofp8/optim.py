@@ -58,7 +58,7 @@ fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to tor
     rounding error per micro-step, of the size of the partial sum: over 16 equal micro-steps
     the sum comes out about 9 dB worse than one E4M3 cast of the fp32 sum. By default
     (grad_accum="fp16") micro-steps are summed in a scaled fp16 buffer (7 more significant bits
-    than E4M3), and the sum is cast to E4M3 once, when something first reads `.wgrad`
+    than E4M3), and the sum is cast to E4M3 once, when something first reads `fp8_grad(p)`
     (clipping, communication, the step): within 1.5 dB of one cast at 1, 4, 16 and 40 micro-
     steps, also with rows 1e6 apart. The buffer costs 1 B per parameter while micro-steps
     accumulate. grad_accum="fp8" keeps the gradient at 1 B throughout, and its error compounds
@@ -132,20 +132,80 @@ def _rounding_noise(y, generator):
 GRAD_ACCUM = ("fp16", "fp8")
 
 
+# -----------------------------------------------------------------------------
+# The FP8 weight gradient lives on its parameter
+#
+# Autograd's .grad holds a tensor of the parameter's own dtype; an O2/O3 weight's gradient is E4M3
+# with a scale (an Fp8Tensor), so it is kept beside .grad, as an attribute of the parameter object
+# itself. Every consumer (data parallelism, clipping, the optimizer, memory accounting) asks
+# fp8_grad(p) while iterating over parameters; no module holds the gradient, and nobody walks
+# modules to find it. The layer's backward adds to it (O2Linear.take_wgrad), the data-parallel
+# average replaces it (set_fp8_grad), zero_grad clears it.
+
+
+class _HeldGrad:
+    """What a parameter whose gradient is held in FP8 carries: the E4M3 gradient `q`, or while
+    micro-steps accumulate (grad_accum="fp16") the scaled fp16 sum `acc`; `ready`, the "weight
+    gradient ready" hook (data parallelism launches the reduction from it, see fp8_grad_hook)."""
+
+    def __init__(self):
+        self.q, self.acc, self.ready = None, None, None
+
+
+def holds_fp8_grad(p):
+    """Whether p's gradient is held in FP8 beside .grad (an O2/O3 weight), present or not."""
+    return isinstance(getattr(p, "_held_grad", None), _HeldGrad)
+
+
+def fp8_grad(p):
+    """The FP8 gradient of parameter p: an Fp8Tensor (E4M3, one tensor scale), or None (p keeps
+    its gradient in .grad, or has none yet). Reading it ends an fp16 accumulation (see (6) above):
+    the sum is cast to E4M3 once, and the buffer is freed."""
+    h = getattr(p, "_held_grad", None)
+    if h is None:
+        return None
+    if h.acc is not None:
+        h.q, h.acc = quantize(dequantize_stored(*h.acc), E4M3), None
+    return h.q
+
+
+def set_fp8_grad(p, q):
+    """Replace the FP8 gradient of p (an O2/O3 weight) with the Fp8Tensor q; None clears it."""
+    p._held_grad.q, p._held_grad.acc = q, None
+
+
+def fp8_grad_nbytes(p):
+    """Bytes p's FP8 gradient holds now (the E4M3 tensor and its scale, or the fp16 buffer while
+    accumulating), without ending an accumulation; 0 for a parameter whose gradient is .grad."""
+    h = getattr(p, "_held_grad", None)
+    if h is None:
+        return 0
+    return sum(_nbytes(t) for t in h.acc) if h.acc is not None else _fp8_nbytes(h.q)
+
+
+def fp8_grad_hook(p, hook):
+    """Set the "weight gradient ready" hook of p, called as hook(p) after every micro-step's
+    gradient is added (not while torch.compile traces the backward). Data parallelism launches
+    the reduction from it while backward goes on: the FP8 gradient never enters .grad, so
+    autograd's own post-accumulate-grad hooks never see it. One hook per weight: setting a
+    second one is an error; None removes the hook and returns it."""
+    old = p._held_grad.ready
+    if hook is not None and old is not None:
+        raise ValueError("this weight's FP8 gradient is already reduced by another wrapper (it "
+                         "has a 'weight gradient ready' hook)")
+    p._held_grad.ready = hook
+    return old
+
+
 class O2Linear(Fp8Linear):
     """Fp8Linear whose weight is stored as an fp16 master (values * weight_scale) and whose weight
-    gradient is kept in FP8 (`.wgrad`, an Fp8Tensor) instead of in `.weight.grad`.
+    gradient is kept in FP8 on the weight, fp8_grad(self.weight), instead of in `.weight.grad`.
 
     `.weight` is the fp16 storage; `hp_weight()` gives the true fp32 weight. grad_accum (see (6)
     above): "fp16" sums micro-steps in a scaled fp16 buffer that becomes the FP8 gradient when
-    `.wgrad` is first read; "fp8" re-quantizes the FP8 sum after every micro-step."""
+    fp8_grad is first read; "fp8" re-quantizes the FP8 sum after every micro-step."""
 
     grad_accum = "fp16"
-    # "Weight gradient ready": called with the module after every take_wgrad. Data parallelism
-    # (nanofp8/dist.py, Fp8DataParallel(wgrads=...)) sets it to launch the reduction of this
-    # gradient while backward goes on with earlier layers: the FP8 gradient never enters .grad,
-    # so autograd's own post-accumulate-grad hooks never see it.
-    wgrad_hook = None
 
     @classmethod
     def from_fp8_linear(cls, lin):
@@ -159,7 +219,6 @@ class O2Linear(Fp8Linear):
         new.weight = nn.Parameter(master)
         new.register_buffer("weight_scale", s)
         new.register_buffer("wgrad_in_scale", torch.ones((), device=s.device), persistent=False)
-        new.wgrad = None
         new.ensure_grad_hook()
         new.train(lin.training)
         new._fp8_key = None
@@ -223,30 +282,11 @@ class O2Linear(Fp8Linear):
     def hp_weight(self):
         return self.weight.float() * self.weight_scale.reciprocal()
 
-    @property
-    def wgrad(self):
-        """The weight gradient as an Fp8Tensor (E4M3, one tensor scale), or None. Reading it ends
-        an fp16 accumulation: the sum is cast to E4M3 once, and the buffer is freed."""
-        if self._wgrad_acc is not None:
-            self._wgrad = quantize(dequantize_stored(*self._wgrad_acc), E4M3)
-            self._wgrad_acc = None
-        return self._wgrad
-
-    @wgrad.setter
-    def wgrad(self, q):
-        self._wgrad, self._wgrad_acc = q, None
-
-    def wgrad_nbytes(self):
-        """Bytes the gradient holds now (the FP8 tensor, or the fp16 buffer while accumulating)."""
-        if self._wgrad_acc is not None:
-            return sum(_nbytes(t) for t in self._wgrad_acc)
-        return _fp8_nbytes(self._wgrad)
-
     def take_wgrad(self, dw):
         """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum.
 
-        Under torch.compile this runs while dynamo traces the backward, where storing into the
-        module would be a side effect it cannot keep in the graph (a graph break around every
+        Under torch.compile this runs while dynamo traces the backward, where storing on the
+        weight would be a side effect it cannot keep in the graph (a graph break around every
         layer). There the gradient goes to autograd instead, as the weight's own gradient: scaled
         by a power of two into fp16 (the weight's dtype; the scale in a buffer, written in place,
         which dynamo keeps), and a hook on the weight, run by autograd once it has the gradient,
@@ -256,35 +296,35 @@ class O2Linear(Fp8Linear):
             s = _fp16_scale(dw.detach().abs().amax(), FP16_MAX / 4)
             self.wgrad_in_scale.copy_(s)
             return (dw.float() * s).half()
-        dw = dw.float()
+        dw, h = dw.float(), self.weight._held_grad
         if self.grad_accum == "fp8":  # dequantize the FP8 sum, add, re-quantize: 1 B, compounds
-            if self.wgrad is not None:
-                dw = dw + dequantize(self.wgrad, torch.float32)
-            self.wgrad = quantize(dw, E4M3)
+            if h.q is not None:
+                dw = dw + dequantize(h.q, torch.float32)
+            h.q = quantize(dw, E4M3)
             if self.observer is not None:  # a statistics step (nanofp8/stats.py)
-                self.observer.observe_wgrad(self, dw, self.wgrad)
-            self._wgrad_ready()
-            return None
-        if self._wgrad_acc is not None:
-            dw = dw + dequantize_stored(*self._wgrad_acc)
-        elif self._wgrad is not None:  # a sum already cast (read mid-accumulation): go on from it
-            dw = dw + dequantize(self._wgrad, torch.float32)
-        self._wgrad, self._wgrad_acc = None, to_fp16_scaled(dw, FP16_MAX / 4)
-        if self.observer is not None:  # a statistics step: the sum so far and its E4M3 cast
-            self.observer.observe_wgrad(self, dw, quantize(dw, E4M3))
-        self._wgrad_ready()
+                self.observer.observe_wgrad(self, dw, h.q)
+        else:
+            if h.acc is not None:
+                dw = dw + dequantize_stored(*h.acc)
+            elif h.q is not None:  # a sum already cast (read mid-accumulation): go on from it
+                dw = dw + dequantize(h.q, torch.float32)
+            h.q, h.acc = None, to_fp16_scaled(dw, FP16_MAX / 4)
+            if self.observer is not None:  # a statistics step: the sum so far and its E4M3 cast
+                self.observer.observe_wgrad(self, dw, quantize(dw, E4M3))
+        # "Weight gradient ready" (fp8_grad_hook); not while torch.compile traces the backward: a
+        # traced launch would not run at the step's time, and whatever a hook did not launch,
+        # Fp8DataParallel.sync_gradients() launches after backward.
+        if h.ready is not None and not torch.compiler.is_compiling():
+            h.ready(self.weight)
         return None  # nothing for autograd: .weight.grad stays None
 
-    def _wgrad_ready(self):
-        # Not while torch.compile traces the backward: a traced launch would not run at the
-        # step's time; whatever a hook did not launch, sync_gradients() launches after backward.
-        if self.wgrad_hook is not None and not torch.compiler.is_compiling():
-            self.wgrad_hook(self)
-
     def ensure_grad_hook(self):
-        """Put the hook of take_wgrad's compiled path on the weight, if this weight has none yet
-        (a deep copy of the module has a new weight, without hooks). Called at conversion, after a
+        """Give the weight what its FP8 gradient needs, if this weight has none yet (a deep copy
+        of the module has a new weight, without hooks or attributes): the place the gradient is
+        kept (fp8_grad) and the hook of take_wgrad's compiled path. Called at conversion, after a
         copy, by every eager forward, and by Fp8AdamW for the weights it updates."""
+        if not holds_fp8_grad(self.weight):
+            self.weight._held_grad = _HeldGrad()
         if getattr(self, "_hooked", None) != id(self.weight):
             self.weight.register_post_accumulate_grad_hook(self._grad_from_autograd)
             self._hooked = id(self.weight)
@@ -401,8 +441,10 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
-        for m in self.o2.values():
-            m.wgrad = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if holds_fp8_grad(p):
+                    set_fp8_grad(p, None)
 
     def grads_finite(self):
         """One flag for all gradients, one sync. O2 gradients are judged by their amax, which is
@@ -417,8 +459,9 @@ class Fp8AdamW(torch.optim.Optimizer):
         amaxes, plain = [], []
         for g in self.param_groups:
             for p in g["params"]:
-                if p in self.o2 and self.o2[p].wgrad is not None:
-                    amaxes.append(self.o2[p].wgrad.amax.reshape(()).float())
+                q = fp8_grad(p)
+                if q is not None:
+                    amaxes.append(q.amax.reshape(()).float())
                 elif p.grad is not None:
                     plain.append(p.grad)
         amaxes += [a.float() for a in torch._foreach_norm(plain, float("inf"))] if plain else []
@@ -508,8 +551,8 @@ class Fp8AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             o2, grads, plain = [], [], []
             for p in group["params"]:
-                q = self.o2[p].wgrad if p in self.o2 else None
-                if q is None and (p in self.o2 or p.grad is None):
+                q = fp8_grad(p)
+                if q is None and (holds_fp8_grad(p) or p.grad is None):
                     continue
                 if not self.state[p]:
                     self._init_state(p)
@@ -640,12 +683,12 @@ def adamw_math(ws, gs, ms, vs, ts, group):
 
 @torch.no_grad()
 def clip_grad_norm(model, max_norm):
-    """torch.nn.utils.clip_grad_norm_ that also sees the FP8 gradients of O2Linear. The total
+    """torch.nn.utils.clip_grad_norm_ that also sees the FP8 gradients (fp8_grad). The total
     norm is over every .grad and every dequantized FP8 gradient; clipping multiplies the .grads
     and divides the FP8 gradients' scales (exact: the FP8 bytes stay as they are). Returns the
     norm before clipping (non-finite if any gradient is)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    fp8 = [m.wgrad for m in model.modules() if isinstance(m, O2Linear) and m.wgrad is not None]
+    fp8 = [q for q in map(fp8_grad, model.parameters()) if q is not None]
     norms = [torch.nn.utils.get_total_norm([p.grad for p in params])] if params else []
     norms += [dequantize(q, torch.float32).norm() for q in fp8]
     if not norms:
@@ -699,10 +742,9 @@ def training_state_bytes(model, optimizer, is_block_linear=None):
         row = dict(params=p.numel(), weight=_nbytes(p), grad=0, optimizer=0, gemm_weight=0)
         if p.grad is not None:
             row["grad"] += _nbytes(p.grad)
-        if isinstance(m, O2Linear):
-            row["grad"] += m.wgrad_nbytes()  # without ending an accumulation
+        row["grad"] += fp8_grad_nbytes(p)  # without ending an accumulation
+        if isinstance(m, O2Linear):  # the master's scale; the step's casts, held until the next step
             row["weight"] += _nbytes(m.weight_scale)
-        if isinstance(m, O2Linear):  # the step's casts, held until the next step
             own = {p.untyped_storage().data_ptr()}  # (O3: the forward's W is the stored weight)
             row["gemm_weight"] += sum(_nbytes(t) for t in {getattr(m, k) for k in ("fp8_w", "fp8_w_scale", "fp8_wt", "fp8_wt_scale")}
                                       if t.untyped_storage().data_ptr() not in own)

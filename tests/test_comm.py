@@ -18,6 +18,7 @@ shows up as a timeout, not a hung test suite) and runs every scenario; this proc
     and the replicas stay bit-identical.
 """
 
+import math
 import os
 from contextlib import nullcontext
 
@@ -31,10 +32,11 @@ import train
 from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
-from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, sqnr
+from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.layout import make_layout
 from nanofp8.model import GPT, GPTConfig, apply_fp8
-from nanofp8.optim import Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2
+from nanofp8.optim import (Fp8AdamW, clip_grad_norm, convert_to_o2, fp8_grad, fp8_grad_hook, holds_fp8_grad,
+                           set_fp8_grad)
 from nanofp8.run import check_replicas, grad_comm_format, pipeline_formats, shard_model
 
 CFG = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0)
@@ -158,17 +160,17 @@ def held_run(rank, level, mode):
     sync_fp8_wgrads at O2, ZeroFp8AdamW's own reduce-scatter at O3)."""
     model = tiny_gpt()
     (convert_to_o2 if level == "O2" else D.convert_to_o3)(model)
-    held = [m for m in model.modules() if isinstance(m, O2Linear)]
+    held = [p for p in model.parameters() if holds_fp8_grad(p)]
     events = []
     for p in model.parameters():  # registered before the wrapper's hooks, so they fire before them
         p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
     legacy = mode == "legacy"
     dp = D.Fp8DataParallel(model, bucket_mb=0.01, overlap=mode == "on",
                            wgrads=None if legacy else HELD[level],
-                           params=[p for p in model.parameters() if all(p is not m.weight for m in held)])
-    for m in held:  # record the "weight gradient ready" hook, then run the wrapper's (if any)
-        m.wgrad_hook = lambda m, f=m.wgrad_hook: (events.append("wgrad"), f and f(m))
-    dp.on_launch = lambda i: events.append("launch_held" if dp.buckets[i].mods else "launch")
+                           params=[p for p in model.parameters() if not holds_fp8_grad(p)])
+    for p in held:  # record the "weight gradient ready" hook, then run the wrapper's (if any)
+        fp8_grad_hook(p, lambda p, f=fp8_grad_hook(p, None): (events.append("wgrad"), f and f(p)))
+    dp.on_launch = lambda i: events.append("launch_held" if dp.buckets[i].held else "launch")
     opt = (Fp8AdamW if level == "O2" else D.ZeroFp8AdamW)(model.parameters(), model, lr=3e-3)
     norms, steps = [], []
     for step in range(3):
@@ -193,7 +195,7 @@ def held_run(rank, level, mode):
         opt.zero_grad()
         steps.append(D.comm_stats())
     return {"params": flat_params(model), "events": list(events), "norms": torch.stack(norms),
-            "held_buckets": sum(b.mods is not None for b in dp.buckets), "comm": steps}
+            "held_buckets": sum(b.held for b in dp.buckets), "comm": steps}
 
 
 class MLP(nn.Module):
@@ -221,9 +223,8 @@ def uneven_step(rank, level, case, wrapped=False):
     NaN in its fc1 gradient, "verdict" (O3) passes grads_finite=False to the optimizer.
     wrapped (O2/O3): the wrapper reduces the held FP8 gradients too, overlapped with backward."""
     model = mlp(level)
-    fp8_held = [m for m in model.modules() if isinstance(m, O2Linear)]
-    held = {m.weight for m in fp8_held}
-    dp = D.Fp8DataParallel(model, params=[p for p in model.parameters() if p not in held],
+    held = [p for p in model.parameters() if holds_fp8_grad(p)]
+    dp = D.Fp8DataParallel(model, params=[p for p in model.parameters() if not holds_fp8_grad(p)],
                            overlap=level == "O1" or wrapped, bucket_mb=0.001,
                            wgrads=HELD[level] if wrapped else None)
     if level == "O1":
@@ -239,10 +240,10 @@ def uneven_step(rank, level, case, wrapped=False):
         x[0, 0] = float("nan")
     F.mse_loss(model(x, skip_fc2=case == "skip" and rank == 1), y).backward()
     if case == "nan" and rank == 1 and not overlap:
-        model.fc1.wgrad.data.view(torch.uint8)[0, 0] = 0x7F  # E4M3's NaN
+        fp8_grad(model.fc1.weight).data.view(torch.uint8)[0, 0] = 0x7F  # E4M3's NaN
     finite = dp.sync_gradients()
     if level == "O2" and not wrapped:
-        D.sync_fp8_wgrads(fp8_held, None)
+        D.sync_fp8_wgrads(held, None)
     if level == "O3":
         stepped = opt.step(grads_finite=finite and not (case == "verdict" and rank == 1),
                            shards=dp.take_wgrad_shards() if wrapped else None)
@@ -253,6 +254,29 @@ def uneven_step(rank, level, case, wrapped=False):
             opt.step()
     opt.zero_grad()
     return {"stepped": stepped, "equal": replicas_equal(model)}
+
+
+def base_grad(shape, rank):
+    """The FP8 gradient rank `rank` puts on a weight in gradient_from_parameter."""
+    return quantize(torch.linspace(-1, 2, math.prod(shape)).view(shape) * (rank + 1), E4M3)
+
+
+def gradient_from_parameter(rank, level):
+    """Backward, then each rank replaces the FP8 weight gradients its parameters hold
+    (set_fp8_grad) with its own: the wrapper averages what the parameters hold, nothing else.
+    Returns {name: what this rank got}: O2 the averaged fp8_grad, O3 its fp32 shard."""
+    model = mlp(level)
+    dp = D.Fp8DataParallel(model, overlap=False, wgrads=HELD[level], broadcast=False)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    held = {n: p for n, p in model.named_parameters() if holds_fp8_grad(p)}
+    for p in held.values():
+        set_fp8_grad(p, base_grad(p.shape, rank))
+    assert dp.sync_gradients()
+    if level == "O2":
+        return {n: (fp8_grad(p).data.view(torch.uint8), fp8_grad(p).scale) for n, p in held.items()}
+    shards = dp.take_wgrad_shards()
+    return {n: shards[p] for n, p in held.items()}
 
 
 def shared_scale_gathers(rank):
@@ -281,6 +305,7 @@ def worker(rank, world, out_dir):  # run by conftest.spawn: the process group is
     out["held"] = {(level, mode): held_run(rank, level, mode) for level in ("O2", "O3")
                    for mode in ("on", "off", "legacy")}
     out["shared_scale"] = shared_scale_gathers(rank)
+    out["from_param"] = {level: gradient_from_parameter(rank, level) for level in ("O2", "O3")}
     out["uneven"] = {(level, case): uneven_step(rank, level, case) for level in ("O1", "O2", "O3")
                      for case in ("skip", "nan") + (("verdict",) if level == "O3" else ())}
     out["uneven"].update({(level + " overlap", case): uneven_step(rank, level, case, wrapped=True)
@@ -515,6 +540,27 @@ def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
     if gran != "tensor":
         assert s_once > s_twice + 3
     assert sqnr(w.t(), dequantize(qw_t, torch.float32)) > 25  # the dgrad operand W^T
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_data_parallel_averages_the_gradient_the_parameter_holds(ranks):
+    """What Fp8DataParallel(wgrads=...) averages is the FP8 gradient each weight holds (fp8_grad),
+    here put there after backward by set_fp8_grad in place of the backward's: O2 gets the average
+    back on the parameter, bit-identical on both ranks and to one E4M3 cast of the exact average;
+    O3 each rank gets its fp32 shard of the exact average."""
+    o2 = ranks[0]["from_param"]["O2"]
+    assert sorted(o2) == ["fc1.weight", "fc2.weight"]
+    for name, (data, scale) in o2.items():
+        shape = data.shape
+        want = (dequantize(base_grad(shape, 0)) + dequantize(base_grad(shape, 1))) / 2
+        q = quantize(want, E4M3)
+        assert torch.equal(data, q.data.view(torch.uint8)) and torch.equal(scale, q.scale), name
+        assert torch.equal(data, ranks[1]["from_param"]["O2"][name][0])
+        c = D.shard_len(want.numel(), 2)
+        flat = F.pad(want.reshape(-1), (0, 2 * c - want.numel()))
+        for r in range(2):
+            assert torch.equal(ranks[r]["from_param"]["O3"][name], flat[r * c : (r + 1) * c]), (name, r)
 
 
 def test_held_gradient_options_are_checked():

@@ -96,7 +96,7 @@ def test_o2_gpt_traces_as_one_graph_and_keeps_its_gradients():
     Compiled with aot_eager: the graph, not inductor's kernels, is what is tested here."""
     from nanofp8.fp8 import dequantize, sqnr
     from nanofp8.model import GPT, GPTConfig, apply_fp8
-    from nanofp8.optim import Fp8AdamW, O2Linear, convert_to_o2
+    from nanofp8.optim import Fp8AdamW, O2Linear, convert_to_o2, fp8_grad, set_fp8_grad
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -121,16 +121,17 @@ def test_o2_gpt_traces_as_one_graph_and_keeps_its_gradients():
         for a, b in pairs:
             assert b.weight.grad is None  # taken out of autograd by the hook
             if micro == 0:
-                assert torch.equal(a.wgrad.data.view(torch.uint8), b.wgrad.data.view(torch.uint8))
-                assert torch.equal(a.wgrad.scale, b.wgrad.scale)
+                qa, qb = fp8_grad(a.weight), fp8_grad(b.weight)
+                assert torch.equal(qa.data.view(torch.uint8), qb.data.view(torch.uint8))
+                assert torch.equal(qa.scale, qb.scale)
     for a, b in pairs:
-        assert sqnr(dequantize(a.wgrad), dequantize(b.wgrad)) > 40
+        assert sqnr(dequantize(fp8_grad(a.weight)), dequantize(fp8_grad(b.weight))) > 40
 
     # The FP8 weight is cast once per step, by the optimizer's step, outside the graph: after a
     # step on both models (the same gradients), the compiled forward runs on the new weight
     # without tracing again, and gives eager's loss bit for bit; it reads the step's FP8 weight.
     for a, b in pairs:
-        b.wgrad = a.wgrad
+        set_fp8_grad(b.weight, fp8_grad(a.weight))
     for m in (eager, model):
         for p in m.parameters():
             p.grad = torch.ones_like(p) if p.dtype == torch.float32 else None

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, dequantize, quantize, sqnr
-from nanofp8.optim import (Fp8AdamW, O2Linear, activation_bytes, convert_to_o2,
-                           training_state_bytes)
+from nanofp8.fp8 import E4M3, Fp8Tensor, Recipe, convert_to_fp8, dequantize, quantize, sqnr
+from nanofp8.optim import (Fp8AdamW, O2Linear, activation_bytes, clip_grad_norm, convert_to_o2, fp8_grad,
+                           fp8_grad_nbytes, holds_fp8_grad, set_fp8_grad, training_state_bytes)
 
 
 def mlp(seed=0):
@@ -27,10 +27,9 @@ def feed(ref, o2, grads):
     """Give both models the same gradients (the O2 weights receive them as FP8 gradients)."""
     for p, g in zip(ref.parameters(), grads):
         p.grad = g.clone()
-    for (name, p), g in zip(o2.named_parameters(), grads):
-        mod = o2[int(name.split(".")[0])]
-        if isinstance(mod, O2Linear) and name.endswith("weight"):
-            mod.wgrad = quantize(g, E4M3)
+    for p, g in zip(o2.parameters(), grads):
+        if holds_fp8_grad(p):
+            set_fp8_grad(p, quantize(g, E4M3))
         else:
             p.grad = g.clone()
 
@@ -81,10 +80,11 @@ def test_state_dtypes_and_bytes(v_format, grad_accum, budget):
     assert acc["linear"]["gemm_weight"] > 0  # FP8 W and W^T held from forward to step
     st = opt.state[lin.weight]
     assert lin.weight.dtype == torch.float16 and lin.weight.grad is None
-    if grad_accum == "fp16":
-        assert lin._wgrad_acc[0].dtype == torch.float16 and lin._wgrad is None
-    for m in (o2[0], o2[2]):  # reading .wgrad ends the accumulation: one E4M3 cast of the sum
-        assert m.wgrad.data.dtype == torch.float8_e4m3fn and m._wgrad_acc is None
+    if grad_accum == "fp16":  # an fp16 sum: 2 B per value, plus its scale
+        assert fp8_grad_nbytes(lin.weight) == 2 * lin.weight.numel() + 4
+    for m in (o2[0], o2[2]):  # reading fp8_grad ends the accumulation: one E4M3 cast of the sum
+        assert fp8_grad(m.weight).data.dtype == torch.float8_e4m3fn
+        assert fp8_grad_nbytes(m.weight) == m.weight.numel() + 4
     at_step = budget - (1 if grad_accum == "fp16" else 0)
     assert at_step <= training_state_bytes(o2, opt)["linear"]["per_param"] < at_step + 0.002
     assert st["exp_avg"].dtype == torch.float8_e4m3fn
@@ -109,7 +109,7 @@ def test_nonfinite_gradient_skips_step_and_touches_nothing():
     for bad in (float("nan"), float("inf")):
         opt.zero_grad()
         o2(x).square().mean().backward()
-        o2[2].wgrad = quantize(torch.full((64, 256), bad), E4M3)
+        set_fp8_grad(o2[2].weight, quantize(torch.full((64, 256), bad), E4M3))
         assert opt.step() is False
         for k, v in o2.state_dict().items():
             assert torch.equal(v, before_model[k]), k
@@ -164,7 +164,7 @@ def test_gradient_accumulation_default_and_fp8_option(grad_accum):
         lin.take_wgrad(dw)
     exact = torch.stack(micro).double().sum(0)
     once = sqnr(exact, dequantize(quantize(exact.float(), E4M3)))
-    got = sqnr(exact, dequantize(lin.wgrad))
+    got = sqnr(exact, dequantize(fp8_grad(lin.weight)))
     # Observed: one cast 31.5 dB; default 31.5 dB; "fp8" 22.2 dB.
     print(f"16 micro-steps, grad_accum={grad_accum}: {got:.1f} dB, one cast {once:.1f} dB")
     assert once > 30
@@ -247,9 +247,8 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
         x = torch.randint(0, 64, (2, 16))
         for step in range(2):
             model(x, x)[1].backward()
-            for m in model.modules():
-                if isinstance(m, O2Linear):
-                    m.wgrad  # end the fp16 accumulation outside the count (the backward's work)
+            for p in model.parameters():
+                fp8_grad(p)  # end the fp16 accumulation outside the count (the backward's work)
             counter = Count()
             counter.ops = {}
             with monkeypatch.context() as patch, counter:
@@ -266,3 +265,88 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
     print(f"O2 step: {small} operators (8 O2 weights), {big} (32): {per_weight:g} per O2 weight")
     assert per_weight <= 2 and ops["randint"] == 8 and ops["bitwise_and_"] == 8
     assert small < 150
+
+
+def _tensors_in(obj, depth=0):
+    """Every tensor reachable from obj through dicts, lists, tuples and Fp8Tensor fields."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if depth > 4:
+        return []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    elif isinstance(obj, Fp8Tensor):
+        obj = [obj.data, obj.scale]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_in(o, depth + 1)]
+    return []
+
+
+@pytest.mark.parametrize("grad_accum", ["fp16", "fp8"])
+def test_the_fp8_gradient_lives_on_the_parameter_and_every_consumer_reads_it_there(grad_accum):
+    """After backward the FP8 weight gradient is held by the weight (fp8_grad) and by no module.
+    Clipping, the finiteness check, the step, the memory accounting and zero_grad all read the one
+    the parameter holds: a gradient put there (set_fp8_grad) in place of the backward's is what
+    each of them sees. A consumer that kept its own copy, or asked the module, would not."""
+    x = torch.randn(32, 64)
+    o2, opt = o2_twin(mlp(), grad_accum=grad_accum)
+    o2(x).square().mean().backward()
+    held = [p for p in o2.parameters() if holds_fp8_grad(p)]
+    assert held == [o2[0].weight, o2[2].weight]
+    for p in held:
+        assert p.grad is None and fp8_grad(p).data.dtype == torch.float8_e4m3fn
+        ptrs = {t.untyped_storage().data_ptr() for m in o2.modules() for t in _tensors_in(vars(m))}
+        assert fp8_grad(p).data.untyped_storage().data_ptr() not in ptrs
+    # Replace the backward's FP8 gradients on the parameters by much larger ones.
+    g = torch.Generator().manual_seed(7)
+    big = {p: quantize(100 * torch.randn(p.shape, generator=g), E4M3) for p in held}
+    for p, q in big.items():
+        set_fp8_grad(p, q)
+    assert fp8_grad_nbytes(held[0]) == held[0].numel() + 4
+    acc = training_state_bytes(o2, opt)["linear"]
+    assert acc["grad"] == sum(fp8_grad_nbytes(p) for p in held)  # (the weights': 1 B + a scale)
+    plain = [p.grad for p in o2.parameters() if p.grad is not None]
+    want = torch.linalg.vector_norm(torch.stack([torch.nn.utils.get_total_norm(plain)] +
+                                                [dequantize(q).norm() for q in big.values()]))
+    assert torch.equal(clip_grad_norm(o2, float("inf")), want)
+    bad = fp8_grad(held[1])
+    set_fp8_grad(held[1], quantize(torch.full(held[1].shape, float("nan")), E4M3))
+    assert not opt.grads_finite()
+    set_fp8_grad(held[1], bad)
+    assert opt.grads_finite()
+    # The step takes the parameter's gradient: a twin fed the same gradients steps to the same bits.
+    twin, twin_opt = o2_twin(mlp(), grad_accum=grad_accum)
+    for p, t in zip(o2.parameters(), twin.parameters()):
+        if holds_fp8_grad(p):
+            set_fp8_grad(t, fp8_grad(p))
+        else:
+            t.grad = p.grad.clone()
+    assert opt.step() and twin_opt.step()
+    for a, b in zip(o2.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)
+    opt.zero_grad()
+    assert all(fp8_grad(p) is None for p in held)
+    # A deep copy's weights hold an FP8 gradient place of their own, empty.
+    copied = copy.deepcopy(o2)
+    assert all(holds_fp8_grad(copied[i].weight) and fp8_grad(copied[i].weight) is None for i in (0, 2))
+
+
+def test_the_package_docstring_reads_one_o2_weight_in_three_files():
+    """nanofp8/__init__.py's reading order for an O2 weight names functions that exist, in at
+    most three files, and covers forward, backward, the data-parallel reduction and the step."""
+    import importlib
+    import re
+
+    import nanofp8
+
+    steps = re.findall(r"^(\w+)\.py +([\w.]+)", nanofp8.__doc__.split("in three files")[1], re.M)
+    for file, name in steps:
+        obj = importlib.import_module(f"nanofp8.{file}")
+        for part in name.split("."):
+            obj = getattr(obj, part)  # raises if the docstring names something that is gone
+        assert callable(obj), (file, name)
+    assert len({f for f, _ in steps}) <= 3
+    names = [n for _, n in steps]
+    for must in ("Fp8Linear.forward", "_Fp8LinearFunction.backward", "O2Linear.take_wgrad",
+                 "Fp8DataParallel.sync_gradients_flag", "Fp8AdamW.step"):
+        assert must in names

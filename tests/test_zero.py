@@ -12,7 +12,7 @@ from conftest import spawn
 
 from nanofp8.dist import Fp8DataParallel, O3Linear, ZeroFp8AdamW, comm_stats, convert_to_o3
 from nanofp8.fp8 import Recipe, convert_to_fp8
-from nanofp8.optim import Fp8AdamW, convert_to_o2, training_state_bytes
+from nanofp8.optim import Fp8AdamW, convert_to_o2, holds_fp8_grad, training_state_bytes
 
 STEPS, BATCH, LR = 12, 64, 2e-3
 
@@ -48,8 +48,7 @@ def single_process_o2():
 
 def build_o3(world, group=None):
     model = convert_to_o3(convert_to_fp8(base_model(), Recipe(), module_filter=fp8_filter))
-    o3 = {m.weight for m in model.modules() if isinstance(m, O3Linear)}
-    others = [p for p in model.parameters() if p not in o3]
+    others = [p for p in model.parameters() if not holds_fp8_grad(p)]  # (the O3 weights hold theirs)
     dp = Fp8DataParallel(model, group, params=others, overlap=False)
     opt = ZeroFp8AdamW(model.parameters(), model, group, lr=LR, weight_decay=0.1)
     return model, dp, opt
@@ -157,12 +156,11 @@ def test_o3_refuses_state_of_another_world_size():
 
 def o2_dp_worker(rank, world, outdir):
     from nanofp8.dist import sync_fp8_wgrads
-    from nanofp8.optim import O2Linear
 
     torch.manual_seed(100 + rank)
     model = convert_to_o2(convert_to_fp8(base_model(), Recipe(), module_filter=fp8_filter))
-    o2 = [m for m in model.modules() if isinstance(m, O2Linear)]
-    dp = Fp8DataParallel(model, params=[p for p in model.parameters() if p not in {m.weight for m in o2}],
+    o2 = [p for p in model.parameters() if holds_fp8_grad(p)]
+    dp = Fp8DataParallel(model, params=[p for p in model.parameters() if not holds_fp8_grad(p)],
                          overlap=False)
     opt = Fp8AdamW(model.parameters(), model, lr=LR, weight_decay=0.1)
     x, y = data()
