@@ -398,7 +398,9 @@ VARIANTS = {
 }
 # The same seed gives the same initial weights, training batches and evaluation text at every
 # level, so a variant's gap is taken seed by seed against bf16 (paired). Not quite for these:
-# each data-parallel rank draws its own batches, so only the initial weights are shared.
+# each data-parallel rank draws its own batches, so they share the initial weights and only part
+# of the text. (The paired standard error is taken from the per-seed gaps themselves, so it stays
+# honest where the pairing is weaker: it is just not as small.)
 OWN_BATCHES = {"O3-dp2"}
 TARGET, BLOCK_TARGET = 0.01, 0.0025  # the largest relative gap in final val loss a variant may have
 MIN_SEEDS = 3  # fewer pairs than this: no verdict
@@ -415,8 +417,8 @@ METHOD = {
                     "difference of two independent means, sqrt(s_v^2 / n_v + s_bf16^2 / n_bf16) / mean of bf16",
     "noise_floor": "bf16's seed-to-seed std of the final val loss / its mean: how far two bf16 runs "
                    "differing only in their seed land apart",
-    "verdict": f"from the paired gap (it cancels what a seed does to both runs): 'met' when the whole "
-               f"95% interval lies below the target, 'missed' when it lies above, 'unresolvable' when it "
+    "verdict": "from the paired gap (it cancels what a seed does to both runs): 'met' when the whole "
+               "95% interval lies below the target, 'missed' when it lies above, 'unresolvable' when it "
                f"contains the target, 'incomplete' with fewer than {MIN_SEEDS} seeds done for both",
     "cpu_seconds": "user + system CPU time of a run's processes (all ranks; os.wait4), mean over seeds: "
                    "CPU time, not wall time, as runs shared the machine",
@@ -538,7 +540,7 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
         if v != "bf16":
             verd, gap, se, ci = verdict([(final[v, s, iters] - base[s]) / base[s] for s in pairs], target(v))
             row.update(target=target(v), verdict=verd, gap=gap, gap_se=se, gap_ci95=ci, pairing=(
-                "same initial weights only (each rank draws its own batches)" if v in OWN_BATCHES
+                "same initial weights; batches partly shared (each rank draws its own)" if v in OWN_BATCHES
                 else "same initial weights, batches and evaluation text"))
             if len(pairs) < len(seeds):
                 row["note"] = f"{len(pairs)} of {len(seeds)} seeds done (with bf16 at the same seed)"
@@ -560,11 +562,12 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
             long_rows.append({"variant": v, "seed": LONG_SEED, "iters": long_iters, "final_val_loss": val,
                               "gap": None if b is None else (val - b) / b,
                               "cpu_seconds": runs[v, LONG_SEED, long_iters]["cpu_seconds"]})
-    run_envs = [r["env"] for r in runs.values()]
+    run_envs = [r.get("env", {}) for r in runs.values()]
     return {"env": environment(), "iters": iters, "seeds": list(seeds), "method": METHOD,
             "noise_floor": None if b_std is None else b_std / b_mean, "bf16_seeds": len(base),
             "parity": rows, "long": long_rows, "long_note": "one seed each: no uncertainty of their own",
-            "runs": {"devices": sorted({e["device"] for e in run_envs}), "torch": sorted({e["torch"] for e in run_envs}),
+            "runs": {"devices": sorted({e.get("device", "?") for e in run_envs}),
+                     "torch": sorted({e.get("torch", "?") for e in run_envs}),
                      "commits": sorted({r.get("commit", "") for r in runs.values()})}}
 
 
@@ -605,6 +608,19 @@ def _smooth(ys, k):
     return (c[1:] - c[lo]) / (np.arange(len(ys)) + 1 - lo)
 
 
+def _plot_runs(ax, ax_val, curves, colour, label):
+    """The mean over runs of the smoothed train loss on ax and of the val loss on ax_val, each with
+    a band from the lowest to the highest run."""
+    import numpy as np
+
+    it, ev = [i for i, _ in curves[0]["losses"]], [e[0] for e in curves[0]["evals"]]
+    tr = np.array([_smooth([l for _, l in cv["losses"]], max(1, curves[0]["iters"] // 50)) for cv in curves])
+    va = np.array([[e[2] for e in cv["evals"]] for cv in curves])
+    for a, x, y, kw in ((ax, it, tr, {"label": label}), (ax_val, ev, va, {"marker": "o", "ms": 3})):
+        a.plot(x, y.mean(0), color=colour, lw=1, **kw)
+        a.fill_between(x, y.min(0), y.max(0), color=colour, alpha=0.2, lw=0)
+
+
 def plot_parity(runs, d, path):
     """Four panels: train loss (smoothed) and val loss of the main runs, the mean over seeds with a
     band from the lowest to the highest seed; the paired gaps with their 95% intervals, targets
@@ -612,58 +628,37 @@ def plot_parity(runs, d, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    iters, rows = d["iters"], d["parity"]
+    rows, k = d["parity"], max(1, d["iters"] // 50)
     colour = {r["variant"]: plt.cm.tab10(i % 10) for i, r in enumerate(rows)}
     fig, ((a, b), (c, e)) = plt.subplots(2, 2, figsize=(13, 9))
-    for r in rows:
-        v = r["variant"]
-        curves = [runs[v, s, iters] for s in r["seeds"]]
-        if not curves:
-            continue
-        it = [i for i, _ in curves[0]["losses"]]
-        tr = np.array([_smooth([l for _, l in cv["losses"]], max(1, iters // 50)) for cv in curves])
-        a.plot(it, tr.mean(0), color=colour[v], lw=1, label=f"{v} ({len(curves)} seeds)")
-        a.fill_between(it, tr.min(0), tr.max(0), color=colour[v], alpha=0.2, lw=0)
-        ev = [e[0] for e in curves[0]["evals"]]
-        va = np.array([[e[2] for e in cv["evals"]] for cv in curves])
-        b.plot(ev, va.mean(0), color=colour[v], lw=1, marker="o", ms=3)
-        b.fill_between(ev, va.min(0), va.max(0), color=colour[v], alpha=0.2, lw=0)
-    for ax, kind in ((a, "losses"), (b, "evals")):  # the loss falls from ~4.4: leave the start off the scale
-        late = [x[-1] for k, r in runs.items() if k[2] == iters for x in r[kind] if x[0] >= iters // 4]
-        if late:
-            ax.set_ylim(min(late) - 0.05, np.percentile(late, 99) + 0.05)
-    a.set(title=f"train loss (trailing mean over {max(1, iters // 50)} steps), band = min..max over seeds",
-          xlabel="iteration")
-    a.legend(fontsize=7)
+    for r in (r for r in rows if r["seeds"]):
+        _plot_runs(a, b, [runs[r["variant"], s, d["iters"]] for s in r["seeds"]], colour[r["variant"]],
+                   f"{r['variant']} ({r['n']} seeds)")
+    for r in d["long"]:
+        _plot_runs(e, e, [runs[r["variant"], r["seed"], r["iters"]]], colour.get(r["variant"]),
+                   f"{r['variant']} (seed {r['seed']})")
+    for ax in (a, b, e):  # the loss falls from ~4.4 at first: leave the first quarter off the scale
+        ys = [y for ln in ax.lines for x, y in zip(ln.get_xdata(), ln.get_ydata()) if x >= max(ln.get_xdata()) / 4]
+        if ys:
+            ax.set_ylim(min(ys) - 0.05, max(ys) + 0.05)
+    a.set(title=f"train loss (trailing mean over {k} steps), band = min..max over seeds", xlabel="iteration")
     b.set(title="val loss, band = min..max over seeds", xlabel="iteration")
+    e.set(title="long runs: train loss (smoothed), val loss (dots)", xlabel="iteration")
     fp8 = [r for r in rows if r.get("gap") is not None]
-    y = np.arange(len(fp8))
     if d["noise_floor"]:
         c.axvspan(-100 * d["noise_floor"], 100 * d["noise_floor"], color="grey", alpha=0.2,
                   label="noise floor: +- bf16 seed-to-seed std")
-    for k, r in enumerate(fp8):
+    for y, r in enumerate(fp8):
         lo, hi = r["gap_ci95"] or (r["gap"], r["gap"])
-        c.errorbar(100 * r["gap"], k, xerr=[[100 * (r["gap"] - lo)], [100 * (hi - r["gap"])]], fmt="o",
+        c.errorbar(100 * r["gap"], y, xerr=[[100 * (r["gap"] - lo)], [100 * (hi - r["gap"])]], fmt="o",
                    color=colour[r["variant"]], capsize=3)
-        c.plot([100 * r["target"]] * 2, [k - 0.4, k + 0.4], color="red", lw=2)
-    c.set_yticks(y, [f"{r['variant']}: {r['verdict']}" for r in fp8], fontsize=8)
+        c.plot([100 * r["target"]] * 2, [y - 0.4, y + 0.4], color="red", lw=2)
+    c.set_yticks(range(len(fp8)), [f"{r['variant']}: {r['verdict']}" for r in fp8], fontsize=8)
     c.axvline(0, color="black", lw=0.5)
     c.set(title="paired gap to bf16 (%), 95% interval; red: target", xlabel="final val loss gap (%)")
-    c.legend(fontsize=7)
-    for r in d["long"]:
-        cv = runs[r["variant"], r["seed"], r["iters"]]
-        k = max(1, r["iters"] // 50)
-        e.plot([i for i, _ in cv["losses"]], _smooth([l for _, l in cv["losses"]], k), lw=1,
-               color=colour.get(r["variant"]), label=f"{r['variant']} (seed {r['seed']})")
-        e.plot([x[0] for x in cv["evals"]], [x[2] for x in cv["evals"]], "o", ms=4, color=colour.get(r["variant"]))
-    if d["long"]:
-        late = [l for r in d["long"] for i, l in runs[r["variant"], r["seed"], r["iters"]]["losses"]
-                if i >= r["iters"] // 5]
-        e.set_ylim(min(late) - 0.05, np.percentile(late, 99) + 0.05)
-        e.legend(fontsize=7)
-    e.set(title="long runs: train loss (smoothed), val loss (dots)", xlabel="iteration")
+    for ax in (a, c, e):
+        ax.legend(fontsize=7)
     fig.suptitle(f"FP8 vs BF16 at equal steps and seeds: {d['config']}, {d['iters']} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -955,13 +950,18 @@ def report_parity(d):
             "target", "verdict", "CPU s/run"]
     out = [f"### Loss parity: FP8 vs BF16 at equal steps and seeds (`{d['config']}`, {d['iters']} steps)",
            _env_line(d["env"]), "", _md_table(rows, cols), "",
-           f"**Noise floor:** bf16's final val loss moves by {_pct(d['noise_floor'], '')} (std over "
-           f"{d['bf16_seeds']} seeds, relative to its mean) from one seed to the next. The paired gap compares "
-           "each variant with bf16 at the same seed (same initial weights, batches and evaluation text; "
-           "O3-dp2: same initial weights only), which cancels most of that: the verdicts use it, the 95% "
-           "interval from Student's t. The unpaired gap (difference of the means over seeds) is shown for "
-           "comparison. Final val loss: mean +- std over seeds. CPU s/run: CPU time (user + system, all "
-           "ranks) per run, not wall time: the runs shared the machine.", ""]
+           "**Noise floor:** " + (f"bf16's final val loss moves by {_pct(d['noise_floor'], '')} (std over "
+                                  f"{d['bf16_seeds']} seeds, relative to its mean) from one seed to the next."
+                                  if d["noise_floor"] else "not measured yet (fewer than 2 bf16 seeds).")
+           + " The paired gap compares each variant with bf16 at the same seed (same initial weights; same "
+           "batches and evaluation text too, except for "
+           + (", ".join(r["variant"] for r in d["parity"] if r.get("pairing", "").startswith("same initial weights;"))
+              or "none") + ", whose ranks draw their own), which takes out what the seed does to both runs (compare the "
+           "paired and unpaired standard errors). The verdicts use "
+           "it: met when the whole 95% interval (Student's t) lies below the target, missed when it lies "
+           "above, unresolvable when it contains the target. The unpaired gap (difference of the means over "
+           "seeds) is shown for comparison. Final val loss: mean +- std over seeds. CPU s/run: CPU time (user "
+           "+ system, all ranks) per run, not wall time: the runs shared the machine.", ""]
     out += [f"- {_target_sentence(r)}" for r in d["parity"] if r["variant"] != "bf16"] + [""]
     if d.get("long"):
         out += ["Long runs (one seed each, no uncertainty of their own: read their gaps against the noise "
