@@ -572,12 +572,13 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
 
 
 def cmd_parity(args):
+    """Run what --runs lacks (unless --no_run), then summarize every finished run asked for:
+    parity_cpu.json, parity.csv and parity.png in --out."""
     todo = [(v, s, args.iters) for v in args.variants for s in args.seeds]
     todo += [(v, LONG_SEED, args.long_iters) for v in args.long_variants if args.long_iters]
     if not args.no_run:
         run_all(todo, args.config, args.runs, args.jobs, args.threads, args.set)
-    runs = load_runs(args.runs)
-    runs = {k: r for k, r in runs.items() if k in set(todo)}
+    runs = {k: r for k, r in load_runs(args.runs).items() if k in set(todo)}
     d = summarize(runs, args.variants, args.seeds, args.iters, args.long_variants, args.long_iters)
     d["config"] = os.path.relpath(args.config, REPO)
     os.makedirs(args.out, exist_ok=True)
