@@ -692,8 +692,11 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
     """Tokens per second of train.py's training step (forward, backward, optimizer_step: clip,
     non-finite check, update) on one device, with train.py's FP8 backend for the device (emulated
     on a CPU, as the main job runs), and the peak memory on CUDA."""
+    import gc
+
     import train
 
+    gc.collect()  # the last level's model, before this one's peak memory is measured
     model, opt, settings = build(cfg, "bf16" if level == "fp32" else level, None, device)
     fwd = torch.compile(model) if compile_model else model
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
@@ -722,7 +725,9 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
 
 def cmd_throughput(args):
     """Each level measured in every round, the levels taking turns, so that a load that drifts
-    over the run slows them alike; the median round per level, and its ratio to bf16 and fp32."""
+    over the run slows them alike; the median round per level, and its ratio to bf16 and fp32.
+    Each measurement builds its model afresh (on a GPU: compiles again), so that one model at a
+    time is in memory."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = args.models or (["gpt2-124M", "gpt2-xl", "llama-1B"] if device == "cuda" else ["shakespeare-char", "cpu-small"])
     compiles = [False, True] if (device == "cuda" and not args.no_compile) else [False]
