@@ -658,8 +658,11 @@ def plot_parity(runs, d, path):
     c.set_yticks(range(len(fp8)), [f"{r['variant']}: {r['verdict']}" for r in fp8], fontsize=8)
     c.axvline(0, color="black", lw=0.5)
     c.set(title="paired gap to bf16 (%), 95% interval; red: target", xlabel="final val loss gap (%)")
-    for ax in (a, c, e):
-        ax.legend(fontsize=7)
+    for ax, empty in ((a, False), (c, not fp8), (e, not d["long"])):
+        if empty:
+            ax.text(0.5, 0.5, "no run finished yet", ha="center", transform=ax.transAxes)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(f"FP8 vs BF16 at equal steps and seeds: {d['config']}, {d['iters']} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
