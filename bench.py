@@ -10,9 +10,13 @@ the same figures (plus machine, date and versions) as JSON.
                                 bf16 baseline (fp32 gradient all-reduce, as nanoGPT's DDP), O1,
                                 O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/dist.py),
                                 the FP8 layers' bytes apart from the whole model's
-    python bench.py parity      BF16 vs every FP8 level and recipe variant on shakespeare_char at
-                                equal steps and seeds: loss curves (CSV + PNG), final val losses
-    python bench.py throughput  tokens/s and peak memory, BF16 vs O1/O2
+    python bench.py parity      BF16 vs every FP8 level, recipe and layout on shakespeare_char at
+                                equal steps, at several seeds (each run a child process, kept in
+                                --runs: resumable), plus longer runs: the gap to bf16 seed by seed
+                                with its uncertainty, the noise floor and a verdict per target
+                                (parity_cpu.json), curves (parity.csv, parity.png)
+    python bench.py throughput  tokens/s and peak memory, fp32 / BF16 / O1 / O2, the levels taking
+                                turns over several rounds
     python bench.py gemm        the kernels benchmark (python kernels.py)
     python bench.py stats DIR   per-layer heatmaps (SQNR, underflow, saturation) over the steps and
                                 amax trends, as PNG, from DIR/fp8_stats.jsonl (train.py with
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,8 +55,10 @@ def environment():
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"device": dev, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
+    # the vector ISA torch's CPU kernels use (AVX2 has no bf16 GEMM: bf16 runs far slower than fp32)
+    return {"device": dev, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "triton": triton_version, "python": platform.python_version()}
 
 
 def emit(name, rows, columns, args, extra=None):
@@ -368,7 +375,7 @@ def cmd_comm(args):
 
 
 # -----------------------------------------------------------------------------
-# parity
+# parity: every variant at several seeds, each run a child process with its own CPU time
 
 # Every variant differs from the bf16 run in its precision settings and layout only: same model,
 # hyper-parameters, steps and tokens per step. name -> (train.py overrides, processes).
@@ -385,14 +392,47 @@ VARIANTS = {
     "O1-tp2-sp": ({"precision": "O1", "tensor_parallel": 2, "sequence_parallel": True}, 2),
     "O1-pp2": ({"precision": "O1", "pipeline_parallel": 2}, 2),
 }
+# The same seed gives the same initial weights, training batches and evaluation text at every
+# level, so a variant's gap is taken seed by seed against bf16 (paired). Not quite for these:
+# each data-parallel rank draws its own batches, so they share the initial weights and only part
+# of the text. (The paired standard error is taken from the per-seed gaps themselves, so it stays
+# honest where the pairing is weaker: it is just not as small.)
+OWN_BATCHES = {"O3-dp2"}
+TARGET, BLOCK_TARGET = 0.01, 0.0025  # the largest relative gap in final val loss a variant may have
+MIN_SEEDS = 3  # fewer pairs than this: no verdict
+LONG_SEED = 0  # the seed of the long runs
+# Student t, 97.5% quantile by degrees of freedom: the 95% interval of a mean of n values is
+# mean +- T975[n - 1] * standard error. From 10 on, 10's value (a little wider than it need be).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+METHOD = {
+    "final_val_loss": "val loss at the last step (eval_iters batches, the same text for bf16 and the variant "
+                      "at one seed); mean and std (n - 1) over seeds",
+    "gap": "paired: mean over seeds of (variant - bf16) / bf16 at the same seed; gap_se = std of those "
+           "per-seed gaps / sqrt(n); gap_ci95 = gap +- t(0.975, n - 1) * gap_se",
+    "gap_unpaired": "(mean of the variant - mean of bf16) / mean of bf16, with the standard error of a "
+                    "difference of two independent means, sqrt(s_v^2 / n_v + s_bf16^2 / n_bf16) / mean of bf16",
+    "noise_floor": "bf16's seed-to-seed std of the final val loss / its mean: how far two bf16 runs "
+                   "differing only in their seed land apart",
+    "verdict": "from the paired gap (it cancels what a seed does to both runs): 'met' when the whole "
+               "95% interval lies below the target, 'missed' when it lies above, 'unresolvable' when it "
+               f"contains the target, 'incomplete' with fewer than {MIN_SEEDS} seeds done for both",
+    "cpu_seconds": "user + system CPU time of a run's processes (all ranks; os.wait4), mean over seeds: "
+                   "CPU time, not wall time, as runs shared the machine",
+}
+
+
+def target(variant):
+    return BLOCK_TARGET if "block" in variant else TARGET
+
 
 def run_path(runs_dir, name, seed, iters):
     return os.path.join(runs_dir, f"{name}-seed{seed}-{iters}.json")
 
 
-def start_run(name, seed, iters, config, runs_dir, threads, set_=()):
+def start_run(name, seed, iters, config, threads, set_=()):
     """Start one training run (variant, seed, steps) as a child process: `python train.py ...` or
-    torchrun for the multi-process variants. Returns (popen, path, record without results)."""
+    torchrun for the multi-process variants. Returns (popen, history path, record without
+    results, temporary directory)."""
     over, procs = VARIANTS[name]
     over = {**over, **dict(a.split("=", 1) for a in set_)}
     tmp = tempfile.mkdtemp(prefix="parity-")
@@ -407,7 +447,7 @@ def start_run(name, seed, iters, config, runs_dir, threads, set_=()):
     rec = {"variant": name, "seed": seed, "iters": iters, "processes": procs, "threads_per_process": threads,
            "command": " ".join(["python" if procs == 1 else f"torchrun --nproc_per_node={procs}", "train.py"] + argv[:1]
                                + [a for a in argv[1:] if not a.startswith("out_dir=")]),
-           "env": environment(), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+           "env": environment(), "commit": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
                                                           capture_output=True, text=True).stdout.strip()}
     return p, out, rec, tmp
 
@@ -432,7 +472,7 @@ def run_all(todo, config, runs_dir, jobs, threads, set_=()):
     while todo or running:
         while todo and len(running) < jobs:
             name, seed, iters = todo.pop(0)
-            p, out, rec, tmp = start_run(name, seed, iters, config, runs_dir, threads, set_)
+            p, out, rec, tmp = start_run(name, seed, iters, config, threads, set_)
             running[p.pid] = (p, out, rec, tmp, time.time())
             print(f"== start {name} seed {seed} ({iters} steps): {rec['command']}", file=sys.stderr)
         pid, status, ru = os.wait4(-1, 0)
@@ -446,60 +486,180 @@ def run_all(todo, config, runs_dir, jobs, threads, set_=()):
         rec.update(json.load(open(out)), cpu_seconds=ru.ru_utime + ru.ru_stime, wall_seconds=time.time() - t0)
         with open(run_path(runs_dir, rec["variant"], rec["seed"], rec["iters"]), "w") as f:
             json.dump(rec, f)
+        shutil.rmtree(tmp)
         print(f"== done {rec['variant']} seed {rec['seed']}: val {rec['evals'][-1][2]:.4f}, "
               f"{rec['cpu_seconds']:.0f} CPU s", file=sys.stderr)
 
 
-def cmd_parity(args):
-    import train
-
+def load_runs(runs_dir):
+    """{(variant, seed, iters): record} of the finished runs in runs_dir."""
     runs = {}
-    for name in args.variants:
-        over = [f"--{k}={v}" for k, v in {**VARIANTS[name], **dict(a.split("=", 1) for a in args.set)}.items()]
-        argv = [args.config, f"--out_dir={tempfile.mkdtemp(prefix='parity-')}", "--always_save_checkpoint=False",
-                f"--max_iters={args.iters}", f"--lr_decay_iters={args.iters}", f"--eval_interval={args.eval_interval}",
-                "--device=cpu" if args.cpu else "--device=auto"] + over
-        print(f"== {name}: python train.py {' '.join(argv)}", file=sys.stderr)
-        t0 = time.time()
-        runs[name] = train.main(argv)
-        runs[name]["seconds"] = time.time() - t0
-    base = runs["bf16"]["evals"][-1][2] if "bf16" in runs else None
+    for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(runs_dir, name)) as f:
+                r = json.load(f)
+            runs[r["variant"], r["seed"], r["iters"]] = r
+    return runs
+
+
+def _mean_std(xs):
+    m = sum(xs) / len(xs)
+    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else None
+
+
+def verdict(gaps, tgt):
+    """(verdict, mean, standard error, 95% interval) of per-seed relative gaps against a target."""
+    n = len(gaps)
+    if n == 0:
+        return "incomplete", None, None, None
+    m, s = _mean_std(gaps)
+    if n < MIN_SEEDS:
+        return "incomplete", m, None if s is None else s / n ** 0.5, None
+    se = s / n ** 0.5
+    lo, hi = m - T975[min(n - 1, 10)] * se, m + T975[min(n - 1, 10)] * se
+    return ("met" if hi < tgt else "missed" if lo > tgt else "unresolvable"), m, se, [lo, hi]
+
+
+def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
+    """The parity table from finished runs: per variant the final val loss over seeds, its paired
+    and unpaired gap to bf16 with their uncertainties, and the verdict against its target
+    (METHOD says how each is computed); then the long runs (one seed each, LONG_SEED)."""
+    final = {k: r["evals"][-1][2] for k, r in runs.items() if r["evals"][-1][0] == r["iters"]}
+    base = {s: final[("bf16", s, iters)] for s in seeds if ("bf16", s, iters) in final}
+    b_mean, b_std = _mean_std(list(base.values())) if base else (None, None)
+    b_cpu = sum(runs["bf16", s, iters]["cpu_seconds"] for s in base) / len(base) if base else None
     rows = []
-    for name, r in runs.items():
-        val = r["evals"][-1][2]
-        rows.append({"variant": name, "final_val_loss": val, "final_train_loss": r["evals"][-1][1],
-                     "gap_vs_bf16": None if base is None else (val - base) / base,
-                     "seconds": r["seconds"]})
+    for v in variants:
+        done = [s for s in seeds if (v, s, iters) in final]
+        pairs = [s for s in done if s in base]
+        row = {"variant": v, "processes": VARIANTS[v][1], "seeds": done, "n": len(done), "verdict": "baseline"}
+        if v != "bf16":
+            verd, gap, se, ci = verdict([(final[v, s, iters] - base[s]) / base[s] for s in pairs], target(v))
+            row.update(target=target(v), verdict=verd, gap=gap, gap_se=se, gap_ci95=ci, pairing=(
+                "same initial weights; batches partly shared (each rank draws its own)" if v in OWN_BATCHES
+                else "same initial weights, batches and evaluation text"))
+            if len(pairs) < len(seeds):
+                row["note"] = f"{len(pairs)} of {len(seeds)} seeds done (with bf16 at the same seed)"
+        if done:
+            mean, std = _mean_std([final[v, s, iters] for s in done])
+            row.update(final_val_mean=mean, final_val_std=std, command=runs[v, done[0], iters]["command"],
+                       cpu_seconds=sum(runs[v, s, iters]["cpu_seconds"] for s in done) / len(done))
+            if base:
+                row["cpu_seconds_vs_bf16"] = row["cpu_seconds"] / b_cpu
+            if base and v != "bf16":
+                row["gap_unpaired"] = (mean - b_mean) / b_mean
+                if std is not None and b_std is not None:
+                    row["gap_unpaired_se"] = (std ** 2 / len(done) + b_std ** 2 / len(base)) ** 0.5 / b_mean
+        rows.append(row)
+    long_rows = []
+    for v in long_variants:
+        if (v, LONG_SEED, long_iters) in final:
+            val, b = final[v, LONG_SEED, long_iters], final.get(("bf16", LONG_SEED, long_iters))
+            long_rows.append({"variant": v, "seed": LONG_SEED, "iters": long_iters, "final_val_loss": val,
+                              "gap": None if b is None else (val - b) / b,
+                              "cpu_seconds": runs[v, LONG_SEED, long_iters]["cpu_seconds"]})
+    run_envs = [r.get("env", {}) for r in runs.values()]
+    return {"env": environment(), "iters": iters, "seeds": list(seeds), "method": METHOD,
+            "noise_floor": None if b_std is None else b_std / b_mean, "bf16_seeds": len(base),
+            "parity": rows, "long": long_rows, "long_note": "one seed each: no uncertainty of their own",
+            "runs": {"devices": sorted({e.get("device", "?") for e in run_envs}),
+                     "torch": sorted({e.get("torch", "?") for e in run_envs}),
+                     "commits": sorted({r.get("commit", "") for r in runs.values()})}}
+
+
+def cmd_parity(args):
+    """Run what --runs lacks (unless --no_run), then summarize every finished run asked for:
+    parity_cpu.json, parity.csv and parity.png in --out."""
+    todo = [(v, s, args.iters) for v in args.variants for s in args.seeds]
+    todo += [(v, LONG_SEED, args.long_iters) for v in args.long_variants if args.long_iters]
+    if not args.no_run:
+        run_all(todo, args.config, args.runs, args.jobs, args.threads, args.set)
+    runs = {k: r for k, r in load_runs(args.runs).items() if k in set(todo)}
+    d = summarize(runs, args.variants, args.seeds, args.iters, args.long_variants, args.long_iters)
+    d["config"] = os.path.relpath(args.config, REPO)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "parity.csv"), "w") as f:
-        f.write("variant,kind,iter,loss\n")
-        for name, r in runs.items():
-            f.writelines(f"{name},train,{i},{l:.5f}\n" for i, l in r["losses"])
-            f.writelines(f"{name},val,{i},{v:.5f}\n" for i, _, v in r["evals"])
-    _plot(runs, os.path.join(args.out, "parity.png"), args)
-    print(f"Final val loss at {args.iters} steps ({args.config}), relative gap to bf16; "
-          f"curves in {args.out}/parity.csv and parity.png")
-    emit("parity", rows, ["variant", "final_val_loss", "final_train_loss", "gap_vs_bf16", "seconds"], args,
-         {"config": args.config, "iters": args.iters, "curves": {n: r for n, r in runs.items()}})
+        f.write("variant,seed,iters,kind,iter,loss\n")
+        for (v, s, n), r in sorted(runs.items()):
+            f.writelines(f"{v},{s},{n},train,{i},{l:.4f}\n" for i, l in r["losses"])
+            f.writelines(f"{v},{s},{n},val,{i},{l:.4f}\n" for i, _, l in r["evals"])
+    plot_parity(runs, d, os.path.join(args.out, "parity.png"))
+    print(f"Final val loss at {args.iters} steps ({d['config']}), over seeds {args.seeds}; gap = paired "
+          f"relative gap to bf16 +- its standard error; noise floor (bf16 seed-to-seed std) "
+          f"{_pct(d['noise_floor'], '')}; CPU seconds are CPU time per run")
+    table = [{**r, "gap": _pct(r.get("gap")), "gap_se": _pct(r.get("gap_se"), ""), "target": _pct(r.get("target"), "")}
+             for r in d["parity"]]
+    emit("parity", table, ["variant", "n", "final_val_mean", "final_val_std", "gap", "gap_se", "target",
+                           "verdict", "cpu_seconds"], argparse.Namespace(json=None))
+    with open(os.path.join(args.out, "parity_cpu.json"), "w") as f:
+        json.dump(d, f, indent=1)
+    print(f"wrote parity_cpu.json, parity.csv and parity.png in {args.out}")
 
 
-def _plot(runs, path, args):
+def _smooth(ys, k):
+    import numpy as np
+
+    ys = np.asarray(ys, dtype=float)
+    c = np.cumsum(np.concatenate([[0.0], ys]))
+    lo = np.maximum(0, np.arange(len(ys)) - k + 1)  # a trailing mean over up to k steps
+    return (c[1:] - c[lo]) / (np.arange(len(ys)) + 1 - lo)
+
+
+def _plot_runs(ax, ax_val, curves, colour, label):
+    """The mean over runs of the smoothed train loss on ax and of the val loss on ax_val, each with
+    a band from the lowest to the highest run."""
+    import numpy as np
+
+    it, ev = [i for i, _ in curves[0]["losses"]], [e[0] for e in curves[0]["evals"]]
+    tr = np.array([_smooth([l for _, l in cv["losses"]], max(1, curves[0]["iters"] // 50)) for cv in curves])
+    va = np.array([[e[2] for e in cv["evals"]] for cv in curves])
+    for a, x, y, kw in ((ax, it, tr, {"label": label}), (ax_val, ev, va, {"marker": "o", "ms": 3})):
+        a.plot(x, y.mean(0), color=colour, lw=1, **kw)
+        a.fill_between(x, y.min(0), y.max(0), color=colour, alpha=0.2, lw=0)
+
+
+def plot_parity(runs, d, path):
+    """Four panels: train loss (smoothed) and val loss of the main runs, the mean over seeds with a
+    band from the lowest to the highest seed; the paired gaps with their 95% intervals, targets
+    and noise floor; the long runs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in runs.items():
-        it, loss = zip(*r["losses"])
-        k = max(1, len(loss) // 50)  # smooth the noisy per-step loss a little
-        sm = [sum(loss[max(0, i - k): i + 1]) / len(loss[max(0, i - k): i + 1]) for i in range(len(loss))]
-        a.plot(it, sm, label=name, lw=1)
-        ev = r["evals"]
-        b.plot([e[0] for e in ev], [e[2] for e in ev], marker="o", label=name, lw=1)
-    a.set(title="train loss (smoothed)", xlabel="iteration")
-    b.set(title="val loss", xlabel="iteration")
-    b.legend()
-    fig.suptitle(f"FP8 vs BF16 at equal steps: {os.path.basename(args.config)}, {environment()['device']}")
+    rows, k = d["parity"], max(1, d["iters"] // 50)
+    colour = {r["variant"]: plt.cm.tab10(i % 10) for i, r in enumerate(rows)}
+    fig, ((a, b), (c, e)) = plt.subplots(2, 2, figsize=(13, 9))
+    for r in (r for r in rows if r["seeds"]):
+        _plot_runs(a, b, [runs[r["variant"], s, d["iters"]] for s in r["seeds"]], colour[r["variant"]],
+                   f"{r['variant']} ({r['n']} seeds)")
+    for r in d["long"]:
+        _plot_runs(e, e, [runs[r["variant"], r["seed"], r["iters"]]], colour.get(r["variant"]),
+                   f"{r['variant']} (seed {r['seed']})")
+    for ax in (a, b, e):  # the loss falls from ~4.4 at first: leave the first quarter off the scale
+        ys = [y for ln in ax.lines for x, y in zip(ln.get_xdata(), ln.get_ydata()) if x >= max(ln.get_xdata()) / 4]
+        if ys:
+            ax.set_ylim(min(ys) - 0.05, max(ys) + 0.05)
+    a.set(title=f"train loss (trailing mean over {k} steps), band = min..max over seeds", xlabel="iteration")
+    b.set(title="val loss, band = min..max over seeds", xlabel="iteration")
+    e.set(title="long runs: train loss (smoothed), val loss (dots)", xlabel="iteration")
+    fp8 = [r for r in rows if r.get("gap") is not None]
+    if d["noise_floor"]:
+        c.axvspan(-100 * d["noise_floor"], 100 * d["noise_floor"], color="grey", alpha=0.2,
+                  label="noise floor: +- bf16 seed-to-seed std")
+    for y, r in enumerate(fp8):
+        lo, hi = r["gap_ci95"] or (r["gap"], r["gap"])
+        c.errorbar(100 * r["gap"], y, xerr=[[100 * (r["gap"] - lo)], [100 * (hi - r["gap"])]], fmt="o",
+                   color=colour[r["variant"]], capsize=3)
+        c.plot([100 * r["target"]] * 2, [y - 0.4, y + 0.4], color="red", lw=2)
+    c.set_yticks(range(len(fp8)), [f"{r['variant']}: {r['verdict']}" for r in fp8], fontsize=8)
+    c.axvline(0, color="black", lw=0.5)
+    c.set(title="paired gap to bf16 (%), 95% interval; red: target", xlabel="final val loss gap (%)")
+    for ax, empty in ((a, False), (c, not fp8), (e, not d["long"])):
+        if empty:
+            ax.text(0.5, 0.5, "no run finished yet", ha="center", transform=ax.transAxes)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"FP8 vs BF16 at equal steps and seeds: {d['config']}, {d['iters']} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -521,15 +681,25 @@ THROUGHPUT_MODELS = {
 }
 
 
+# fp32: the bf16 level's model with autocast off. On a CPU whose torch has no bf16 GEMM (AVX2:
+# environment()'s cpu_capability) bf16 is far slower than fp32, so there the ratios to both say
+# what the machine does, not what FP8 does.
+THROUGHPUT_LEVELS = ("fp32", "bf16", "O1", "O2")
+
+
 def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
     """Tokens per second of train.py's training step (forward, backward, optimizer_step: clip,
-    non-finite check, update) on one device, and the peak memory on CUDA."""
+    non-finite check, update) on one device, with train.py's FP8 backend for the device (emulated
+    on a CPU, as the main job runs), and the peak memory on CUDA."""
+    import gc
+
     import train
 
-    model, opt, settings = build(cfg, level, "torch", device)
+    gc.collect()  # the last level's model, before this one's peak memory is measured
+    model, opt, settings = build(cfg, "bf16" if level == "fp32" else level, None, device)
     fwd = torch.compile(model) if compile_model else model
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-    ac = torch.autocast(device, dtype=torch.bfloat16)
+    ac = torch.autocast(device, dtype=torch.bfloat16, enabled=level != "fp32")
 
     def step():
         with ac:
@@ -553,23 +723,33 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
 
 
 def cmd_throughput(args):
+    """Each level measured in every round, the levels taking turns, so that a load that drifts
+    over the run slows them alike; the median round per level, and its ratio to bf16 and fp32.
+    Each measurement builds its model afresh (on a GPU: compiles again), so that one model at a
+    time is in memory."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    names = args.models or (["gpt2-124M", "gpt2-xl", "llama-1B"] if device == "cuda" else ["cpu-small"])
+    names = args.models or (["gpt2-124M", "gpt2-xl", "llama-1B"] if device == "cuda" else ["shakespeare-char", "cpu-small"])
     compiles = [False, True] if (device == "cuda" and not args.no_compile) else [False]
     rows = []
     for name in names:
         cfg, batch, seq = THROUGHPUT_MODELS[name]
-        base = {}
         for comp in compiles:
-            for level in ("bf16", "O1", "O2"):
-                tps, peak = measure_throughput(cfg, level, batch, seq, args.steps, comp, device)
-                base.setdefault(comp, tps)
-                rows.append({"model": name, "level": level, "compile": comp, "tokens_per_s": tps,
-                             "vs_bf16": tps / base[comp], "peak_GiB": peak,
+            runs = {level: [] for level in THROUGHPUT_LEVELS}
+            for r in range(args.rounds):
+                for level in THROUGHPUT_LEVELS:
+                    runs[level].append(measure_throughput(cfg, level, batch, seq, args.steps, comp, device))
+                    print(f"  {name} {level} compile={comp} round {r}: {runs[level][-1][0]:,.0f} tok/s", file=sys.stderr)
+            tps = {level: sorted(t for t, _ in runs[level])[(args.rounds - 1) // 2] for level in THROUGHPUT_LEVELS}
+            for level in THROUGHPUT_LEVELS:
+                rows.append({"model": name, "level": level, "compile": comp, "tokens_per_s": tps[level],
+                             "vs_bf16": tps[level] / tps["bf16"], "vs_fp32": tps[level] / tps["fp32"],
+                             "peak_GiB": runs[level][0][1], "steps": args.steps, "rounds": args.rounds,
                              "device_kind": "GPU" if device == "cuda" else "CPU (FP8 emulated: not a speed figure)"})
-                print(f"  {name} {level} compile={comp}: {tps:,.0f} tok/s", file=sys.stderr)
-    print(f"Training throughput, {environment()['device']}")
-    emit("throughput", rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "peak_GiB", "device_kind"], args)
+    env = environment()
+    print(f"Training throughput, {env['device']} (CPU capability {env['cpu_capability']}), median of "
+          f"{args.rounds} rounds of {args.steps} steps, the levels taking turns")
+    emit("throughput", rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "vs_fp32", "peak_GiB",
+                              "device_kind"], args)
 
 
 # -----------------------------------------------------------------------------
@@ -739,6 +919,82 @@ def _env_line(env):
     return f"*{env['device']}, {env['date'][:10]}, torch {env['torch']}, triton {env['triton']}*"
 
 
+def _pct(v, sign="+"):
+    return "" if v is None else f"{100 * v:{sign}.2f}%"
+
+
+def _target_sentence(r):
+    """One sentence on a variant against its target, from its row of parity_cpu.json."""
+    name, tgt = f"**{r['variant']}** (target {_pct(r.get('target'), '')})", r.get("target")
+    if r["verdict"] == "incomplete":
+        so_far = "" if r.get("gap") is None else f": paired gap so far {_pct(r['gap'])}"
+        return f"{name}: incomplete, {r.get('note', 'fewer than 3 seeds')}{so_far}."
+    lo, hi = r["gap_ci95"]
+    gap = f"{_pct(r['gap'])} +- {_pct(r['gap_se'], '')} (95% interval {_pct(lo)} to {_pct(hi)}, {r['n']} seeds)"
+    return {"met": f"{name}: met, {gap}, below the target.",
+            "missed": f"{name}: missed, {gap}, above the target.",
+            "unresolvable": f"{name}: unresolvable, {gap}: the interval contains the target, so these seeds "
+                            f"cannot tell whether the gap is below {_pct(tgt, '')}."}[r["verdict"]]
+
+
+def report_parity(d):
+    """The README's parity section from parity_cpu.json (bench.py parity)."""
+    if "method" not in d:
+        return ["### Loss parity", "results/parity_cpu.json predates the seeded runs: rerun `bench.py parity`.", ""]
+    rows = [{**r, "seeds": r["n"],
+             "final val loss": "" if r.get("final_val_mean") is None else
+             f"{r['final_val_mean']:.4f} +- {r['final_val_std'] or 0:.4f}",
+             "paired gap +- SE": "" if r.get("gap") is None else f"{_pct(r['gap'])} +- {_pct(r.get('gap_se'), '')}",
+             "95% interval": "" if not r.get("gap_ci95") else " to ".join(_pct(x) for x in r["gap_ci95"]),
+             "unpaired gap +- SE": "" if r.get("gap_unpaired") is None else
+             f"{_pct(r['gap_unpaired'])} +- {_pct(r.get('gap_unpaired_se'), '')}",
+             "target": _pct(r.get("target"), ""),
+             "CPU s/run": "" if r.get("cpu_seconds") is None else
+             f"{r['cpu_seconds']:,.0f} ({r.get('cpu_seconds_vs_bf16', 0):.2f}x bf16)"} for r in d["parity"]]
+    cols = ["variant", "seeds", "final val loss", "paired gap +- SE", "95% interval", "unpaired gap +- SE",
+            "target", "verdict", "CPU s/run"]
+    out = [f"### Loss parity: FP8 vs BF16 at equal steps and seeds (`{d['config']}`, {d['iters']} steps)",
+           _env_line(d["env"]), "", _md_table(rows, cols), "",
+           "**Noise floor:** " + (f"bf16's final val loss moves by {_pct(d['noise_floor'], '')} (std over "
+                                  f"{d['bf16_seeds']} seeds, relative to its mean) from one seed to the next."
+                                  if d["noise_floor"] else "not measured yet (fewer than 2 bf16 seeds).")
+           + " The paired gap compares each variant with bf16 at the same seed (same initial weights; same "
+           "batches and evaluation text too, except for "
+           + (", ".join(r["variant"] for r in d["parity"] if r.get("pairing", "").startswith("same initial weights;"))
+              or "none") + ", whose ranks draw their own), which takes out what the seed does to both runs (compare the "
+           "paired and unpaired standard errors). The verdicts use "
+           "it: met when the whole 95% interval (Student's t) lies below the target, missed when it lies "
+           "above, unresolvable when it contains the target. The unpaired gap (difference of the means over "
+           "seeds) is shown for comparison. Final val loss: mean +- std over seeds. CPU s/run: CPU time (user "
+           "+ system, all ranks) per run, not wall time: the runs shared the machine.", ""]
+    out += [f"- {_target_sentence(r)}" for r in d["parity"] if r["variant"] != "bf16"] + [""]
+    if d.get("long"):
+        out += ["Long runs (one seed each, no uncertainty of their own: read their gaps against the noise "
+                "floor above):", "",
+                _md_table([{**r, "final val loss": f"{r['final_val_loss']:.4f}", "gap to bf16": _pct(r["gap"]),
+                            "CPU s": f"{r['cpu_seconds']:,.0f}"} for r in d["long"]],
+                          ["variant", "iters", "seed", "final val loss", "gap to bf16", "CPU s"]), ""]
+    return out + ["![parity](results/parity.png)", ""]
+
+
+def report_throughput(d):
+    """The README's throughput section, with what the ratios mean on the machine that made them."""
+    rows = d["throughput"]
+    out = ["### Throughput (`bench.py throughput`)", _env_line(d["env"]), "",
+           _md_table(rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "vs_fp32", "device_kind"],
+                     {"tokens_per_s": lambda v: f"{v:,.0f}", "vs_bf16": lambda v: f"{v:.2f}x",
+                      "vs_fp32": lambda v: f"{v:.2f}x"}), ""]
+    cpu = {r["level"]: r for r in rows if r["device_kind"].startswith("CPU") and r["model"] == rows[0]["model"]}
+    if {"bf16", "O1"} <= set(cpu):
+        out += [f"Median of {cpu['bf16'].get('rounds', 1)} rounds, the levels taking turns. On this CPU (torch's "
+                f"CPU capability {d['env'].get('cpu_capability', 'not recorded')}), {rows[0]['model']}: bf16 runs at "
+                f"{cpu['bf16']['vs_fp32']:.2f}x fp32's speed, O1 at {cpu['O1']['vs_bf16']:.2f}x bf16's and "
+                f"{cpu['O1']['vs_fp32']:.2f}x fp32's. The FP8 levels are emulated and multiply in fp32, so "
+                "where bf16 GEMMs have no native instructions (AVX2 has none) they can outrun bf16: vs_bf16 "
+                "is a property of the machine, not of FP8; vs_fp32 is the cost of the emulation.", ""]
+    return out
+
+
 def cmd_report(args):
     res, parts = args.results, []
 
@@ -746,12 +1002,8 @@ def cmd_report(args):
         path = os.path.join(res, name)
         return json.load(open(path)) if os.path.exists(path) else None
 
-    pct = lambda v: "" if v is None else f"{100 * v:+.2f}%"  # noqa: E731
     if (d := load("parity_cpu.json")):
-        parts += [f"### Loss parity: FP8 vs BF16 at equal steps ({os.path.basename(d['config'])}, {d['iters']} steps)",
-                  _env_line(d["env"]), "",
-                  _md_table(d["parity"], ["variant", "final_val_loss", "gap_vs_bf16"], {"gap_vs_bf16": pct}),
-                  "", "![parity](results/parity.png)", ""]
+        parts += report_parity(d)
     if (d := load("memory_cpu.json")):
         parts += ["### Training state, bytes per parameter (`bench.py memory`)", _env_line(d["env"]), "",
                   _md_table(d["memory"], ["model", "level", "linear_B_per_param", "linear_B_per_param_at_step",
@@ -774,9 +1026,7 @@ def cmd_report(args):
             parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",
                       _md_table(mp_rows, [k for k in mp_rows[0] if k not in ("note", "fp8_ops", "what")]), ""]
     if (d := load("throughput_cpu.json")):
-        parts += ["### Throughput (`bench.py throughput`)", _env_line(d["env"]), "",
-                  _md_table(d["throughput"], ["model", "level", "compile", "tokens_per_s", "vs_bf16", "device_kind"],
-                            {"tokens_per_s": lambda v: f"{v:,.0f}"}), ""]
+        parts += report_throughput(d)
     if (d := load("stats_cost_cpu.json")):
         parts += ["### Cost of the FP8 statistics (`bench.py stats --cost`)", _env_line(d["env"]), "",
                   _md_table(d["stats_cost"], ["model", "stats", "steps", "ms_per_step", "vs_off"]), "",
@@ -808,20 +1058,27 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=["gpt2-124M", "llama"], choices=list(MODELS))
     p = sub.add_parser("comm")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    p = sub.add_parser("parity")
-    p.add_argument("--config", default=os.path.join(REPO, "config", "shakespeare_char_bf16.py"))
+    p = sub.add_parser("parity", help="every variant at several seeds (resumable), then the summary")
+    p.add_argument("--config", default=os.path.join(REPO, "config", "shakespeare_char.py"))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--iters", type=int, default=1000)
-    p.add_argument("--eval_interval", type=int, default=250)
+    p.add_argument("--long_iters", type=int, default=3000, help="0: no long runs")
+    p.add_argument("--long_variants", nargs="*", default=["bf16", "O1", "O2"], choices=list(VARIANTS))
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (each reports its own CPU time)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each process")
+    p.add_argument("--runs", default=os.path.join(REPO, "results", "parity_runs"),
+                   help="one JSON per finished run; a run found there is not run again")
+    p.add_argument("--no_run", action="store_true", help="start no run: summarize those in --runs")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
-    p.add_argument("--cpu", action="store_true", help="force the CPU even if a GPU is present")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
     p = sub.add_parser("train", help="(internal) one run of bench.py parity")
     p.add_argument("out")
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p = sub.add_parser("throughput")
     p.add_argument("--models", nargs="+", choices=list(THROUGHPUT_MODELS))
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per level and round")
+    p.add_argument("--rounds", type=int, default=3, help="the levels take turns this many times; median")
     p.add_argument("--no_compile", action="store_true")
     sub.add_parser("gemm")
     p = sub.add_parser("stats")
@@ -830,7 +1087,7 @@ def main(argv=None):
     p.add_argument("--cost", action="store_true", help="time steps with statistics off / every 100 / every 1")
     p.add_argument("--model", default="shakespeare-char", choices=list(THROUGHPUT_MODELS))
     p.add_argument("--steps", type=int, default=200, help="--cost: timed steps per setting")
-    for p in sub.choices.values():
+    for p in (q for name, q in sub.choices.items() if name != "parity"):  # parity writes to --out
         p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p = sub.add_parser("report")
     p.add_argument("--results", default=os.path.join(REPO, "results"))

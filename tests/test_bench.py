@@ -57,24 +57,122 @@ def test_comm_two_ranks(tmp_path):
 TINY = conftest.TINY + ["log_interval=100"]
 
 
-@pytest.mark.slow
-def test_parity_throughput_and_report(tmp_path):
-    bench.main(["parity", "--variants", "bf16", "O1", "O2", "--iters", "6", "--eval_interval", "3",
-                "--cpu", "--out", str(tmp_path), "--json", str(tmp_path / "parity_cpu.json"), "--set", *TINY])
-    parity = json.loads((tmp_path / "parity_cpu.json").read_text())
-    rows = {r["variant"]: r for r in parity["parity"]}
-    assert set(rows) == {"bf16", "O1", "O2"} and rows["bf16"]["gap_vs_bf16"] == 0
-    assert all(abs(r["gap_vs_bf16"]) < 0.05 for r in rows.values())  # 6 steps: barely trained
-    assert (tmp_path / "parity.csv").read_text().startswith("variant,kind,iter,loss")
-    assert (tmp_path / "parity.png").stat().st_size > 10000
-    bench.main(["throughput", "--models", "cpu-small", "--steps", "1",
-                "--json", str(tmp_path / "throughput_cpu.json")])
-    tp = json.loads((tmp_path / "throughput_cpu.json").read_text())["throughput"]
-    assert {r["level"] for r in tp} == {"bf16", "O1", "O2"} and all(r["tokens_per_s"] > 0 for r in tp)
-    assert all(r["device_kind"].startswith("CPU") for r in tp)  # labelled as CPU figures
+def fake_run(variant, seed, final, iters=1000, cpu=100.0):
+    """A run record as bench.run_all writes it, ending at val loss `final`."""
+    return {"variant": variant, "seed": seed, "iters": iters, "processes": bench.VARIANTS[variant][1],
+            "command": f"python train.py config/shakespeare_char.py seed={seed}", "commit": "abc1234",
+            "env": {"device": "CPU (test)", "torch": "2"}, "cpu_seconds": cpu, "wall_seconds": 1.0,
+            "losses": [[i, 4.0 - i / iters * (4.0 - final)] for i in range(iters)],
+            "evals": [[0, 4.0, 4.0], [iters // 2, 3.0, 3.0], [iters, final, final]]}
+
+
+# bf16's final val losses at seeds 0, 1, 2, and each variant's per-seed relative gaps to them
+BF16 = [2.0, 2.1, 1.9]
+GAPS = {"O1": [0.001, 0.002, 0.003],        # mean 0.2%, SE 0.0577%: 95% interval within 1%: met
+        "O2": [0.020, 0.021, 0.022],        # 2.1% +- 0.06%: above 1%: missed
+        "O1-block": [0.001, 0.002, 0.003],  # the 0.25% target lies in -0.05%..+0.45%: unresolvable
+        "O1-row": [0.0, 0.001]}             # 2 of 3 seeds: incomplete
+
+
+def fake_runs():
+    runs = {("bf16", s, 1000): fake_run("bf16", s, v, cpu=200.0) for s, v in enumerate(BF16)}
+    for name, gaps in GAPS.items():
+        runs.update({(name, s, 1000): fake_run(name, s, BF16[s] * (1 + g)) for s, g in enumerate(gaps)})
+    runs["bf16", 0, 3000] = fake_run("bf16", 0, 1.5, iters=3000)
+    runs["O1", 0, 3000] = fake_run("O1", 0, 1.503, iters=3000)
+    return runs
+
+
+def test_parity_summary_known_answers():
+    d = bench.summarize(fake_runs(), ["bf16", "O1", "O2", "O1-block", "O1-row", "O1-pp2"], [0, 1, 2], 1000,
+                        ["bf16", "O1", "O2"], 3000)
+    rows = {r["variant"]: r for r in d["parity"]}
+    assert d["noise_floor"] == pytest.approx(0.1 / 2.0)  # std of 2.0, 2.1, 1.9 over their mean
+    assert rows["bf16"]["verdict"] == "baseline" and rows["bf16"]["cpu_seconds"] == 200.0
+    o1 = rows["O1"]
+    assert o1["gap"] == pytest.approx(0.002) and o1["gap_se"] == pytest.approx(0.001 / 3 ** 0.5)
+    assert o1["gap_ci95"] == pytest.approx([0.002 - 4.303 * 0.001 / 3 ** 0.5, 0.002 + 4.303 * 0.001 / 3 ** 0.5])
+    # unpaired: the same mean gap, with the seed-to-seed spread in its standard error
+    assert o1["gap_unpaired"] == pytest.approx(0.002, abs=1e-4) and o1["gap_unpaired_se"] > 10 * o1["gap_se"]
+    assert o1["cpu_seconds_vs_bf16"] == 0.5 and o1["final_val_std"] > 0.09
+    assert [rows[v]["verdict"] for v in ("O1", "O2", "O1-block", "O1-row", "O1-pp2")] == \
+        ["met", "missed", "unresolvable", "incomplete", "incomplete"]
+    assert rows["O1-block"]["target"] == 0.0025 and rows["O2"]["target"] == 0.01
+    assert rows["O1-row"]["note"].startswith("2 of 3") and rows["O1-pp2"]["note"].startswith("0 of 3")
+    long = {r["variant"]: r for r in d["long"]}
+    assert set(long) == {"bf16", "O1"} and long["O1"]["gap"] == pytest.approx(0.002)
+    # a verdict needs MIN_SEEDS pairs, and an interval that is not entirely on one side of the target
+    assert bench.verdict([0.0, 0.0, 0.0], 0.01)[0] == "met"
+    assert bench.verdict([0.01, 0.01, 0.01], 0.01)[0] == "unresolvable"
+    assert bench.verdict([0.02] * 2, 0.01)[0] == "incomplete"
+
+
+def test_parity_outputs_and_report(tmp_path):
+    """parity --no_run summarizes finished runs: JSON, CSV, PNG without an absolute path; report turns
+    them into the README's section with one sentence per target."""
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    for (v, s, n), r in fake_runs().items():
+        (runs_dir / f"{v}-seed{s}-{n}.json").write_text(json.dumps(r))
+    out = tmp_path / "results"
+    bench.main(["parity", "--no_run", "--runs", str(runs_dir), "--out", str(out),
+                "--variants", "bf16", "O1", "O2", "O1-block", "O1-row"])
+    text = (out / "parity_cpu.json").read_text()
+    d = json.loads(text)
+    assert d["config"] == "config/shakespeare_char.py" and str(tmp_path) not in text and bench.REPO not in text
+    assert [r["verdict"] for r in d["parity"]] == ["baseline", "met", "missed", "unresolvable", "incomplete"]
+    csv = (out / "parity.csv").read_text().splitlines()
+    assert csv[0] == "variant,seed,iters,kind,iter,loss" and "O1,0,3000,val,3000,1.5030" in csv
+    assert len(csv) == 1 + 14 * (1000 + 3) + 2 * (3000 + 3)  # every step of every run, and its evals
+    assert (out / "parity.png").stat().st_size > 10000
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\n")
-    bench.main(["report", "--results", str(tmp_path), "--readme", str(readme)])
+    bench.main(["report", "--results", str(out), "--readme", str(readme)])
     text = readme.read_text()
-    assert "Loss parity" in text and "Throughput" in text and "old" not in text
-    assert "No GPU figures" in text
+    assert "old" not in text and "No GPU figures" in text and "**Noise floor:** bf16's final val loss moves by 5.00%" in text
+    assert "- **O1** (target 1.00%): met, +0.20% +- 0.06%" in text
+    assert "- **O2** (target 1.00%): missed" in text and "- **O1-block** (target 0.25%): unresolvable" in text
+    assert "- **O1-row** (target 1.00%): incomplete, 2 of 3 seeds" in text
+    assert "| O1 | 3000 | 0 | 1.5030 | +0.20% |" in text  # the long runs
+
+
+def test_parity_runs_and_resume(tmp_path, monkeypatch):
+    """Real runs as child processes, two at a time: one JSON each with its CPU time and a command
+    without absolute paths; a second invocation starts none of them again."""
+    args = ["parity", "--variants", "bf16", "O1", "--seeds", "0", "--iters", "2", "--long_iters", "0",
+            "--jobs", "2", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--set", *TINY]
+    bench.main(args)
+    for v in ("bf16", "O1"):
+        r = json.loads((tmp_path / "runs" / f"{v}-seed0-2.json").read_text())
+        assert r["cpu_seconds"] > 0 and [e[0] for e in r["evals"]] == [0, 2] and len(r["losses"]) == 2
+        assert r["command"].startswith("python train.py config/shakespeare_char.py ")
+        assert not any(a.startswith("/") or "=/" in a for a in r["command"].split())  # no out_dir, no absolute path
+
+    def refuse(*a, **k):
+        raise AssertionError("a finished run was started again")
+    monkeypatch.setattr(bench, "start_run", refuse)
+    bench.main(args)
+    assert json.loads((tmp_path / "out" / "parity_cpu.json").read_text())["parity"][1]["n"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_parity_two_process_variant(tmp_path):
+    """A torchrun variant (pipeline_parallel=2) at two seeds, beside bf16: curves for both seeds."""
+    bench.main(["parity", "--variants", "bf16", "O1-pp2", "--seeds", "0", "1", "--iters", "4", "--long_iters", "0",
+                "--jobs", "2", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--set", *TINY])
+    d = json.loads((tmp_path / "out" / "parity_cpu.json").read_text())
+    pp = d["parity"][1]
+    assert pp["variant"] == "O1-pp2" and pp["n"] == 2 and pp["verdict"] == "incomplete" and pp["processes"] == 2
+    assert abs(pp["gap"]) < 0.05 and pp["command"].startswith("torchrun --nproc_per_node=2 train.py")
+
+
+def test_throughput_tiny(tmp_path):
+    bench.main(["throughput", "--models", "tiny", "--steps", "1", "--rounds", "1",
+                "--json", str(tmp_path / "throughput_cpu.json")])
+    d = json.loads((tmp_path / "throughput_cpu.json").read_text())
+    rows = {r["level"]: r for r in d["throughput"]}
+    assert set(rows) == {"fp32", "bf16", "O1", "O2"} and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["bf16"]["vs_bf16"] == 1 and rows["fp32"]["vs_fp32"] == 1
+    assert rows["O1"]["vs_fp32"] == pytest.approx(rows["O1"]["vs_bf16"] * rows["bf16"]["vs_fp32"])
+    assert all(r["device_kind"].startswith("CPU") for r in rows.values()) and d["env"]["cpu_capability"]
