@@ -248,8 +248,8 @@ def _emulating(t):
 def fp8_to_float(data, times=None):
     """The fp32 values of FP8 `data` (float8_e4m3fn or float8_e5m2), multiplied by `times` (a
     broadcastable fp32 tensor) if given: bit for bit data.float() * times, NaNs included,
-    computed on a CPU without torch's scalar conversion loop."""
-    if not _emulating(data):
+    computed on a CPU without torch's scalar conversion loop. Other dtypes: data.float() * times."""
+    if not _emulating(data) or data.dtype not in (E4M3.dtype, E5M2.dtype):
         return data.float() if times is None else data.float() * times
     c = data.view(torch.int8).to(torch.int16)  # sign-extended: bits 15..7 all hold the sign bit
     if data.dtype == torch.float8_e5m2:  # E5M2 is the top byte of an fp16: same exponent field

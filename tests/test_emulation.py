@@ -44,6 +44,8 @@ def test_fp8_to_float_every_code(fmt):
     for times in [torch.tensor(3.0e-5), torch.tensor(2.0**-140), torch.tensor(7.0e37),
                   torch.tensor(1.0e37), torch.linspace(1e-30, 1e30, 16).reshape(16, 1)]:
         assert_same_bits(fp8_to_float(grid, times), grid.float() * times)
+    half = torch.randn(4, 8).half()  # dist.py keeps fp16 data in Fp8Tensor containers too
+    assert_same_bits(fp8_to_float(half, torch.tensor(3.0)), half.float() * 3.0)
 
 
 # -- the cast ------------------------------------------------------------------------
