@@ -336,7 +336,9 @@ def sqnr(ref, approx):
 #   * CPU: torch 2.11's kernel takes one-element (tensor) scales only; 2.13 also takes rows. We use
 #     only what both take, and run the fp32 reference for the others (a CPU has no FP8 units, so
 #     nothing is lost). Its dequantize-and-multiply matches the reference; on CPUs with AMX, torch
-#     sends FP8 GEMMs to oneDNN instead, which applies the scales in another order.
+#     sends FP8 GEMMs to oneDNN instead, which applies the scales in another order. So on a CPU
+#     the kernel is not called at all: _gemm_cpu does its arithmetic, with a faster FP8 decoding,
+#     whether or not the CPU has AMX.
 
 _warned = set()
 
@@ -589,7 +591,7 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
     if sup.device == "cpu" and _emulating(a.data):  # (under the CUDA stand-in, sup says "cuda")
         # A CPU has no FP8 units, and torch's CPU kernel spends most of its time converting FP8
         # to fp32: the same arithmetic, with fp8_to_float, in _gemm_cpu. (On CPUs with AMX
-        # torch would send it to oneDNN instead; here every CPU computes the same thing.)
+        # torch would send it to oneDNN instead, which applies the scales in another order.)
         return _gemm_cpu(a, b, out_dtype, bias) if reason is None else _gemm_emulate(a, b, out_dtype, bias)
     if reason is None:
         try:
