@@ -221,12 +221,54 @@ def _amax(x2, granularity, block):
     return _tile_amax(x2, block)
 
 
-def _saturating_cast(x2, scale_el, fmt):
+def _saturating_cast(x2, scale_el, fmt, amax):
     """x * scale, clamped to the format's range, then rounded to FP8 (round-to-nearest-even).
-    Non-finite inputs become NaN (E4M3 would silently turn inf into 448)."""
+    Non-finite inputs become NaN (E4M3 would silently turn inf into 448). `amax` is x's."""
     y = x2.float() * scale_el
+    if _emulating(x2) and bool(torch.isfinite(amax).all()):
+        # Every amax finite: no input is NaN or inf (either would make its group's amax NaN or
+        # inf), so the `where` below would keep every value. On a CPU isfinite and where cost
+        # several times the rest of the cast, and the amax is already measured.
+        return y.clamp_(-fmt.max, fmt.max).to(fmt.dtype)
     y = torch.where(torch.isfinite(x2), y.clamp(-fmt.max, fmt.max), torch.nan)
     return y.to(fmt.dtype)
+
+
+# On a CPU, FP8 is emulated, and torch's own float8 -> fp32 conversion is slow there (a scalar
+# loop per element: about 4x the whole cast for E4M3). The emulation reads FP8 through
+# fp8_to_float instead, the same bits from a few vectorized integer and fp16 operations; other
+# devices (and torch.compile, which fuses the conversion) keep torch's conversion.
+
+
+def _emulating(t):
+    """Does the CPU emulation (fp8_to_float, the cast's shortcut, _gemm_cpu) handle t?"""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def fp8_to_float(data, times=None):
+    """The fp32 values of FP8 `data` (float8_e4m3fn or float8_e5m2), multiplied by `times` (a
+    broadcastable fp32 tensor) if given: bit for bit data.float() * times, NaNs included,
+    computed on a CPU without torch's scalar conversion loop. Other dtypes: data.float() * times."""
+    if not _emulating(data) or data.dtype not in (E4M3.dtype, E5M2.dtype):
+        return data.float() if times is None else data.float() * times
+    c = data.view(torch.int8).to(torch.int16)  # sign-extended: bits 15..7 all hold the sign bit
+    if data.dtype == torch.float8_e5m2:  # E5M2 is the top byte of an fp16: same exponent field
+        out = (c << 8).view(torch.float16).float()
+        return out if times is None else out.mul_(times)
+    # E4M3 s.eeee.mmm -> the fp16 s.0eeee.mmm0000000, which is the value / 2^8: both formats
+    # keep their subnormals at exponent field 0, so those map too. The NaN codes s.1111.111 get
+    # the fp16 exponent 11111 (NaN), by adding 1 to their low 7 bits (which carries into bit 7).
+    h = (c << 7) & ~0x4000
+    h |= (((c & 0x7F) + 1) << 7) & 0x4000
+    out = h.view(torch.float16).float()
+    if times is None:
+        return out.mul_(2.0**8)
+    # (value / 2^8) * (2^8 * times) rounds the same exact product once, as value * times does,
+    # wherever 2^8 * times does not overflow
+    k = times * 2.0**8
+    if not bool(torch.isfinite(k).all()):
+        out, k = out.mul_(2.0**8), times
+    return out.mul_(k)
 
 
 GRANULARITIES = ("tensor", "row", "block")
@@ -253,13 +295,13 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
     el = expand_tiles(scale, block, x2.shape) if granularity == "block" else scale
     # Contiguous (row-major) whatever x's layout: an elementwise op on a transposed view (the
     # x^T of a backward GEMM) keeps the transposed layout, which FP8 GEMMs do not take.
-    data = _saturating_cast(x2.detach(), el, fmt).contiguous()
+    data = _saturating_cast(x2.detach(), el, fmt, amax).contiguous()
     return Fp8Tensor(data, scale, fmt, granularity, block, x.shape, x.dtype, amax)
 
 
 def dequantize(q, dtype=None):
     """The high-precision tensor (original shape; original dtype unless `dtype` is given)."""
-    x = q.data.float() * _per_element(q, q.inv_scale)
+    x = fp8_to_float(q.data, _per_element(q, q.inv_scale))
     return x.to(dtype or q.dtype).reshape(q.shape)
 
 
@@ -294,7 +336,9 @@ def sqnr(ref, approx):
 #   * CPU: torch 2.11's kernel takes one-element (tensor) scales only; 2.13 also takes rows. We use
 #     only what both take, and run the fp32 reference for the others (a CPU has no FP8 units, so
 #     nothing is lost). Its dequantize-and-multiply matches the reference; on CPUs with AMX, torch
-#     sends FP8 GEMMs to oneDNN instead, which applies the scales in another order.
+#     sends FP8 GEMMs to oneDNN instead, which applies the scales in another order. So on a CPU
+#     the kernel is not called at all: _gemm_cpu does its arithmetic, with a faster FP8 decoding,
+#     whether or not the CPU has AMX.
 
 _warned = set()
 
@@ -367,14 +411,26 @@ def _gemm_emulate(a, b, out_dtype, bias):
     With block scales the fp32 partial sums are added one 128-wide slice of K at a time, the
     order in which a block-scaled kernel promotes them. The bias is added to the fp32 product
     before the output cast, as the GEMM kernels' epilogues do."""
-    a32 = a.data.float() * _per_element(a, a.inv_scale)
-    b32 = b.data.float() * _per_element(b, b.inv_scale)
+    a32 = fp8_to_float(a.data, _per_element(a, a.inv_scale))
+    b32 = fp8_to_float(b.data, _per_element(b, b.inv_scale))
     if a.granularity == "block":
         k = a32.shape[1]
         out = sum(a32[:, k0 : k0 + BLOCK] @ b32[:, k0 : k0 + BLOCK].t() for k0 in range(0, k, BLOCK))
     else:
         out = a32 @ b32.t()
     out = out if bias is None else out + bias.float()
+    return out.to(out_dtype)
+
+
+def _gemm_cpu(a, b, out_dtype, bias):
+    """torch._scaled_mm's CPU kernel (per-tensor scales), step by step as that kernel computes
+    it: each operand converted to fp32 and multiplied by its inverse scale (mat2 = b^T made
+    contiguous first), one fp32 matmul, the bias (in the output dtype, as _gemm_torch passes
+    it) added in fp32, one cast. The same numbers, bit for bit, with the fast conversion."""
+    a32 = fp8_to_float(a.data, a.inv_scale)
+    b32 = fp8_to_float(b.data.t().contiguous(), b.inv_scale)  # (K, N), row-major
+    out = a32 @ b32
+    out = out if bias is None else out.add_(bias.to(out_dtype))
     return out.to(out_dtype)
 
 
@@ -532,6 +588,11 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
         raise ValueError(f"unknown GEMM backend {backend!r}; expected one of {BACKENDS}")
     sup = scaled_mm_support(a.data.device)
     reason, refused = _scaled_mm_refusal(a, b, out_dtype, sup), False
+    if sup.device == "cpu" and _emulating(a.data):  # (under the CUDA stand-in, sup says "cuda")
+        # A CPU has no FP8 units, and torch's CPU kernel spends most of its time converting FP8
+        # to fp32: the same arithmetic, with fp8_to_float, in _gemm_cpu. (On CPUs with AMX
+        # torch would send it to oneDNN instead, which applies the scales in another order.)
+        return _gemm_cpu(a, b, out_dtype, bias) if reason is None else _gemm_emulate(a, b, out_dtype, bias)
     if reason is None:
         try:
             return _gemm_torch(a, b, out_dtype, bias, fast_accum)

@@ -376,6 +376,8 @@ def test_fallback_warns_once_naming_the_layer(monkeypatch):
         raise RuntimeError("Expected both dimensions of mat2 to be divisible by 16")
 
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    # the CPU emulation computes torch's CPU kernel itself (fp8._gemm_cpu): off, to reach the kernel
+    monkeypatch.setattr(fp8, "_emulating", lambda t: False)
     fp8._warned.clear()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")

@@ -245,6 +245,7 @@ def cuda_like_scaled_mm(real):
 
 def test_runtime_fallbacks_are_counted_and_strict_raises(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", cuda_like_scaled_mm(torch._scaled_mm))
+    monkeypatch.setattr(fp8, "_emulating", lambda t: False)  # reach the kernel, not the CPU emulation
     monkeypatch.setattr(fp8, "fallbacks", {})
     lin = convert_to_fp8(nn.Linear(84, 64), Recipe(backend="torch"))  # K = 84
     x = torch.randn(8, 84, requires_grad=True)
