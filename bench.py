@@ -966,7 +966,9 @@ def report_parity(d):
            "it: met when the whole 95% interval (Student's t) lies below the target, missed when it lies "
            "above, unresolvable when it contains the target. The unpaired gap (difference of the means over "
            "seeds) is shown for comparison. Final val loss: mean +- std over seeds. CPU s/run: CPU time (user "
-           "+ system, all ranks) per run, not wall time: the runs shared the machine.", ""]
+           "+ system, all ranks) per run, not wall time: the runs shared the machine. Delayed scaling "
+           "has no row or block variant: nanofp8 refuses it (an activation's per-row amax history says "
+           "nothing about the next step's rows).", ""]
     out += [f"- {_target_sentence(r)}" for r in d["parity"] if r["variant"] != "bf16"] + [""]
     if d.get("long"):
         out += ["Long runs (one seed each, no uncertainty of their own: read their gaps against the noise "

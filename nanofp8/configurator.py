@@ -149,6 +149,10 @@ def check_train_config(cfg):
     check_choice(cfg, "arch", ("gpt2", "llama"))
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
     check_choice(cfg, "fp8_granularity", ("tensor", "row", "block"))
+    if cfg["fp8_scaling"] == "delayed" and cfg["fp8_granularity"] != "tensor":
+        raise ConfigError(f"fp8_scaling='delayed' needs fp8_granularity='tensor', got "
+                          f"{cfg['fp8_granularity']!r}: an activation's per-row or per-tile amax history "
+                          "says nothing about the next step's rows (use fp8_scaling='current')")
     check_choice(cfg, "fp8_formats", ("hybrid", "e4m3"))
     check_choice(cfg, "fp8_backend", (None, "torch", "emulate", "triton"))
     check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))

@@ -70,6 +70,9 @@ def test_config_errors(tmp_path):
         train.main(TINY + ["precision=O3", f"out_dir={tmp_path}"])  # needs torchrun
     with pytest.raises(ConfigError, match="'fp8_granularity'"):
         train.load_config(["fp8_granularity=tile"])
+    for g in ("row", "block"):  # before the model is built, naming both keys
+        with pytest.raises(ConfigError, match=f"fp8_scaling='delayed' needs fp8_granularity='tensor', got '{g}'"):
+            train.load_config(["precision=O1", "fp8_scaling=delayed", f"fp8_granularity={g}"])
     bad = tmp_path / "bad.py"
     bad.write_text("n_layers = 4\n")
     with pytest.raises(ConfigError, match=f"unknown config key 'n_layers' from config file {bad}"):
