@@ -11,9 +11,10 @@ one of 2 iterations: the cost of 2 ordinary iterations (forward, backward, clipp
 verdict, optimizer step, the checks after it), outside logging and evaluation iterations.
 
 The CPU run is set up as train.py sets up a CUDA run where that matters here: the FP8 GEMMs go
-through torch._scaled_mm (fp8_backend=torch), and O1 gets the fused AdamW that train.py builds
-on CUDA (the CPU's single-tensor AdamW reads its host-side step counters with .item(), which on
-a GPU is no sync: they live in host memory).
+through torch._scaled_mm (fp8_backend=torch) with the CPU emulation's shortcuts off (its cast
+asks the host whether every amax is finite, which a GPU never runs), and O1 gets the fused AdamW
+that train.py builds on CUDA (the CPU's single-tensor AdamW reads its host-side step counters
+with .item(), which on a GPU is no sync: they live in host memory).
 """
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
+from nanofp8 import fp8
 
 pytestmark = pytest.mark.usefixtures("shakespeare")
 
@@ -62,6 +64,7 @@ def syncs(precision, iters, out_dir):
 def test_one_sync_per_training_step(precision, tmp_path, monkeypatch):
     real = train.build_optimizer
     monkeypatch.setattr(train, "build_optimizer", lambda model, cfg, device_type: real(model, cfg, "cuda"))
+    monkeypatch.setattr(fp8, "_emulating", lambda t: False)  # the path a GPU takes (see above)
     short = syncs(precision, 2, tmp_path / "short")
     long = syncs(precision, 4, tmp_path / "long")
     per_step = (long - short) / 2
@@ -79,6 +82,7 @@ def _dp_worker(rank, world, level, out_dir):
     from nanofp8.model import GPT, GPTConfig
     from nanofp8.run import forward_backward
 
+    fp8._emulating = lambda t: False  # the path a GPU takes (a spawned process of its own)
     cfg = train.load_config(["device=cpu", "compile=False", "batch_size=2", "block_size=32",
                              "gradient_accumulation_steps=4", f"precision={level}", "fp8_backend=torch"])
     layout = make_layout()
