@@ -941,13 +941,16 @@ def report_parity(d):
     """The README's parity section from parity_cpu.json (bench.py parity)."""
     if "method" not in d:
         return ["### Loss parity", "results/parity_cpu.json predates the seeded runs: rerun `bench.py parity`.", ""]
+    def pm(v, e):  # "v +- e", or v alone where one seed gives no spread
+        return v if e in (None, "") else f"{v} +- {e}"
+
     rows = [{**r, "seeds": r["n"],
              "final val loss": "" if r.get("final_val_mean") is None else
-             f"{r['final_val_mean']:.4f} +- {r['final_val_std'] or 0:.4f}",
-             "paired gap +- SE": "" if r.get("gap") is None else f"{_pct(r['gap'])} +- {_pct(r.get('gap_se'), '')}",
+             pm(f"{r['final_val_mean']:.4f}", None if r.get("final_val_std") is None else f"{r['final_val_std']:.4f}"),
+             "paired gap +- SE": "" if r.get("gap") is None else pm(_pct(r["gap"]), _pct(r.get("gap_se"), "")),
              "95% interval": "" if not r.get("gap_ci95") else " to ".join(_pct(x) for x in r["gap_ci95"]),
              "unpaired gap +- SE": "" if r.get("gap_unpaired") is None else
-             f"{_pct(r['gap_unpaired'])} +- {_pct(r.get('gap_unpaired_se'), '')}",
+             pm(_pct(r["gap_unpaired"]), _pct(r.get("gap_unpaired_se"), "")),
              "target": _pct(r.get("target"), ""),
              "CPU s/run": "" if r.get("cpu_seconds") is None else
              f"{r['cpu_seconds']:,.0f} ({r.get('cpu_seconds_vs_bf16', 0):.2f}x bf16)"} for r in d["parity"]]
