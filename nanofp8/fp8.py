@@ -589,9 +589,7 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
     sup = scaled_mm_support(a.data.device)
     reason, refused = _scaled_mm_refusal(a, b, out_dtype, sup), False
     if sup.device == "cpu" and _emulating(a.data):  # (under the CUDA stand-in, sup says "cuda")
-        # A CPU has no FP8 units, and torch's CPU kernel spends most of its time converting FP8
-        # to fp32: the same arithmetic, with fp8_to_float, in _gemm_cpu. (On CPUs with AMX
-        # torch would send it to oneDNN instead, which applies the scales in another order.)
+        # The CPU rule of section 3: torch's kernel arithmetic in _gemm_cpu, with fp8_to_float.
         return _gemm_cpu(a, b, out_dtype, bias) if reason is None else _gemm_emulate(a, b, out_dtype, bias)
     if reason is None:
         try:
