@@ -159,7 +159,8 @@ def compute_scale(amax, fmt, margin=0, power_of_two=False, fallback=None):
 class Fp8Tensor:
     """FP8 data + fp32 scales + what is needed to give the original tensor back.
 
-    data is 2-D (rows, cols) = the input flattened to (-1, last dim), contiguous.
+    data is 2-D (rows, cols) = the input flattened to (-1, last dim), contiguous (on a CPU, the
+    transpose t() gives is a view instead: see there)
     scale (the multiply-before-cast factor) has shape () for "tensor", (rows, 1) for "row",
     and (ceil(rows/br), ceil(cols/bc)) for "block" with tiles `block` = (br, bc)."""
 
@@ -185,7 +186,12 @@ class Fp8Tensor:
             raise ValueError("row-scaled FP8 data cannot be transposed: re-quantize the transpose")
         scale = self.scale if self.granularity == "tensor" else self.scale.t().contiguous()
         rows, cols = self.data.shape
-        data_t = self.data.t().contiguous() if self.data_t is None else self.data_t
+        if self.data_t is not None:
+            data_t = self.data_t
+        elif _emulating(self.data):  # a view: the emulated GEMM wants this operand back in its
+            data_t = self.data.t()   # original layout (_gemm_cpu's mat2), so a copy would be undone
+        else:
+            data_t = self.data.t().contiguous()
         return Fp8Tensor(data_t, scale, self.fmt, self.granularity, self.block[::-1],
                          torch.Size((cols, rows)), self.dtype, self.amax)
 
@@ -214,11 +220,11 @@ def _per_element(q, s):
 
 
 def _amax(x2, granularity, block):
-    if granularity == "tensor":
-        return x2.abs().amax()
-    if granularity == "row":
-        return x2.abs().amax(dim=1, keepdim=True)
-    return _tile_amax(x2, block)
+    if granularity == "block":
+        return _tile_amax(x2, block)
+    # max(|x|) = max(max x, -min x): one read of x, where abs() then amax() make two passes
+    lo, hi = torch.aminmax(x2) if granularity == "tensor" else torch.aminmax(x2, dim=1, keepdim=True)
+    return torch.maximum(hi, -lo)  # a NaN in x makes both NaN, an inf either: amax too
 
 
 def _saturating_cast(x2, scale_el, fmt, amax):
@@ -247,20 +253,33 @@ def _emulating(t):
 
 def fp8_to_float(data, times=None):
     """The fp32 values of FP8 `data` (float8_e4m3fn or float8_e5m2), multiplied by `times` (a
-    broadcastable fp32 tensor) if given: bit for bit data.float() * times, NaNs included,
+    broadcastable fp32 tensor) if given: bit for bit data.float() * times (a NaN code gives a NaN),
     computed on a CPU without torch's scalar conversion loop. Other dtypes: data.float() * times."""
     if not _emulating(data) or data.dtype not in (E4M3.dtype, E5M2.dtype):
         return data.float() if times is None else data.float() * times
+    if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
+        # a transposed view (Fp8Tensor.t() on a CPU): decode it in memory order, where the
+        # reduction below runs several times faster, and hand back the same view of the result
+        t_times = times.t() if times is not None and times.dim() == 2 else times
+        return fp8_to_float(data.t(), t_times).t()
     c = data.view(torch.int8).to(torch.int16)  # sign-extended: bits 15..7 all hold the sign bit
     if data.dtype == torch.float8_e5m2:  # E5M2 is the top byte of an fp16: same exponent field
         out = (c << 8).view(torch.float16).float()
         return out if times is None else out.mul_(times)
     # E4M3 s.eeee.mmm -> the fp16 s.0eeee.mmm0000000, which is the value / 2^8: both formats
-    # keep their subnormals at exponent field 0, so those map too. The NaN codes s.1111.111 get
-    # the fp16 exponent 11111 (NaN), by adding 1 to their low 7 bits (which carries into bit 7).
-    h = (c << 7) & ~0x4000
-    h |= (((c & 0x7F) + 1) << 7) & 0x4000
-    out = h.view(torch.float16).float()
+    # keep their subnormals at exponent field 0, so those map too. Shifted in place: every pass
+    # over the data counts here.
+    c.bitwise_left_shift_(7).bitwise_and_(~0x4000)
+    out = c.view(torch.float16).float()
+    lo, hi = torch.aminmax(out) if out.numel() else (out.new_zeros(()),) * 2  # finite codes:
+    if bool(hi > 1.75) or bool(lo < -1.75):  # within +-448 / 2^8 = +-1.75; one pass to find out
+        # The NaN codes s.1111.111 landed on +-480 / 2^8: give them the fp16 exponent 11111
+        # instead, by adding 1 to their low 7 bits (which carries into bit 7). Rare: only a
+        # non-finite input makes them (quantize's cast turns NaN and inf into NaN).
+        c = data.view(torch.int8).to(torch.int16)
+        h = (c << 7) & ~0x4000
+        h |= (((c & 0x7F) + 1) << 7) & 0x4000
+        out = h.view(torch.float16).float()
     if times is None:
         return out.mul_(2.0**8)
     # (value / 2^8) * (2^8 * times) rounds the same exact product once, as value * times does,
@@ -411,7 +430,9 @@ def _gemm_emulate(a, b, out_dtype, bias):
     With block scales the fp32 partial sums are added one 128-wide slice of K at a time, the
     order in which a block-scaled kernel promotes them. The bias is added to the fp32 product
     before the output cast, as the GEMM kernels' epilogues do."""
-    a32 = fp8_to_float(a.data, _per_element(a, a.inv_scale))
+    # row-major a and column-major b (b.t() of a CPU's transposed view is row-major already):
+    # the layouts in which a CPU's fp32 matmul needs no copy of either operand
+    a32 = fp8_to_float(a.data.contiguous(), _per_element(a, a.inv_scale))
     b32 = fp8_to_float(b.data, _per_element(b, b.inv_scale))
     if a.granularity == "block":
         k = a32.shape[1]
@@ -427,7 +448,7 @@ def _gemm_cpu(a, b, out_dtype, bias):
     it: each operand converted to fp32 and multiplied by its inverse scale (mat2 = b^T made
     contiguous first), one fp32 matmul, the bias (in the output dtype, as _gemm_torch passes
     it) added in fp32, one cast. The same numbers, bit for bit, with the fast conversion."""
-    a32 = fp8_to_float(a.data, a.inv_scale)
+    a32 = fp8_to_float(a.data.contiguous(), a.inv_scale)  # (a CPU's Fp8Tensor.t() is a view)
     b32 = fp8_to_float(b.data.t().contiguous(), b.inv_scale)  # (K, N), row-major
     out = a32 @ b32
     out = out if bias is None else out.add_(bias.to(out_dtype))
@@ -470,14 +491,14 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
 def _gemm_block_loop(a, b, out_dtype, bias):
     """Block scales without native support: one row-wise _scaled_mm per 128-wide slice of K,
     fp32 outputs summed in fp32 (the "promote every 128 of K" of DeepSeek-V3, done by hand)."""
-    k = a.data.shape[1]
+    ad, bd, k = a.data.contiguous(), b.data.contiguous(), a.data.shape[1]  # (see _gemm_torch)
     # every row's scale for each 128-wide slice of K: (M, K tiles) and (N, K tiles)
     ia = expand_tiles(a.inv_scale, (a.block[0], 1), (len(a.data), a.inv_scale.shape[1]))
     ib = expand_tiles(b.inv_scale, (b.block[0], 1), (len(b.data), b.inv_scale.shape[1]))
     out = None
     for j, k0 in enumerate(range(0, k, BLOCK)):
         ks = slice(k0, min(k0 + BLOCK, k))
-        part = torch._scaled_mm(a.data[:, ks], b.data[:, ks].t(), scale_a=ia[:, j : j + 1].contiguous(),
+        part = torch._scaled_mm(ad[:, ks], bd[:, ks].t(), scale_a=ia[:, j : j + 1].contiguous(),
                                 scale_b=ib[:, j : j + 1].t().contiguous(), out_dtype=torch.float32)
         out = part if out is None else out + part
     out = out if bias is None else out + bias.float()

@@ -202,7 +202,7 @@ def test_delayed_scaling_is_one_pass_and_scale_ignores_the_current_tensor():
         q = layer.delayed_quantize(INPUT, x, E4M3)
     assert q.scale.item() == np.float32(448.0 / 2.0).item()  # from the history, not the spike
     assert q.data.float()[0, 0].item() == 448.0  # saturated, not inf
-    assert mode.reductions == ["amax"], mode.reductions
+    assert len(mode.reductions) == 1, mode.reductions  # one read (amax or aminmax) of x
     assert layer.amax_history[INPUT, 0].item() == 1e4  # the spike is recorded for the next step
 
 
