@@ -85,7 +85,8 @@ import math
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, WEIGHT, Fp8Linear, compute_scale, dequantize, pack_saved, quantize, unpack_saved
+from nanofp8.fp8 import (E4M3, WEIGHT, Fp8Linear, amax_each, compute_scale, dequantize, fp8_to_float, pack_saved,
+                         quantize, unpack_saved)
 
 FP16_MAX = 65504.0
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16
@@ -384,7 +385,7 @@ def stored(t, fmt):
 
 
 def dequantize_stored(data, scale):
-    return data.float() * scale.reciprocal()
+    return fp8_to_float(data) * scale.reciprocal()  # (data.float(), without a CPU's scalar loop)
 
 
 class Fp8AdamW(torch.optim.Optimizer):
@@ -464,7 +465,7 @@ class Fp8AdamW(torch.optim.Optimizer):
                     amaxes.append(q.amax.reshape(()).float())
                 elif p.grad is not None:
                     plain.append(p.grad)
-        amaxes += [a.float() for a in torch._foreach_norm(plain, float("inf"))] if plain else []
+        amaxes += [a.float() for a in amax_each(plain)]
         return torch.isfinite(torch.stack(amaxes)).all() if amaxes else None
 
     def _init_state(self, p):
@@ -587,7 +588,7 @@ def dequantize_stored_all(datas, scales):
 
 def _amaxes(xs):
     """The amax of every tensor, stacked (one foreach reduction, one stack)."""
-    return torch.stack([a.float() for a in torch._foreach_norm(xs, float("inf"))])
+    return torch.stack([a.float() for a in amax_each(xs)])
 
 
 def stored_all(xs, fmt):

@@ -234,14 +234,16 @@ def weights_finite(model, layout):
 @torch.no_grad()
 def weights_finite_flag(model, layout):
     """weights_finite as a device tensor (1.0 or 0.0), read by the caller with the step's one sync:
-    the largest magnitude of every floating-point parameter and buffer, one foreach reduction per
-    dtype (NaN propagates through it, an inf is its own maximum); the ranks agree by a MIN."""
+    the largest magnitude of every floating-point parameter and buffer (fp8.amax_each: NaN
+    propagates through it, an inf is its own maximum); the ranks agree by a MIN."""
     by_dtype = {}
     for t in (*model.parameters(), *model.buffers()):
         if t.is_floating_point():
-            t = t.detach() if t.element_size() > 1 else t.detach().float()  # no FP8 kernels
+            t = t.detach()
+            if t.element_size() == 1:
+                t = fp8.fp8_to_float(t)  # no FP8 kernels
             by_dtype.setdefault(t.dtype, []).append(t)
-    amax = [a.float() for ts in by_dtype.values() for a in torch._foreach_norm(ts, float("inf"))]
+    amax = [a.float() for ts in by_dtype.values() for a in fp8.amax_each(ts)]
     ok = torch.isfinite(torch.stack(amax)).all().float()
     if layout.world > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)

@@ -186,3 +186,21 @@ def test_cpu_emulate_path_unchanged(gran, block, monkeypatch):
     fast = scaled_gemm(a, b, torch.float32)
     monkeypatch.setattr(fp8, "_emulating", lambda t: False)  # torch's conversions everywhere
     assert_same_bits(fast, scaled_gemm(a, b, torch.float32, backend="emulate"))
+
+
+# -- the amax of each tensor (the non-finite checks) -----------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_amax_each_is_the_inf_norm(dtype):
+    # aminmax per tensor on a CPU, torch's inf-norm elsewhere: the same values, NaN and inf too
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(7, 5, generator=g) * 1e3, -torch.rand(33, generator=g), torch.zeros(4, 4), -torch.zeros(3),
+          torch.tensor([1.0, float("nan"), -2.0]), torch.tensor([[1.0, -float("inf")]]), torch.tensor(-3.5),
+          torch.tensor([2.0, float("inf"), float("nan")]), torch.randn(3, 4, generator=g).t() * 1e-6]
+    xs = [x.to(dtype) for x in xs]
+    got, ref = fp8.amax_each(xs), torch._foreach_norm(xs, float("inf"))
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and a.shape == ()
+        assert_same_bits(a.reshape(1), b.reshape(1))
+    assert fp8.amax_each([]) == [] and fp8.amax_each([torch.empty(0, 3)])[0].item() == 0.0
