@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -55,8 +56,12 @@ def environment():
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    # the vector ISA torch's CPU kernels use (AVX2 has no bf16 GEMM: bf16 runs far slower than fp32)
+    # the vector ISA torch's CPU kernels use, and whether the CPU has bf16 matrix instructions:
+    # without them (AVX2, plain AVX512) bf16 GEMMs run far slower than fp32 ones, with them faster
+    bf16 = [n for n, f in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+            if getattr(torch.cpu, f, lambda: False)()]
     return {"device": dev, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16_instructions": " ".join(bf16) or "none",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version()}
 
@@ -442,8 +447,9 @@ def start_run(name, seed, iters, config, threads, set_=()):
               if procs > 1 else [sys.executable])
     out = os.path.join(tmp, "history.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    log = open(os.path.join(tmp, "log.txt"), "w")
-    p = subprocess.Popen(launch + ["bench.py", "train", out] + argv, cwd=REPO, env=env, stdout=log, stderr=log)
+    with open(os.path.join(tmp, "log.txt"), "w") as log:  # the child holds its own copy
+        p = subprocess.Popen(launch + ["bench.py", "train", out] + argv, cwd=REPO, env=env, stdout=log, stderr=log,
+                             start_new_session=True)  # its own process group: run_all can stop all its ranks
     rec = {"variant": name, "seed": seed, "iters": iters, "processes": procs, "threads_per_process": threads,
            "command": " ".join(["python" if procs == 1 else f"torchrun --nproc_per_node={procs}", "train.py"] + argv[:1]
                                + [a for a in argv[1:] if not a.startswith("out_dir=")]),
@@ -469,26 +475,32 @@ def run_all(todo, config, runs_dir, jobs, threads, set_=()):
     os.makedirs(runs_dir, exist_ok=True)
     todo = [t for t in todo if not os.path.exists(run_path(runs_dir, *t))]
     running = {}
-    while todo or running:
-        while todo and len(running) < jobs:
-            name, seed, iters = todo.pop(0)
-            p, out, rec, tmp = start_run(name, seed, iters, config, threads, set_)
-            running[p.pid] = (p, out, rec, tmp, time.time())
-            print(f"== start {name} seed {seed} ({iters} steps): {rec['command']}", file=sys.stderr)
-        pid, status, ru = os.wait4(-1, 0)
-        if pid not in running:
-            continue
-        p, out, rec, tmp, t0 = running.pop(pid)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        if p.returncode != 0:
-            raise RuntimeError(f"{rec['variant']} seed {rec['seed']} failed (exit {p.returncode}); "
-                               f"log: {os.path.join(tmp, 'log.txt')}")
-        rec.update(json.load(open(out)), cpu_seconds=ru.ru_utime + ru.ru_stime, wall_seconds=time.time() - t0)
-        with open(run_path(runs_dir, rec["variant"], rec["seed"], rec["iters"]), "w") as f:
-            json.dump(rec, f)
-        shutil.rmtree(tmp)
-        print(f"== done {rec['variant']} seed {rec['seed']}: val {rec['evals'][-1][2]:.4f}, "
-              f"{rec['cpu_seconds']:.0f} CPU s", file=sys.stderr)
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                name, seed, iters = todo.pop(0)
+                p, out, rec, tmp = start_run(name, seed, iters, config, threads, set_)
+                running[p.pid] = (p, out, rec, tmp, time.time())
+                print(f"== start {name} seed {seed} ({iters} steps): {rec['command']}", file=sys.stderr)
+            pid, status, ru = os.wait4(-1, 0)
+            if pid not in running:
+                continue
+            p, out, rec, tmp, t0 = running.pop(pid)
+            p.returncode = os.waitstatus_to_exitcode(status)
+            if p.returncode != 0:
+                raise RuntimeError(f"{rec['variant']} seed {rec['seed']} failed (exit {p.returncode}); "
+                                   f"log: {os.path.join(tmp, 'log.txt')}")
+            rec.update(json.load(open(out)), cpu_seconds=ru.ru_utime + ru.ru_stime, wall_seconds=time.time() - t0)
+            with open(run_path(runs_dir, rec["variant"], rec["seed"], rec["iters"]), "w") as f:
+                json.dump(rec, f)
+            shutil.rmtree(tmp)
+            print(f"== done {rec['variant']} seed {rec['seed']}: val {rec['evals'][-1][2]:.4f}, "
+                  f"{rec['cpu_seconds']:.0f} CPU s", file=sys.stderr)
+    except BaseException:  # a failed run, Ctrl-C: stop the other runs, every rank, and leave no orphan
+        for q, *_ in running.values():  # (each child leads its own process group: start_run)
+            os.killpg(q.pid, signal.SIGTERM)
+            q.wait()
+        raise
 
 
 def load_runs(runs_dir):
@@ -685,6 +697,7 @@ THROUGHPUT_MODELS = {
 # environment()'s cpu_capability) bf16 is far slower than fp32, so there the ratios to both say
 # what the machine does, not what FP8 does.
 THROUGHPUT_LEVELS = ("fp32", "bf16", "O1", "O2")
+STEP_TARGET = 1.5  # the CPU main job: O1's step time at most this many times bf16's (issue #19)
 
 
 def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
@@ -916,7 +929,9 @@ def _md_table(rows, cols, fmt=None):
 
 
 def _env_line(env):
-    return f"*{env['device']}, {env['date'][:10]}, torch {env['torch']}, triton {env['triton']}*"
+    cpu = (f" (torch's CPU capability {env['cpu_capability']}, bf16 matrix instructions: "
+           f"{env.get('cpu_bf16_instructions', 'not recorded')})" if env.get("cpu_capability") and env["device"].startswith("CPU") else "")
+    return f"*{env['device']}{cpu}, {env['date'][:10]}, torch {env['torch']}, triton {env.get('triton')}*"
 
 
 def _pct(v, sign="+"):
@@ -997,6 +1012,20 @@ def report_throughput(d):
                 f"{cpu['O1']['vs_fp32']:.2f}x fp32's. The FP8 levels are emulated and multiply in fp32, so "
                 "where bf16 GEMMs have no native instructions (AVX2 has none) they can outrun bf16: vs_bf16 "
                 "is a property of the machine, not of FP8; vs_fp32 is the cost of the emulation.", ""]
+        o1, floor = 1 / cpu["O1"]["vs_bf16"], 1 / cpu["fp32"]["vs_bf16"] if "fp32" in cpu else None
+        verdict = "met" if o1 <= STEP_TARGET else "missed"
+        line = (f"- **Emulation cost** (target: O1's step at most {STEP_TARGET}x bf16's): {verdict} on this CPU, "
+                f"O1's step takes {o1:.2f}x bf16's")
+        if floor is not None:
+            line += (f". The emulation's floor is the fp32 step, as its GEMMs multiply in fp32 (torch has no CPU "
+                     f"GEMM of bf16 inputs with an fp32 result): fp32's step takes {floor:.2f}x bf16's here, "
+                     f"and the casts and decodes add {o1 / floor:.2f}x on top of it")
+            if verdict == "missed":
+                line += (f"; meeting the target here needs them to add at most {STEP_TARGET / floor:.2f}x"
+                         if floor < STEP_TARGET else
+                         "; the fp32 step alone misses the target here, so no emulation that multiplies in fp32 "
+                         "can meet it on this CPU")
+        out += [line + ".", ""]
     return out
 
 

@@ -155,6 +155,24 @@ def test_parity_runs_and_resume(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "parity_cpu.json").read_text())["parity"][1]["n"] == 1
 
 
+def test_parity_failed_run_stops_the_others(tmp_path, monkeypatch):
+    """One run failing ends the invocation with its name, and the runs beside it (each its own
+    process group, every rank) are stopped, not left to compete for the CPU."""
+    import subprocess
+
+    started = []
+
+    def fake(name, seed, iters, config, threads, set_=()):
+        p = subprocess.Popen(["sleep", "60"] if name == "bf16" else ["false"], start_new_session=True)
+        started.append(p)
+        return p, str(tmp_path / "none.json"), {"variant": name, "seed": seed, "iters": iters, "command": name}, str(tmp_path)
+
+    monkeypatch.setattr(bench, "start_run", fake)
+    with pytest.raises(RuntimeError, match="O1 seed 0 failed"):
+        bench.run_all([("bf16", 0, 2), ("O1", 0, 2)], "config", str(tmp_path / "runs"), jobs=2, threads=1)
+    assert started[0].poll() is not None  # the sleeping run was stopped
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_parity_two_process_variant(tmp_path):
@@ -176,3 +194,18 @@ def test_throughput_tiny(tmp_path):
     assert rows["bf16"]["vs_bf16"] == 1 and rows["fp32"]["vs_fp32"] == 1
     assert rows["O1"]["vs_fp32"] == pytest.approx(rows["O1"]["vs_bf16"] * rows["bf16"]["vs_fp32"])
     assert all(r["device_kind"].startswith("CPU") for r in rows.values()) and d["env"]["cpu_capability"]
+
+
+def test_throughput_report_states_the_step_target():
+    """The README's throughput section says met or missed against STEP_TARGET, and how much of O1's
+    step is the fp32 floor (known answers: bf16 100 tok/s, fp32 80, O1 50 or 90)."""
+    def report(o1):
+        rows = [{"model": "m", "level": lv, "compile": False, "tokens_per_s": t, "vs_bf16": t / 100, "vs_fp32": t / 80,
+                 "device_kind": "CPU (FP8 emulated: not a speed figure)", "rounds": 3}
+                for lv, t in (("fp32", 80), ("bf16", 100), ("O1", o1))]
+        return "\n".join(bench.report_throughput({"env": {"device": "CPU", "date": "d", "torch": "t"}, "throughput": rows}))
+    missed, met = report(50), report(90)
+    assert "missed on this CPU, O1's step takes 2.00x bf16's" in missed
+    assert "fp32's step takes 1.25x bf16's here, and the casts and decodes add 1.60x" in missed
+    assert "needs them to add at most 1.20x" in missed
+    assert "met on this CPU, O1's step takes 1.11x bf16's" in met
