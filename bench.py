@@ -421,8 +421,9 @@ METHOD = {
     "verdict": "from the paired gap (it cancels what a seed does to both runs): 'met' when the whole "
                "95% interval lies below the target, 'missed' when it lies above, 'unresolvable' when it "
                f"contains the target, 'incomplete' with fewer than {MIN_SEEDS} seeds done for both",
-    "cpu_seconds": "user + system CPU time of a run's processes (all ranks; os.wait4), mean over seeds: "
-                   "CPU time, not wall time, as runs shared the machine",
+    "cpu_seconds": "user + system CPU time of a run's processes (all ranks; os.wait4), mean over the seeds "
+                   "run on each machine ('machines'), never across machines: CPU time, not wall time, as runs "
+                   "shared the machine",
 }
 
 
@@ -532,6 +533,13 @@ def verdict(gaps, tgt):
     return ("met" if hi < tgt else "missed" if lo > tgt else "unresolvable"), m, se, [lo, hi]
 
 
+def _machine(run):
+    """What sets a run's CPU time: the CPU and the vector instructions torch's kernels use."""
+    e = run.get("env", {})
+    return (f"{e.get('device', '?')}, {e.get('cpu_capability', 'CPU capability not recorded')}, "
+            f"bf16 matrix instructions: {e.get('cpu_bf16_instructions', 'not recorded')}")
+
+
 def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
     """The parity table from finished runs: per variant the final val loss over seeds, its paired
     and unpaired gap to bf16 with their uncertainties, and the verdict against its target
@@ -539,7 +547,20 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
     final = {k: r["evals"][-1][2] for k, r in runs.items() if r["evals"][-1][0] == r["iters"]}
     base = {s: final[("bf16", s, iters)] for s in seeds if ("bf16", s, iters) in final}
     b_mean, b_std = _mean_std(list(base.values())) if base else (None, None)
-    b_cpu = sum(runs["bf16", s, iters]["cpu_seconds"] for s in base) / len(base) if base else None
+    # CPU time is a property of the machine (bf16 GEMMs: 16x apart between AVX2 and AVX512-BF16),
+    # so it is averaged per machine, never across machines
+    machines = sorted({_machine(r) for r in runs.values()}, key=lambda m: min(
+        r["env"].get("date", "") for r in runs.values() if _machine(r) == m))
+
+    def cpu_by_machine(v, ss):
+        out = {}
+        for m in machines:
+            t = [runs[v, s, iters]["cpu_seconds"] for s in ss if _machine(runs[v, s, iters]) == m]
+            if t:
+                out[m] = sum(t) / len(t)
+        return out
+
+    b_cpu = cpu_by_machine("bf16", base)
     rows = []
     for v in variants:
         done = [s for s in seeds if (v, s, iters) in final]
@@ -555,9 +576,8 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
         if done:
             mean, std = _mean_std([final[v, s, iters] for s in done])
             row.update(final_val_mean=mean, final_val_std=std, command=runs[v, done[0], iters]["command"],
-                       cpu_seconds=sum(runs[v, s, iters]["cpu_seconds"] for s in done) / len(done))
-            if base:
-                row["cpu_seconds_vs_bf16"] = row["cpu_seconds"] / b_cpu
+                       cpu_seconds=cpu_by_machine(v, done))
+            row["cpu_seconds_vs_bf16"] = {m: t / b_cpu[m] for m, t in row["cpu_seconds"].items() if m in b_cpu}
             if base and v != "bf16":
                 row["gap_unpaired"] = (mean - b_mean) / b_mean
                 if std is not None and b_std is not None:
@@ -569,11 +589,15 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
             val, b = final[v, LONG_SEED, long_iters], final.get(("bf16", LONG_SEED, long_iters))
             long_rows.append({"variant": v, "seed": LONG_SEED, "iters": long_iters, "final_val_loss": val,
                               "gap": None if b is None else (val - b) / b,
-                              "cpu_seconds": runs[v, LONG_SEED, long_iters]["cpu_seconds"]})
+                              "cpu_seconds": runs[v, LONG_SEED, long_iters]["cpu_seconds"],
+                              "machine": _machine(runs[v, LONG_SEED, long_iters])})
     run_envs = [r.get("env", {}) for r in runs.values()]
     return {"env": environment(), "iters": iters, "seeds": list(seeds), "method": METHOD,
             "noise_floor": None if b_std is None else b_std / b_mean, "bf16_seeds": len(base),
             "parity": rows, "long": long_rows, "long_note": "one seed each: no uncertainty of their own",
+            "machines": [{"machine": m, "dates": sorted({r["env"].get("date", "?")[:10] for r in runs.values()
+                                                         if _machine(r) == m}),
+                          "runs": sum(_machine(r) == m for r in runs.values())} for m in machines],
             "runs": {"devices": sorted({e.get("device", "?") for e in run_envs}),
                      "torch": sorted({e.get("torch", "?") for e in run_envs}),
                      "commits": sorted({r.get("commit", "") for r in runs.values()})}}
@@ -929,8 +953,10 @@ def _md_table(rows, cols, fmt=None):
 
 
 def _env_line(env):
-    cpu = (f" (torch's CPU capability {env['cpu_capability']}, bf16 matrix instructions: "
-           f"{env.get('cpu_bf16_instructions', 'not recorded')})" if env.get("cpu_capability") and env["device"].startswith("CPU") else "")
+    cpu = ""
+    if env.get("cpu_capability") and env["device"].startswith("CPU"):
+        cpu = (f" (torch's CPU capability {env['cpu_capability']}, bf16 matrix instructions: "
+               f"{env.get('cpu_bf16_instructions', 'not recorded')})")
     return f"*{env['device']}{cpu}, {env['date'][:10]}, torch {env['torch']}, triton {env.get('triton')}*"
 
 
@@ -952,6 +978,15 @@ def _target_sentence(r):
                             f"cannot tell whether the gap is below {_pct(tgt, '')}."}[r["verdict"]]
 
 
+def _cpu_cell(cpu, vs_bf16, letters):
+    """'A: 1,282 (1.00x bf16) · B: 81 (1.00x bf16)': CPU seconds per run on each machine."""
+    if not isinstance(cpu, dict):  # a summary from before the per-machine split
+        return "" if cpu is None else f"{cpu:,.0f}"
+    vs_bf16 = vs_bf16 or {}
+    return " · ".join(f"{letters.get(m, '?')}: {t:,.0f}" + (f" ({vs_bf16[m]:.2f}x bf16)" if m in vs_bf16 else "")
+                      for m, t in cpu.items())
+
+
 def report_parity(d):
     """The README's parity section from parity_cpu.json (bench.py parity)."""
     if "method" not in d:
@@ -959,6 +994,7 @@ def report_parity(d):
     def pm(v, e):  # "v +- e", or v alone where one seed gives no spread
         return v if e in (None, "") else f"{v} +- {e}"
 
+    letters = {m["machine"]: chr(ord("A") + i) for i, m in enumerate(d.get("machines", []))}
     rows = [{**r, "seeds": r["n"],
              "final val loss": "" if r.get("final_val_mean") is None else
              pm(f"{r['final_val_mean']:.4f}", None if r.get("final_val_std") is None else f"{r['final_val_std']:.4f}"),
@@ -967,8 +1003,8 @@ def report_parity(d):
              "unpaired gap +- SE": "" if r.get("gap_unpaired") is None else
              pm(_pct(r["gap_unpaired"]), _pct(r.get("gap_unpaired_se"), "")),
              "target": _pct(r.get("target"), ""),
-             "CPU s/run": "" if r.get("cpu_seconds") is None else
-             f"{r['cpu_seconds']:,.0f} ({r.get('cpu_seconds_vs_bf16', 0):.2f}x bf16)"} for r in d["parity"]]
+             "CPU s/run": _cpu_cell(r.get("cpu_seconds"), r.get("cpu_seconds_vs_bf16"), letters)}
+            for r in d["parity"]]
     cols = ["variant", "seeds", "final val loss", "paired gap +- SE", "95% interval", "unpaired gap +- SE",
             "target", "verdict", "CPU s/run"]
     out = [f"### Loss parity: FP8 vs BF16 at equal steps and seeds (`{d['config']}`, {d['iters']} steps)",
@@ -984,7 +1020,9 @@ def report_parity(d):
            "it: met when the whole 95% interval (Student's t) lies below the target, missed when it lies "
            "above, unresolvable when it contains the target. The unpaired gap (difference of the means over "
            "seeds) is shown for comparison. Final val loss: mean +- std over seeds. CPU s/run: CPU time (user "
-           "+ system, all ranks) per run, not wall time: the runs shared the machine. Delayed scaling "
+           "+ system, all ranks) per run, not wall time (the runs shared the machine), averaged per machine: "
+           + "; ".join(f"{letters[m['machine']]} = {m['machine']} ({m['runs']} runs, {', '.join(m['dates'])})"
+                       for m in d.get("machines", [])) + ". Delayed scaling "
            "has no row or block variant: nanofp8 refuses it (an activation's per-row amax history says "
            "nothing about the next step's rows).", ""]
     out += [f"- {_target_sentence(r)}" for r in d["parity"] if r["variant"] != "bf16"] + [""]
@@ -992,7 +1030,7 @@ def report_parity(d):
         out += ["Long runs (one seed each, no uncertainty of their own: read their gaps against the noise "
                 "floor above):", "",
                 _md_table([{**r, "final val loss": f"{r['final_val_loss']:.4f}", "gap to bf16": _pct(r["gap"]),
-                            "CPU s": f"{r['cpu_seconds']:,.0f}"} for r in d["long"]],
+                            "CPU s": f"{letters.get(r.get('machine'), '?')}: {r['cpu_seconds']:,.0f}"} for r in d["long"]],
                           ["variant", "iters", "seed", "final val loss", "gap to bf16", "CPU s"]), ""]
     return out + ["![parity](results/parity.png)", ""]
 

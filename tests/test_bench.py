@@ -57,11 +57,17 @@ def test_comm_two_ranks(tmp_path):
 TINY = conftest.TINY + ["log_interval=100"]
 
 
-def fake_run(variant, seed, final, iters=1000, cpu=100.0):
+MACHINE_A = {"device": "CPU (test)", "torch": "2", "date": "2026-01-01T00:00:00", "cpu_capability": "AVX2",
+             "cpu_bf16_instructions": "none"}
+MACHINE_B = {**MACHINE_A, "date": "2026-02-01T00:00:00", "cpu_capability": "AVX512",
+             "cpu_bf16_instructions": "AVX512-BF16"}
+
+
+def fake_run(variant, seed, final, iters=1000, cpu=100.0, env=MACHINE_A):
     """A run record as bench.run_all writes it, ending at val loss `final`."""
     return {"variant": variant, "seed": seed, "iters": iters, "processes": bench.VARIANTS[variant][1],
             "command": f"python train.py config/shakespeare_char.py seed={seed}", "commit": "abc1234",
-            "env": {"device": "CPU (test)", "torch": "2"}, "cpu_seconds": cpu, "wall_seconds": 1.0,
+            "env": env, "cpu_seconds": cpu, "wall_seconds": 1.0,
             "losses": [[i, 4.0 - i / iters * (4.0 - final)] for i in range(iters)],
             "evals": [[0, 4.0, 4.0], [iters // 2, 3.0, 3.0], [iters, final, final]]}
 
@@ -78,6 +84,9 @@ def fake_runs():
     runs = {("bf16", s, 1000): fake_run("bf16", s, v, cpu=200.0) for s, v in enumerate(BF16)}
     for name, gaps in GAPS.items():
         runs.update({(name, s, 1000): fake_run(name, s, BF16[s] * (1 + g)) for s, g in enumerate(gaps)})
+    # seed 2 of bf16 and O1 ran on a second machine, ten times faster
+    runs["bf16", 2, 1000] = fake_run("bf16", 2, BF16[2], cpu=20.0, env=MACHINE_B)
+    runs["O1", 2, 1000] = fake_run("O1", 2, BF16[2] * (1 + GAPS["O1"][2]), cpu=10.0, env=MACHINE_B)
     runs["bf16", 0, 3000] = fake_run("bf16", 0, 1.5, iters=3000)
     runs["O1", 0, 3000] = fake_run("O1", 0, 1.503, iters=3000)
     return runs
@@ -88,13 +97,18 @@ def test_parity_summary_known_answers():
                         ["bf16", "O1", "O2"], 3000)
     rows = {r["variant"]: r for r in d["parity"]}
     assert d["noise_floor"] == pytest.approx(0.1 / 2.0)  # std of 2.0, 2.1, 1.9 over their mean
-    assert rows["bf16"]["verdict"] == "baseline" and rows["bf16"]["cpu_seconds"] == 200.0
+    # CPU time per machine, never averaged across machines
+    a, b = (m["machine"] for m in d["machines"])
+    assert "AVX2" in a and "AVX512-BF16" in b and [m["runs"] for m in d["machines"]] == [14, 2]
+    assert rows["bf16"]["verdict"] == "baseline" and rows["bf16"]["cpu_seconds"] == {a: 200.0, b: 20.0}
     o1 = rows["O1"]
     assert o1["gap"] == pytest.approx(0.002) and o1["gap_se"] == pytest.approx(0.001 / 3 ** 0.5)
     assert o1["gap_ci95"] == pytest.approx([0.002 - 4.303 * 0.001 / 3 ** 0.5, 0.002 + 4.303 * 0.001 / 3 ** 0.5])
     # unpaired: the same mean gap, with the seed-to-seed spread in its standard error
     assert o1["gap_unpaired"] == pytest.approx(0.002, abs=1e-4) and o1["gap_unpaired_se"] > 10 * o1["gap_se"]
-    assert o1["cpu_seconds_vs_bf16"] == 0.5 and o1["final_val_std"] > 0.09
+    assert o1["cpu_seconds"] == {a: 100.0, b: 10.0} and o1["cpu_seconds_vs_bf16"] == {a: 0.5, b: 0.5}
+    assert o1["final_val_std"] > 0.09
+    assert "A: 100 (0.50x bf16) · B: 10 (0.50x bf16)" in "\n".join(bench.report_parity({**d, "config": "c"}))
     assert [rows[v]["verdict"] for v in ("O1", "O2", "O1-block", "O1-row", "O1-pp2")] == \
         ["met", "missed", "unresolvable", "incomplete", "incomplete"]
     assert rows["O1-block"]["target"] == 0.0025 and rows["O2"]["target"] == 0.01
