@@ -623,10 +623,13 @@ def cmd_parity(args):
     print(f"Final val loss at {args.iters} steps ({d['config']}), over seeds {args.seeds}; gap = paired "
           f"relative gap to bf16 +- its standard error; noise floor (bf16 seed-to-seed std) "
           f"{_pct(d['noise_floor'], '')}; CPU seconds are CPU time per run")
-    table = [{**r, "gap": _pct(r.get("gap")), "gap_se": _pct(r.get("gap_se"), ""), "target": _pct(r.get("target"), "")}
-             for r in d["parity"]]
+    letters = {m["machine"]: chr(ord("A") + i) for i, m in enumerate(d["machines"])}
+    table = [{**r, "gap": _pct(r.get("gap")), "gap_se": _pct(r.get("gap_se"), ""), "target": _pct(r.get("target"), ""),
+              "cpu_seconds": _cpu_cell(r.get("cpu_seconds"), None, letters)} for r in d["parity"]]
     emit("parity", table, ["variant", "n", "final_val_mean", "final_val_std", "gap", "gap_se", "target",
                            "verdict", "cpu_seconds"], argparse.Namespace(json=None))
+    print("CPU seconds per run on each machine: " + "; ".join(f"{letters[m['machine']]} = {m['machine']}"
+                                                               for m in d["machines"]))
     with open(os.path.join(args.out, "parity_cpu.json"), "w") as f:
         json.dump(d, f, indent=1)
     print(f"wrote parity_cpu.json, parity.csv and parity.png in {args.out}")
