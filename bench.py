@@ -403,6 +403,13 @@ VARIANTS = {
 # of the text. (The paired standard error is taken from the per-seed gaps themselves, so it stays
 # honest where the pairing is weaker: it is just not as small.)
 OWN_BATCHES = {"O3-dp2"}
+# What a reader needs next to a variant's verdict: what it changes against its neighbour
+NOTES = {
+    "O2-fp8v": "It differs from O2 only in how Adam's second moment is stored: sqrt(v) in E4M3 instead of v "
+               "in fp16 (1 byte per parameter less). FP8-LM keeps v in fp16 because in FP8 it underflows and it "
+               "sits in the update's denominator; this variant is there to measure that cost, and the default "
+               "(o2_v_format=fp16) does not pay it.",
+}
 TARGET, BLOCK_TARGET = 0.01, 0.0025  # the largest relative gap in final val loss a variant may have
 MIN_SEEDS = 3  # fewer pairs than this: no verdict
 LONG_SEED = 0  # the seed of the long runs
@@ -1028,7 +1035,8 @@ def report_parity(d):
                        for m in d.get("machines", [])) + ". Delayed scaling "
            "has no row or block variant: nanofp8 refuses it (an activation's per-row amax history says "
            "nothing about the next step's rows).", ""]
-    out += [f"- {_target_sentence(r)}" for r in d["parity"] if r["variant"] != "bf16"] + [""]
+    out += [f"- {_target_sentence(r)}" + (f" {NOTES[r['variant']]}" if r["variant"] in NOTES else "")
+            for r in d["parity"] if r["variant"] != "bf16"] + [""]
     if d.get("long"):
         out += ["Long runs (one seed each, no uncertainty of their own: read their gaps against the noise "
                 "floor above):", "",
