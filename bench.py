@@ -1018,7 +1018,10 @@ def report_parity(d):
     cols = ["variant", "seeds", "final val loss", "paired gap +- SE", "95% interval", "unpaired gap +- SE",
             "target", "verdict", "CPU s/run"]
     out = [f"### Loss parity: FP8 vs BF16 at equal steps and seeds (`{d['config']}`, {d['iters']} steps)",
-           _env_line(d["env"]), "", _md_table(rows, cols), "",
+           _env_line(d["env"]), "",
+           f"Made by `python bench.py parity` (seeds {' '.join(map(str, d['seeds']))}): it runs what "
+           "results/parity_runs/ lacks, one JSON per run, then writes this summary (parity_cpu.json), "
+           "parity.csv and parity.png; `--no_run` only summarizes.", "", _md_table(rows, cols), "",
            "**Noise floor:** " + (f"bf16's final val loss moves by {_pct(d['noise_floor'], '')} (std over "
                                   f"{d['bf16_seeds']} seeds, relative to its mean) from one seed to the next."
                                   if d["noise_floor"] else "not measured yet (fewer than 2 bf16 seeds).")
@@ -1049,7 +1052,9 @@ def report_parity(d):
 def report_throughput(d):
     """The README's throughput section, with what the ratios mean on the machine that made them."""
     rows = d["throughput"]
-    out = ["### Throughput (`bench.py throughput`)", _env_line(d["env"]), "",
+    cpu_kind = (f", CPU capability {d['env']['cpu_capability']}" if d["env"].get("cpu_capability")
+                and d["env"]["device"].startswith("CPU") else "")
+    out = [f"### Throughput (`bench.py throughput`{cpu_kind})", _env_line(d["env"]), "",
            _md_table(rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "vs_fp32", "device_kind"],
                      {"tokens_per_s": lambda v: f"{v:,.0f}", "vs_bf16": lambda v: f"{v:.2f}x",
                       "vs_fp32": lambda v: f"{v:.2f}x"}), ""]
@@ -1108,8 +1113,8 @@ def cmd_report(args):
             mp_rows = d["comm_model_parallel"]
             parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",
                       _md_table(mp_rows, [k for k in mp_rows[0] if k not in ("note", "fp8_ops", "what")]), ""]
-    if (d := load("throughput_cpu.json")):
-        parts += report_throughput(d)
+    for name in sorted(f for f in os.listdir(res) if f.startswith("throughput_cpu") and f.endswith(".json")):
+        parts += report_throughput(load(name))  # one per CPU kind measured: bf16's speed differs most
     if (d := load("stats_cost_cpu.json")):
         parts += ["### Cost of the FP8 statistics (`bench.py stats --cost`)", _env_line(d["env"]), "",
                   _md_table(d["stats_cost"], ["model", "stats", "steps", "ms_per_step", "vs_off"]), "",
@@ -1144,7 +1149,7 @@ def main(argv=None):
     p = sub.add_parser("parity", help="every variant at several seeds (resumable), then the summary")
     p.add_argument("--config", default=os.path.join(REPO, "config", "shakespeare_char.py"))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--long_iters", type=int, default=3000, help="0: no long runs")
     p.add_argument("--long_variants", nargs="*", default=["bf16", "O1", "O2"], choices=list(VARIANTS))
