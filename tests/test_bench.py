@@ -130,7 +130,7 @@ def test_parity_outputs_and_report(tmp_path):
         (runs_dir / f"{v}-seed{s}-{n}.json").write_text(json.dumps(r))
     out = tmp_path / "results"
     bench.main(["parity", "--no_run", "--runs", str(runs_dir), "--out", str(out),
-                "--variants", "bf16", "O1", "O2", "O1-block", "O1-row"])
+                "--variants", "bf16", "O1", "O2", "O1-block", "O1-row", "--seeds", "0", "1", "2"])
     text = (out / "parity_cpu.json").read_text()
     d = json.loads(text)
     assert d["config"] == "config/shakespeare_char.py" and str(tmp_path) not in text and bench.REPO not in text
