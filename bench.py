@@ -556,16 +556,13 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
     b_mean, b_std = _mean_std(list(base.values())) if base else (None, None)
     # CPU time is a property of the machine (bf16 GEMMs: 16x apart between AVX2 and AVX512-BF16),
     # so it is averaged per machine, never across machines
-    machines = sorted({_machine(r) for r in runs.values()}, key=lambda m: min(
-        r["env"].get("date", "") for r in runs.values() if _machine(r) == m))
+    mach = {k: _machine(r) for k, r in runs.items()}
+    machines = sorted(set(mach.values()), key=lambda m: min(runs[k]["env"].get("date", "") for k in runs
+                                                             if mach[k] == m))
 
     def cpu_by_machine(v, ss):
-        out = {}
-        for m in machines:
-            t = [runs[v, s, iters]["cpu_seconds"] for s in ss if _machine(runs[v, s, iters]) == m]
-            if t:
-                out[m] = sum(t) / len(t)
-        return out
+        t = {m: [runs[v, s, iters]["cpu_seconds"] for s in ss if mach[v, s, iters] == m] for m in machines}
+        return {m: sum(x) / len(x) for m, x in t.items() if x}
 
     b_cpu = cpu_by_machine("bf16", base)
     rows = []
@@ -597,14 +594,14 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
             long_rows.append({"variant": v, "seed": LONG_SEED, "iters": long_iters, "final_val_loss": val,
                               "gap": None if b is None else (val - b) / b,
                               "cpu_seconds": runs[v, LONG_SEED, long_iters]["cpu_seconds"],
-                              "machine": _machine(runs[v, LONG_SEED, long_iters])})
+                              "machine": mach[v, LONG_SEED, long_iters]})
     run_envs = [r.get("env", {}) for r in runs.values()]
     return {"env": environment(), "iters": iters, "seeds": list(seeds), "method": METHOD,
             "noise_floor": None if b_std is None else b_std / b_mean, "bf16_seeds": len(base),
             "parity": rows, "long": long_rows, "long_note": "one seed each: no uncertainty of their own",
-            "machines": [{"machine": m, "dates": sorted({r["env"].get("date", "?")[:10] for r in runs.values()
-                                                         if _machine(r) == m}),
-                          "runs": sum(_machine(r) == m for r in runs.values())} for m in machines],
+            "machines": [{"machine": m, "dates": sorted({runs[k]["env"].get("date", "?")[:10] for k in runs
+                                                         if mach[k] == m}),
+                          "runs": sum(x == m for x in mach.values())} for m in machines],
             "runs": {"devices": sorted({e.get("device", "?") for e in run_envs}),
                      "torch": sorted({e.get("torch", "?") for e in run_envs}),
                      "commits": sorted({r.get("commit", "") for r in runs.values()})}}
@@ -630,7 +627,7 @@ def cmd_parity(args):
     print(f"Final val loss at {args.iters} steps ({d['config']}), over seeds {args.seeds}; gap = paired "
           f"relative gap to bf16 +- its standard error; noise floor (bf16 seed-to-seed std) "
           f"{_pct(d['noise_floor'], '')}; CPU seconds are CPU time per run")
-    letters = {m["machine"]: chr(ord("A") + i) for i, m in enumerate(d["machines"])}
+    letters = _letters(d)
     table = [{**r, "gap": _pct(r.get("gap")), "gap_se": _pct(r.get("gap_se"), ""), "target": _pct(r.get("target"), ""),
               "cpu_seconds": _cpu_cell(r.get("cpu_seconds"), None, letters)} for r in d["parity"]]
     emit("parity", table, ["variant", "n", "final_val_mean", "final_val_std", "gap", "gap_se", "target",
@@ -988,11 +985,14 @@ def _target_sentence(r):
                             f"cannot tell whether the gap is below {_pct(tgt, '')}."}[r["verdict"]]
 
 
+def _letters(d):
+    """{machine: "A", ...} in the order of the summary's machines (the earliest first)."""
+    return {m["machine"]: chr(ord("A") + i) for i, m in enumerate(d.get("machines", []))}
+
+
 def _cpu_cell(cpu, vs_bf16, letters):
     """'A: 1,282 (1.00x bf16) · B: 81 (1.00x bf16)': CPU seconds per run on each machine."""
-    if not isinstance(cpu, dict):  # a summary from before the per-machine split
-        return "" if cpu is None else f"{cpu:,.0f}"
-    vs_bf16 = vs_bf16 or {}
+    cpu, vs_bf16 = cpu or {}, vs_bf16 or {}
     return " · ".join(f"{letters.get(m, '?')}: {t:,.0f}" + (f" ({vs_bf16[m]:.2f}x bf16)" if m in vs_bf16 else "")
                       for m, t in cpu.items())
 
@@ -1004,7 +1004,7 @@ def report_parity(d):
     def pm(v, e):  # "v +- e", or v alone where one seed gives no spread
         return v if e in (None, "") else f"{v} +- {e}"
 
-    letters = {m["machine"]: chr(ord("A") + i) for i, m in enumerate(d.get("machines", []))}
+    letters = _letters(d)
     rows = [{**r, "seeds": r["n"],
              "final val loss": "" if r.get("final_val_mean") is None else
              pm(f"{r['final_val_mean']:.4f}", None if r.get("final_val_std") is None else f"{r['final_val_std']:.4f}"),
@@ -1066,7 +1066,8 @@ def report_throughput(d):
                 f"{cpu['O1']['vs_fp32']:.2f}x fp32's. The FP8 levels are emulated and multiply in fp32, so "
                 "where bf16 GEMMs have no native instructions (AVX2 has none) they can outrun bf16: vs_bf16 "
                 "is a property of the machine, not of FP8; vs_fp32 is the cost of the emulation.", ""]
-        o1, floor = 1 / cpu["O1"]["vs_bf16"], 1 / cpu["fp32"]["vs_bf16"] if "fp32" in cpu else None
+        o1 = 1 / cpu["O1"]["vs_bf16"]  # step times relative to bf16's
+        floor = 1 / cpu["fp32"]["vs_bf16"] if "fp32" in cpu else None
         verdict = "met" if o1 <= STEP_TARGET else "missed"
         line = (f"- **Emulation cost** (target: O1's step at most {STEP_TARGET}x bf16's): {verdict} on this CPU, "
                 f"O1's step takes {o1:.2f}x bf16's")

@@ -109,7 +109,7 @@ that falls back to high precision at run time is counted (fallbacks), or refused
 
 import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -231,9 +231,11 @@ def amax_each(xs):
     """[max |x| for x in xs] as 0-dim tensors of each x's dtype, NaN where x holds a NaN. One
     foreach reduction on a GPU; on a CPU one aminmax per tensor, as torch's CPU inf-norm is a
     scalar loop (about 30x slower: the non-finite checks of an O2 step spent milliseconds in it)."""
-    if not xs or not _emulating(xs[0]):
-        return list(torch._foreach_norm(xs, float("inf"))) if xs else []
-    return [_amax(x.reshape(1, -1), "tensor", None) if x.numel() else x.new_zeros(()) for x in xs]
+    if not xs:
+        return []
+    if not _emulating(xs[0]):
+        return list(torch._foreach_norm(xs, float("inf")))
+    return [_amax(x, "tensor", None) if x.numel() else x.new_zeros(()) for x in xs]
 
 
 def _saturating_cast(x2, scale_el, fmt, amax):
@@ -439,9 +441,8 @@ def _gemm_emulate(a, b, out_dtype, bias):
     With block scales the fp32 partial sums are added one 128-wide slice of K at a time, the
     order in which a block-scaled kernel promotes them. The bias is added to the fp32 product
     before the output cast, as the GEMM kernels' epilogues do."""
-    # row-major a and column-major b (b.t() of a CPU's transposed view is row-major already):
-    # the layouts in which a CPU's fp32 matmul needs no copy of either operand
-    a32 = fp8_to_float(a.data.contiguous(), _per_element(a, a.inv_scale))
+    # (a is row-major, scaled_gemm saw to it; b as a CPU's transposed view makes b32.t() row-major)
+    a32 = fp8_to_float(a.data, _per_element(a, a.inv_scale))
     b32 = fp8_to_float(b.data, _per_element(b, b.inv_scale))
     if a.granularity == "block":
         k = a32.shape[1]
@@ -457,7 +458,7 @@ def _gemm_cpu(a, b, out_dtype, bias):
     it: each operand converted to fp32 and multiplied by its inverse scale (mat2 = b^T made
     contiguous first), one fp32 matmul, the bias (in the output dtype, as _gemm_torch passes
     it) added in fp32, one cast. The same numbers, bit for bit, with the fast conversion."""
-    a32 = fp8_to_float(a.data.contiguous(), a.inv_scale)  # (a CPU's Fp8Tensor.t() is a view)
+    a32 = fp8_to_float(a.data, a.inv_scale)
     b32 = fp8_to_float(b.data.t().contiguous(), b.inv_scale)  # (K, N), row-major
     out = a32 @ b32
     out = out if bias is None else out.add_(bias.to(out_dtype))
@@ -500,7 +501,7 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
 def _gemm_block_loop(a, b, out_dtype, bias):
     """Block scales without native support: one row-wise _scaled_mm per 128-wide slice of K,
     fp32 outputs summed in fp32 (the "promote every 128 of K" of DeepSeek-V3, done by hand)."""
-    ad, bd, k = a.data.contiguous(), b.data.contiguous(), a.data.shape[1]  # (see _gemm_torch)
+    ad, bd, k = a.data, b.data.contiguous(), a.data.shape[1]  # (b: see _gemm_torch)
     # every row's scale for each 128-wide slice of K: (M, K tiles) and (N, K tiles)
     ia = expand_tiles(a.inv_scale, (a.block[0], 1), (len(a.data), a.inv_scale.shape[1]))
     ib = expand_tiles(b.inv_scale, (b.block[0], 1), (len(b.data), b.inv_scale.shape[1]))
@@ -610,6 +611,8 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
         raise ValueError(f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}")
     if (a.granularity == "block") != (b.granularity == "block"):
         raise ValueError("block-scaled operands can only be multiplied with block-scaled operands")
+    if not a.data.is_contiguous():  # a CPU's Fp8Tensor.t() is a view: every GEMM reads a row-major
+        a = replace(a, data=a.data.contiguous())
     if backend == "emulate":
         return _gemm_emulate(a, b, out_dtype, bias)
     if backend == "triton":
