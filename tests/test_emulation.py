@@ -213,3 +213,15 @@ def test_cpu_has_no_fp32_output_bf16_gemm():
     a = torch.ones(4, 4, dtype=torch.bfloat16)
     with pytest.raises((RuntimeError, NotImplementedError, TypeError)):
         torch.mm(a, a, out_dtype=torch.float32)
+
+
+def test_cpu_transpose_is_a_view_and_multiplies_the_same():
+    # Fp8Tensor.t() on a CPU hands back a view of the same bytes (the emulated GEMM reads it in its
+    # original layout); as either GEMM operand it gives the bits a contiguous copy gives
+    x, w = operands(E4M3, E4M3)[:2]
+    xt, wt = x.t(), w.t()
+    assert xt.data.data_ptr() == x.data.data_ptr() and torch.equal(xt.data.view(torch.uint8), x.data.t().view(torch.uint8))
+    copy = lambda q: fp8.Fp8Tensor(q.data.contiguous(), q.scale, q.fmt, q.granularity, q.block, q.shape, q.dtype)
+    dy = quantize(torch.randn(96, 80, generator=torch.Generator().manual_seed(5)), E5M2)
+    for a, b in [(dy.t(), xt), (dy, wt)]:  # wgrad (a transposed view first) and dgrad (second)
+        assert_same_bits(scaled_gemm(a, b, torch.float32), scaled_gemm(copy(a), copy(b), torch.float32))
