@@ -220,7 +220,8 @@ def test_cpu_transpose_is_a_view_and_multiplies_the_same():
     # original layout); as either GEMM operand it gives the bits a contiguous copy gives
     x, w = operands(E4M3, E4M3)[:2]
     xt, wt = x.t(), w.t()
-    assert xt.data.data_ptr() == x.data.data_ptr() and torch.equal(xt.data.view(torch.uint8), x.data.t().view(torch.uint8))
+    assert xt.data.data_ptr() == x.data.data_ptr()
+    assert torch.equal(xt.data.view(torch.uint8), x.data.t().view(torch.uint8))
     copy = lambda q: fp8.Fp8Tensor(q.data.contiguous(), q.scale, q.fmt, q.granularity, q.block, q.shape, q.dtype)
     dy = quantize(torch.randn(96, 80, generator=torch.Generator().manual_seed(5)), E5M2)
     for a, b in [(dy.t(), xt), (dy, wt)]:  # wgrad (a transposed view first) and dgrad (second)
