@@ -360,7 +360,17 @@ def sqnr(ref, approx):
 #     128x128 (for a (ceil(M/128), ceil(K/128)) contiguous; for b the transpose of b's
 #     (ceil(N/128), ceil(K/128)) grid). 128x128 x 128x128 is not a pair; block modes refuse
 #     use_fast_accum.
+#   * 128x128 scales as cuBLASLt reads them: row by row, each row's ceil(K/128) scales padded to
+#     a multiple of 4 (L4). torch.nn.functional.scaled_mm (the v2 API, torch >= 2.10) checks for
+#     that padded layout: (L4, row tiles) with strides (1, L4). The v1 torch._scaled_mm checks the
+#     unpadded grid and hands its pointer on, so where ceil(K/128) % 4 != 0 the kernel reads the
+#     wrong scales, and past the allocation, without an error (PyTorch PR 166752): v1 is used
+#     for a 128x128 operand only where ceil(K/128) % 4 == 0, where the two layouts are one.
 #   * no bias with fp32 output; a bias is bf16/fp16 and has the output's dtype.
+#   * what PyTorch's own tests never run is not run here either: block scales with a bias (the
+#     bias is added outside the GEMM, in fp32), and row scales with an E5M2 first operand (the
+#     dgrad and wgrad GEMMs of formats="hybrid": the Triton GEMM, tested here for that pair, or
+#     the fp32 reference).
 #   * builds whose cuBLASLt is older than 12.9 (CUDA 12.6 wheels) run row x row on a CUTLASS
 #     kernel that writes bf16/fp16 only and wants mat2 in E4M3 (ValueError otherwise).
 #   * CPU: torch 2.11's kernel takes one-element (tensor) scales only; 2.13 also takes rows. We use
@@ -465,34 +475,59 @@ def _gemm_cpu(a, b, out_dtype, bias):
     return out.to(out_dtype)
 
 
-def _block_scale_arg(q, operand):
-    """q's inverse block scales laid out as torch._scaled_mm wants them for `operand` "a" (mat1)
-    or "b" (mat2 = q^T). q.inv_scale is the (row tiles, K tiles) grid, contiguous."""
+_HAS_SCALED_MM_V2 = hasattr(F, "scaled_mm")  # torch.nn.functional.scaled_mm: torch >= 2.10
+
+
+def padded_block_scales():
+    """Do block-scaled GEMMs go through torch.nn.functional.scaled_mm, with padded 128x128 scales?
+    Where torch has it, and not under torch.compile: there torch 2.11's shape checks of the v2 op
+    want K and N multiples of 128 (ragged shapes fail the trace), and torch 2.13's inductor turns
+    the v2 op into a v1 torch._scaled_mm call with the padded scales, which the kernel refuses
+    unless ceil(K/128) % 4 == 0. Compiled code calls v1 itself, where it is right (the rules)."""
+    return _HAS_SCALED_MM_V2 and not torch.compiler.is_compiling()
+
+
+def _block_scale_arg(q, operand, padded=False):
+    """q's inverse block scales laid out as torch's scaled GEMM wants them for `operand` "a"
+    (mat1) or "b" (mat2 = q^T). q.inv_scale is the (row tiles, K tiles) grid, contiguous.
+    padded: for torch.nn.functional.scaled_mm (v2), else for torch._scaled_mm (v1)."""
     s = q.inv_scale
-    if q.block[0] == 1:  # 1x128: a (M, Kt) with strides (1, M); b (Kt, N) contiguous
-        return s.t().contiguous().t() if operand == "a" else s.t().contiguous()
-    return s if operand == "a" else s.t()  # 128x128: a (Mt, Kt) contiguous; b (Kt, Nt) strides (1, Kt)
+    if q.block[0] == 1:  # 1x128: (rows, Kt) with strides (1, rows); v1's b: its transpose (Kt, N)
+        return s.t().contiguous() if operand == "b" and not padded else s.t().contiguous().t()
+    if padded:  # 128x128, v2: the grid with each row padded to L4 scales, as (L4, row tiles)
+        return F.pad(s, (0, -s.shape[1] % 4)).t()
+    return s if operand == "a" else s.t()  # 128x128, v1: a (Mt, Kt) contiguous; b (Kt, Nt) strides (1, Kt)
 
 
 def _gemm_torch(a, b, out_dtype, bias, fast_accum):
-    """One torch._scaled_mm call (the operands already passed _scaled_mm_refusal)."""
-    if a.granularity == "block":
-        sa, sb = _block_scale_arg(a, "a"), _block_scale_arg(b, "b")
-        fast_accum = False  # block modes refuse it; they promote to fp32 every 128 of K anyway
-    else:
-        sa, sb = a.inv_scale, b.inv_scale
-        if a.granularity == "row" or b.granularity == "row":
-            # a tensor scale next to a row scale is repeated per row: row x row is a mode, mixed is not
-            # (a fresh column, not expand().contiguous(): with one row that keeps a stride of 0,
-            # which _scaled_mm refuses)
-            sa = sa.reshape(-1, 1) * torch.ones(len(a.data), 1, device=sa.device)
-            sb = (sb.reshape(-1, 1) * torch.ones(len(b.data), 1, device=sb.device)).t()  # (1, N)
-    in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
+    """One torch._scaled_mm (or, for block scales, torch.nn.functional.scaled_mm) call; the
+    operands already passed _scaled_mm_refusal."""
     # cuBLASLt wants 16-byte aligned rows; a view into a packed buffer (SP's gathered FP8 rows
     # carry their scale behind them) is not, so it is copied (free when already contiguous).
-    out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=sa, scale_b=sb,
-                           bias=bias.to(out_dtype) if in_gemm else None, out_dtype=out_dtype,
-                           use_fast_accum=fast_accum)
+    mat1, mat2 = a.data.contiguous(), b.data.contiguous().t()
+    if a.granularity == "block":  # (no fast accumulation: block modes refuse it, and promote to
+        # fp32 every 128 of K anyway.) PyTorch never tests block scales with a bias: the GEMM
+        # writes fp32 and the bias is added to that, as the reference adds it.
+        gemm_dtype = out_dtype if bias is None else torch.float32
+        if padded_block_scales():
+            kinds = [F.ScalingType.BlockWise1x128 if q.block[0] == 1 else F.ScalingType.BlockWise128x128
+                     for q in (a, b)]
+            out = F.scaled_mm(mat1, mat2, _block_scale_arg(a, "a", True), kinds[0],
+                              _block_scale_arg(b, "b", True), kinds[1], output_dtype=gemm_dtype)
+        else:
+            out = torch._scaled_mm(mat1, mat2, scale_a=_block_scale_arg(a, "a"),
+                                   scale_b=_block_scale_arg(b, "b"), out_dtype=gemm_dtype)
+        return out if bias is None else (out + bias.float()).to(out_dtype)
+    sa, sb = a.inv_scale, b.inv_scale
+    if a.granularity == "row" or b.granularity == "row":
+        # a tensor scale next to a row scale is repeated per row: row x row is a mode, mixed is not
+        # (a fresh column, not expand().contiguous(): with one row that keeps a stride of 0,
+        # which _scaled_mm refuses)
+        sa = sa.reshape(-1, 1) * torch.ones(len(a.data), 1, device=sa.device)
+        sb = (sb.reshape(-1, 1) * torch.ones(len(b.data), 1, device=sb.device)).t()  # (1, N)
+    in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
+    out = torch._scaled_mm(mat1, mat2, scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_gemm else None,
+                           out_dtype=out_dtype, use_fast_accum=fast_accum)
     if bias is not None and not in_gemm:
         out = out + bias.float()  # the fp32 output takes the bias outside the GEMM, in fp32
     return out
@@ -585,8 +620,15 @@ def _scaled_mm_refusal(a, b, out_dtype, sup):
                     f"(this device: {sup.device}, torch {torch.__version__}, CUDA {torch.version.cuda})")
         if a.block[0] > 1 and b.block[0] > 1:
             return "128x128 x 128x128 block scales are not a supported pair"
+        kt = -(-a.data.shape[1] // BLOCK)
+        if max(a.block[0], b.block[0]) > 1 and kt % 4 and not padded_block_scales():
+            return (f"128x128 block scales with ceil(K/128) = {kt}, not a multiple of 4, need "
+                    "torch.nn.functional.scaled_mm (not used under torch.compile): torch._scaled_mm "
+                    "would hand cuBLASLt an unpadded scale grid, which it misreads")
         return None
     if "row" in grans:
+        if a.fmt is E5M2:
+            return "row-wise scales with an E5M2 first operand (never run by PyTorch's tests)"
         if not sup.rowwise:
             return f"torch._scaled_mm on {sup.device} takes only per-tensor scales (torch 2.11)"
         if not sup.cublaslt_rowwise and out_dtype == torch.float32:
@@ -633,7 +675,8 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
             reason, refused = "refused by torch._scaled_mm: " + str(e).splitlines()[0], True
     if _triton_available(a.data.device):
         alt, fn = "the Triton GEMM (kernels.py)", lambda: _gemm_triton(a, b, out_dtype, bias, fast_accum)
-    elif a.granularity == "block" and sup.cublaslt_rowwise and not _shape_refusal(a, b, sup):
+    elif (a.granularity == "block" and sup.cublaslt_rowwise and not _shape_refusal(a, b, sup)
+          and a.fmt is E4M3):  # (its row-wise GEMMs: never an E5M2 first operand, see the rules)
         kt = -(-a.data.shape[1] // BLOCK)
         alt = (f"{kt} row-wise GEMMs (one per 128 of K) with fp32 outputs summed in fp32: "
                f"{kt}x the launches and {kt} x M x N x 8 bytes of extra traffic")
@@ -728,27 +771,31 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mod, out_dtype):
-        r = mod.recipe
-        # x2: x as (M, K) in high precision; None where it never exists whole on this rank
-        qx, x2, lead = mod.gemm_input(x)
-        qw, qw_t = mod.weight_operands()  # W for this GEMM, W^T for dgrad
-        b = None if bias is None else bias.to(out_dtype)
-        y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
-        y = mod.gemm_output(y.reshape(*lead, y.shape[-1]))
-        # Keep only the FP8 operands of the two backward GEMMs, laid out along their
-        # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Where only the FP8 copy
-        # of x exists (gathered in FP8), row and block scales re-quantize x^T from it.
-        if x2 is None and r.granularity != "tensor":
-            x2 = dequantize(qx, torch.float32)
-        qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, ACT_BLOCK)
-        if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
-            mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
-        (tx, mx), (tw, mw) = pack_saved(qx_t), pack_saved(qw_t)
-        ctx.save_for_backward(*tx, *tw)
-        ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
-        return y
+        # Autocast is off inside, where every dtype is chosen here (out_dtype is autocast's where it
+        # was on). Turned off here, not around .apply: dynamo fails a compiled region that changes
+        # the global autocast state around a Function ("Global autocast state changed").
+        with torch.autocast(x.device.type, enabled=False):
+            r = mod.recipe
+            # x2: x as (M, K) in high precision; None where it never exists whole on this rank
+            qx, x2, lead = mod.gemm_input(x)
+            qw, qw_t = mod.weight_operands()  # W for this GEMM, W^T for dgrad
+            b = None if bias is None else bias.to(out_dtype)
+            y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
+            y = mod.gemm_output(y.reshape(*lead, y.shape[-1]))
+            # Keep only the FP8 operands of the two backward GEMMs, laid out along their
+            # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Where only the FP8 copy
+            # of x exists (gathered in FP8), row and block scales re-quantize x^T from it.
+            if x2 is None and r.granularity != "tensor":
+                x2 = dequantize(qx, torch.float32)
+            qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, ACT_BLOCK)
+            if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
+                mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
+            (tx, mx), (tw, mw) = pack_saved(qx_t), pack_saved(qw_t)
+            ctx.save_for_backward(*tx, *tw)
+            ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
+            ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+            ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
+            return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -781,8 +828,7 @@ def fp8_linear(x, layer, bias):
     scaling state and hooks. The output dtype is autocast's where autocast is on, else x's."""
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    with torch.autocast(dev, enabled=False):  # we choose every dtype ourselves
-        return _Fp8LinearFunction.apply(x, layer.weight, bias, layer, out_dtype)
+    return _Fp8LinearFunction.apply(x, layer.weight, bias, layer, out_dtype)
 
 
 class Fp8Linear(nn.Linear):
