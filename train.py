@@ -180,7 +180,11 @@ def setup_precision(model, cfg, device_type):
     if not names:  # FP8 GEMMs need both dims % 16: an "FP8" run with none would be bf16 in disguise
         raise ConfigError(f"precision={level}: no block Linear can run in FP8: their widths "
                           f"(n_embd={model.config.n_embd}, MLP {model.config.hidden}) must be multiples of 16")
-    if level == "O2":
+    if level == "O1":  # each weight cast to FP8 once per step, not per micro-step (optimizer_step
+        for m in model.modules():  # bumps the weights' version counters, which the cast is keyed on)
+            if isinstance(m, fp8.Fp8Linear):
+                m.cache_weight = True
+    elif level == "O2":
         convert_to_o2(model, grad_accum=cfg["o2_grad_accum"])
     elif level == "O3":
         convert_to_o3(model)
@@ -232,6 +236,8 @@ def optimizer_step(model, optimizer, cfg, layout=Layout()):
         stepped = finite == 1 and math.isfinite(norm)
         if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
             optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
+            if optimizer.defaults.get("fused"):  # it wrote the weights without telling autograd
+                torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped, weights_ok == 1
 

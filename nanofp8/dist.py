@@ -774,6 +774,9 @@ class O3Linear(O2Linear):
         new.weight_scale = q.scale.clone()  # (the buffer O2 registered, now the recipe's grid)
         new.init_master = lin.weight.detach().float()  # taken (and dropped) by the optimizer
         new.ensure_grad_hook()  # the new weight holds the FP8 gradient
+        # The casts O2 made were of the fp16 weight: a compiled forward reads them as they are
+        # (eager code would notice the new weight and cast again).
+        new.refresh_fp8_weight(record=False)
         return new
 
     def weight_layout(self):

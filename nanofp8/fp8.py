@@ -109,7 +109,7 @@ that falls back to high precision at run time is counted (fallbacks), or refused
 
 import os
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -174,10 +174,15 @@ class Fp8Tensor:
     amax: torch.Tensor = None  # the amax the data was measured with (NaN where it was non-finite;
     #                            None where a Triton quantizer measured it and kept it on chip)
     data_t: torch.Tensor = None  # the transposed copy, where the quantizer wrote it in the same pass
+    _inv: torch.Tensor = field(default=None, repr=False, compare=False)  # inv_scale, once computed
 
     @property
     def inv_scale(self):
-        return self.scale.reciprocal()
+        """1 / scale, what the GEMMs multiply by; computed once per container (a cached weight
+        cast serves every micro-step of an optimizer step)."""
+        if self._inv is None:
+            self._inv = self.scale.reciprocal()
+        return self._inv
 
     def t(self):
         """The transpose, without re-quantizing. A tensor scale and a square block grid transpose
@@ -193,7 +198,8 @@ class Fp8Tensor:
         else:
             data_t = self.data.t().contiguous()
         return Fp8Tensor(data_t, scale, self.fmt, self.granularity, self.block[::-1],
-                         torch.Size((cols, rows)), self.dtype, self.amax)
+                         torch.Size((cols, rows)), self.dtype, self.amax,
+                         _inv=self._inv if self.granularity == "tensor" else None)
 
 
 def _tile_amax(x2, block):
@@ -523,8 +529,9 @@ def _gemm_torch(a, b, out_dtype, bias, fast_accum):
         # a tensor scale next to a row scale is repeated per row: row x row is a mode, mixed is not
         # (a fresh column, not expand().contiguous(): with one row that keeps a stride of 0,
         # which _scaled_mm refuses)
-        sa = sa.reshape(-1, 1) * torch.ones(len(a.data), 1, device=sa.device)
-        sb = (sb.reshape(-1, 1) * torch.ones(len(b.data), 1, device=sb.device)).t()  # (1, N)
+        per_row = lambda q, s: s if q.granularity == "row" else s.reshape(1, 1) * torch.ones(  # noqa: E731
+            len(q.data), 1, device=s.device)
+        sa, sb = per_row(a, sa), per_row(b, sb).t()  # (M, 1), (1, N)
     in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
     out = torch._scaled_mm(mat1, mat2, scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_gemm else None,
                            out_dtype=out_dtype, use_fast_accum=fast_accum)
@@ -570,15 +577,32 @@ def _gemm_triton(a, b, out_dtype, bias, fast_accum):
                                fast_accum=fast_accum)
 
 
+_TRITON = []  # [whether kernels.py imports], asked once
+
+
 def _triton_available(device):
-    """May backend="torch" fall back to the Triton GEMM? On CUDA, where kernels.py imports."""
+    """May backend="torch" use kernels.py (its casts, or its GEMM as a fallback)? On CUDA, where
+    kernels.py imports."""
     if device.type != "cuda":
         return False
-    try:
-        _kernels()
-        return True
-    except ImportError:
-        return False
+    if not _TRITON:
+        try:
+            _kernels()
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    return _TRITON[0]
+
+
+def one_pass_cast(x):
+    """Does an eager cast of x run on kernels.py's Triton quantizers? On a CUDA device where
+    kernels.py imports, outside torch.compile (which fuses quantize()'s operations itself).
+    quantize() in eager mode is about a dozen kernels per cast (amax, the scale's float64
+    arithmetic, clamp, cast, the NaN guard), each a launch: with four to six casts per Linear
+    and micro-step, the host could not keep an H100 busy. The Triton quantizers read the tensor
+    once (a tensor scale: once more for the amax), give the same bytes (tests/test_kernels.py),
+    and write the transposed copy that backward needs in the same pass."""
+    return x.is_cuda and not torch.compiler.is_compiling() and _triton_available(x.device)
 
 
 def _quantize_triton(x2, fmt, granularity, block, margin, power_of_two):
@@ -750,7 +774,7 @@ def _requantize_t(mod, x2, fmt, q, block):
     r = mod.recipe
     if r.granularity == "tensor" or (r.granularity == "block" and q.block[0] > 1):
         return q.t()
-    if r.backend == "triton":
+    if r.backend == "triton" or one_pass_cast(x2):
         return _quantize_triton(x2.t(), fmt, r.granularity, block, r.margin, r.power_of_two)
     return quantize(x2.t(), fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 
@@ -858,10 +882,13 @@ class Fp8Linear(nn.Linear):
         """Receives the fp32 weight gradient; returns what autograd accumulates into .grad."""
         return dw.to(self.weight.dtype)
 
-    # Cast the weight to FP8 once per optimizer step and reuse it across micro-steps? Only where
-    # the optimizer says when the weight changed (O2/O3 call free_weight_cache() in their step):
-    # an optimizer that updates in place without bumping the version counter (fused AdamW) would
-    # otherwise leave a stale FP8 weight in use.
+    # Cast the weight to FP8 once per optimizer step and reuse the cast across micro-steps (eager
+    # code), as long as the weight's version counter and storage stay the same? Off by default:
+    # torch's fused AdamW writes the weights without bumping their version counters (measured
+    # here), so a training loop turns it on only where it bumps them after such a step
+    # (torch.autograd.graph.increment_version: train.py's optimizer_step at O1). Foreach and
+    # single-tensor torch.optim steps, load_state_dict and copy_ bump it themselves. (O2/O3 keep
+    # their own cast, which their optimizer refreshes.)
     cache_weight = False
 
     # Statistics of the casts (nanofp8/stats.py): set for the steps it observes, else None.
@@ -892,7 +919,7 @@ class Fp8Linear(nn.Linear):
         if r.scaling == "delayed":
             return self.delayed_quantize(role, x2, fmt)
         block = (BLOCK, BLOCK) if role == WEIGHT else ACT_BLOCK
-        if r.backend == "triton":
+        if r.backend == "triton" or one_pass_cast(x2):
             return _quantize_triton(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
         return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 

@@ -1,0 +1,142 @@
+"""Kernel launches of an eager FP8 Linear per micro-step, counted on CPU.
+
+An H100 runs a small kernel in a few microseconds; launching one from Python takes about as long.
+A Linear whose micro-step is dozens of small kernels is then bound by the host, not the GPU: at
+GPT-2 124M, quantize() in plain torch ops (about a dozen launches per cast, four casts and three
+GEMMs per Linear) made an eager O1 step about twice as slow as bf16's. This test counts what an
+eager Linear launches on the path a CUDA device takes (fp8.one_pass_cast: the casts on kernels.py's
+Triton quantizers, run here in the interpreter; the GEMMs on torch._scaled_mm; the CPU
+emulation's shortcuts off), under bf16 autocast, as train.py runs it at O1 (weight cast cached
+across the micro-steps of an optimizer step):
+
+* ATen operators that launch work, seen by a TorchDispatchMode (views, detach and allocations
+  launch nothing and are not counted);
+* Triton kernel launches, counted at the kernels of kernels.py.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from nanofp8 import fp8
+from nanofp8.fp8 import Recipe, convert_to_fp8
+
+# Launches per Linear per micro-step, forward and backward, by granularity. tensor: 3 GEMMs, 2
+# casts of 2 Triton kernels each (x and dy, each writing its transpose too), the inverse scales,
+# the bias gradient and the gradient accumulation. row and block also re-quantize x^T and dy^T
+# (a transposed copy and a cast each) and lay out their scales. (A bf16 nn.Linear under
+# autocast: 10, counted the same way.) Before the Triton casts: about 70 (tensor).
+BAR = {"tensor": 16, "row": 20, "block": 30}
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "lift_fresh_copy"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class CountedKernel:
+    """A kernels.py kernel whose launches (kernel[grid](...)) are counted, and run outside the
+    dispatch mode (the interpreter's own tensor operations are not launches)."""
+
+    def __init__(self, kernel, counter):
+        self.kernel, self.counter = kernel, counter
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counter.ops.append(f"triton:{getattr(self.kernel, '__name__', 'kernel')}")
+            with _disable_current_modes():
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def micro_step_launches(layer, x, counter):
+    dy = torch.ones(*x.shape[:-1], layer.out_features, dtype=torch.bfloat16)
+    x.grad = None  # (x stands for the previous layer's output: nothing accumulates into it)
+    counter.ops.clear()
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(dy)
+    return list(counter.ops)
+
+
+def counted(fn, counter, name):
+    """A GEMM entry point counted as one launch (the CUDA stand-in computes it with many CPU ops)."""
+    def call(*args, **kwargs):
+        counter.ops.append(name)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+    return call
+
+
+@pytest.mark.parametrize("granularity, formats", [("tensor", "hybrid"), ("row", "e4m3"), ("block", "e4m3")])
+def test_eager_fp8_linear_launches_per_micro_step(granularity, formats, monkeypatch):
+    import torch.nn.functional as F
+
+    import kernels
+    from cuda_contract import CudaScaledMM
+
+    counter = LaunchCounter()
+    for name in ("_amax_partial_kernel", "_cast_tensor_kernel", "_quantize_rows_kernel",
+                 "_quantize_tiles_kernel", "_fp8_gemm_kernel"):
+        monkeypatch.setattr(kernels, name, CountedKernel(getattr(kernels, name), counter))
+    # the path of an H100: the decisions and GEMM calls of CUDA (the stand-in), the CPU
+    # emulation's shortcuts off, the casts on the Triton quantizers
+    contract = CudaScaledMM().install(monkeypatch)
+    monkeypatch.setattr(torch, "_scaled_mm", counted(contract, counter, "_scaled_mm"))
+    monkeypatch.setattr(F, "scaled_mm", counted(contract.scaled_mm_v2, counter, "scaled_mm"))
+    monkeypatch.setattr(fp8, "_emulating", lambda t: False)
+    monkeypatch.setattr(fp8, "one_pass_cast", lambda t: not torch.compiler.is_compiling())
+    torch.manual_seed(0)
+    recipe = Recipe(granularity=granularity, formats=formats, backend="torch")
+    layer = convert_to_fp8(nn.Linear(256, 512), recipe)
+    layer.cache_weight = True  # as train.py sets it at O1
+    x = torch.randn(4, 64, 256, requires_grad=True)
+    steps = [micro_step_launches(layer, x, counter) for _ in range(3)]
+    ref = nn.Linear(256, 512)
+    bf16 = micro_step_launches(ref, x, counter)
+    print(f"{granularity}: launches per micro-step {[len(s) for s in steps]} (bf16 nn.Linear: {len(bf16)}); "
+          f"the last: {steps[-1]}")
+    assert not contract.refusals and sum(op in ("_scaled_mm", "scaled_mm") for op in steps[-1]) == 3
+    # the first micro-step of a step also casts the weight (and its transpose): a few more
+    assert len(steps[0]) <= BAR[granularity] + 6, steps[0]
+    for s in steps[1:]:  # then the cast is reused
+        assert len(s) <= BAR[granularity], (len(s), s)
+    assert steps[1] == steps[2]
+
+
+def test_weight_cast_cached_until_the_weight_changes():
+    """Reused across micro-steps; cast again after any write that bumps the version counter (a
+    torch.optim step, copy_, load_state_dict), or a new storage. torch's fused AdamW does not bump
+    it: train.py's optimizer_step does, after such a step (torch.autograd.graph.increment_version)."""
+    torch.manual_seed(0)
+    layer = convert_to_fp8(nn.Linear(64, 32), Recipe(backend="emulate"))
+    layer.cache_weight = True
+    x = torch.randn(8, 64)
+    first = layer.weight_operands()
+    assert layer.weight_operands() is first  # the same cast: no second one
+    layer(x).sum().backward()
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)
+    opt.step()
+    assert layer.weight_operands() is first  # fused AdamW wrote the weight without a version bump
+    torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g["params"]])
+    second = layer.weight_operands()
+    assert second is not first
+    assert torch.equal(fp8.dequantize(second[0]), fp8.quantize(layer.weight.detach(), fp8.E4M3).data.float()
+                       * fp8.quantize(layer.weight.detach(), fp8.E4M3).inv_scale)
+    torch.optim.AdamW(layer.parameters(), lr=0.1, foreach=True).step()  # bumps it itself
+    assert layer.weight_operands() is not second
+    third = layer.weight_operands()
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight * 2)
+    assert layer.weight_operands() is not third
+    layer.eval()  # (evaluation keeps its own cast: no state is recorded there)
+    assert layer.weight_operands() is not third
