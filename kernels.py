@@ -397,6 +397,19 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M,
 # Python entry points
 
 
+def tma_scratch(size, align, stream):
+    """Triton's allocator for the TMA descriptors the GEMM builds on the device: a little global
+    scratch memory per program, on the current CUDA device (torchrun sets it per rank)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+# Triton keeps its allocator in a context variable: per thread, and autograd runs the backward
+# GEMMs in a thread of its own. So fp8_gemm sets it at every call, to this module-level function:
+# a constant, which torch.compile (torch >= 2.13) traces into the graph as a call made at run
+# time, in whichever thread runs the graph, with no graph break. (torch 2.11's dynamo breaks the
+# graph at any triton.set_allocator: one break per GEMM there.)
+
+
 def _check_device(*tensors):
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
@@ -474,9 +487,8 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
         raise ValueError(f"use_tma=True needs K % 16 == 0 (K={K}), 16-byte output rows (N={N}, "
                          f"{out_dtype}) and a Hopper GPU or the interpreter")
     use_tma = tma_ok if use_tma is None else bool(use_tma)
-    if use_tma and cuda:  # device-side descriptors live in a small global scratch buffer
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, device=a.device,
-                                                                      dtype=torch.int8))
+    if use_tma and cuda:
+        triton.set_allocator(tma_scratch)
     num_sms = _num_sms(a.device)
     grid = lambda META: (min(num_sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
     _fp8_gemm_kernel[grid](

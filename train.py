@@ -228,8 +228,9 @@ def optimizer_step(model, optimizer, cfg, layout=Layout()):
     weights_ok = weights_finite_flag(model, layout)
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
-        stepped = optimizer.step(grads_finite=finite, max_norm=max_norm, shards=shards)
-        norm, weights_ok = torch.stack([optimizer.grad_norm.float(), weights_ok]).to("cpu", copy=True).tolist()
+        go = optimizer.prepare_step(grads_finite=finite, max_norm=max_norm, shards=shards)
+        norm, weights_ok, go = torch.stack([optimizer.grad_norm.float(), weights_ok, go]).to("cpu", copy=True).tolist()
+        stepped = optimizer.step(verdict=go == 1)
     else:
         norm = clip(model, max_norm, layout)  # the whole model's norm, the same on every rank
         norm, weights_ok, finite = torch.stack([norm.float(), weights_ok, finite]).to("cpu", copy=True).tolist()
@@ -401,6 +402,11 @@ def main(argv=None):
 
     # ---- the training loop
     history, skipped_in_a_row = {"losses": [], "evals": []}, 0
+    train_batches = lambda it: [  # noqa: E731  (iteration it's micro-batches: a function of (seed, it))
+        get_batch(data["train"], cfg["batch_size"], cfg["block_size"],
+                  batch_generator(cfg["seed"], TRAIN_STREAM, it, j, rank), layout.device)
+        for j, rank in layout.micro_batch_keys(accum)]
+    batches, batches_of = None, None
     clock = Clock(run["tokens_per_iter"], peak_flops_for(cfg, layout.device_type), flops_per_token, layout)
     while True:
         lr = lr_at(iter_num, cfg)
@@ -423,10 +429,12 @@ def main(argv=None):
 
         if stats is not None and stats.due(iter_num):
             stats.start()
-        batches = [get_batch(data["train"], cfg["batch_size"], cfg["block_size"],
-                             batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, j, rank), layout.device)
-                   for j, rank in layout.micro_batch_keys(accum)]
+        batches = batches if batches_of == iter_num else train_batches(iter_num)
         loss = forward_backward(model, batches, layout, autocast, pipeline_formats(cfg))
+        # The next iteration's batches now, while the GPU still runs this backward: the step's one
+        # sync (in optimizer_step) waits for the backward to finish, and from then on the GPU
+        # waits for the host only until the optimizer's first kernel is launched.
+        batches, batches_of = train_batches(iter_num + 1), iter_num + 1
         grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg, layout)
         skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok,
                                       lr_at(iter_num - 1, cfg), cfg, layout, log)
