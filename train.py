@@ -402,10 +402,12 @@ def main(argv=None):
 
     # ---- the training loop
     history, skipped_in_a_row = {"losses": [], "evals": []}, 0
-    train_batches = lambda it: [  # noqa: E731  (iteration it's micro-batches: a function of (seed, it))
-        get_batch(data["train"], cfg["batch_size"], cfg["block_size"],
-                  batch_generator(cfg["seed"], TRAIN_STREAM, it, j, rank), layout.device)
-        for j, rank in layout.micro_batch_keys(accum)]
+
+    def train_batches(it):  # iteration it's micro-batches: a function of (seed, it) alone
+        return [get_batch(data["train"], cfg["batch_size"], cfg["block_size"],
+                          batch_generator(cfg["seed"], TRAIN_STREAM, it, j, rank), layout.device)
+                for j, rank in layout.micro_batch_keys(accum)]
+
     batches, batches_of = None, None
     clock = Clock(run["tokens_per_iter"], peak_flops_for(cfg, layout.device_type), flops_per_token, layout)
     while True:
