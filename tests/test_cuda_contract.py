@@ -356,6 +356,7 @@ def test_triton_block_gemm_comes_before_the_loop(contract, monkeypatch):
     assert len(msgs) == 1 and "the Triton GEMM (kernels.py)" in msgs[0] and "block scales need" in msgs[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("contract", ["h100"], indirect=True)
 @pytest.mark.parametrize("padded", [True, False], ids=["eager-v2", "compiled-v1"])
 def test_block_recipe_at_every_k_tile_count(contract, padded, monkeypatch):
