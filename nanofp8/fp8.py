@@ -174,15 +174,17 @@ class Fp8Tensor:
     amax: torch.Tensor = None  # the amax the data was measured with (NaN where it was non-finite;
     #                            None where a Triton quantizer measured it and kept it on chip)
     data_t: torch.Tensor = None  # the transposed copy, where the quantizer wrote it in the same pass
-    _inv: torch.Tensor = field(default=None, repr=False, compare=False)  # inv_scale, once computed
+    _inv: tuple = field(default=None, repr=False, compare=False)  # (scale, 1 / scale), once computed
 
     @property
     def inv_scale(self):
-        """1 / scale, what the GEMMs multiply by; computed once per container (a cached weight
-        cast serves every micro-step of an optimizer step)."""
-        if self._inv is None:
-            self._inv = self.scale.reciprocal()
-        return self._inv
+        """1 / scale, what the GEMMs multiply by; computed once per scale (a cached weight cast
+        serves every micro-step of an optimizer step). Kept with the scale it inverts, so a
+        container whose scale is replaced (clipping divides an FP8 gradient's scale) never hands
+        out the old inverse."""
+        if self._inv is None or self._inv[0] is not self.scale:
+            self._inv = (self.scale, self.scale.reciprocal())
+        return self._inv[1]
 
     def t(self):
         """The transpose, without re-quantizing. A tensor scale and a square block grid transpose
