@@ -25,7 +25,7 @@ import torch
 
 import conftest
 import train
-from conftest import spawn
+from conftest import newest_checkpoint, spawn
 from nanofp8 import parallel
 from nanofp8.configurator import ConfigError
 from nanofp8.model import GPT, GPTConfig, load_checkpoint, load_model_state
@@ -111,7 +111,9 @@ def test_layout_matches_single_device(run, name):
     # one checkpoint file per (tensor, pipeline) rank, written by data-parallel rank 0
     nproc, layout = LAYOUTS[name][:2]
     tp, pp = (2 if TP2 in layout else 1), (2 if PP2 in layout else 1)
-    assert sorted(os.listdir(out_dir)) == sorted(f"ckpt-tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp))
+    newest = os.path.dirname(newest_checkpoint(out_dir, "manifest.json"))
+    assert sorted(os.listdir(newest)) == sorted([f"ckpt-tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp)]
+                                                + ["manifest.json"])
     if nproc > tp * pp:
         return  # data-parallel replicas evaluate other batches (seeded by replica): not comparable
     ref_val = [v for _, _, v in single_device_run(LAYOUTS[name][2])["evals"]]
@@ -129,9 +131,9 @@ def test_tp_checkpoints_replicate_what_is_not_sharded(run, name):
     """The two TP ranks' files: unsharded tensors bit-identical, shards of the same shape and
     different, and together a whole single-device model."""
     _, out_dir = run(name)
-    a, b = (load_checkpoint(str(out_dir / f"ckpt-tp{t}-pp0.pt"))["model"] for t in (0, 1))
+    a, b = (load_checkpoint(newest_checkpoint(out_dir, f"ckpt-tp{t}-pp0.pt"))["model"] for t in (0, 1))
     assert a.keys() == b.keys()
-    config = GPTConfig(**load_checkpoint(str(out_dir / "ckpt-tp0-pp0.pt"))["model_args"])
+    config = GPTConfig(**load_checkpoint(newest_checkpoint(out_dir, "ckpt-tp0-pp0.pt"))["model_args"])
     sharded = [k for k in a if parallel.tp_cut(k, parallel.tp_plan(config))[0] is not None]
     assert len(sharded) == 2 * 6  # per block: c_attn w+b, attn.c_proj w, c_fc w+b, mlp.c_proj w
     for k in a:
@@ -148,7 +150,7 @@ def test_pp_tied_embedding_copies_agree(run):
     """The last stage's LM head is a copy of the first stage's embedding (tie_embeddings): their
     gradients are summed, so after 8 steps they are still the same bits."""
     _, out_dir = run("pp2")
-    first, last = (load_checkpoint(str(out_dir / f"ckpt-tp0-pp{p}.pt"))["model"] for p in (0, 1))
+    first, last = (load_checkpoint(newest_checkpoint(out_dir, f"ckpt-tp0-pp{p}.pt"))["model"] for p in (0, 1))
     assert "blocks.0.attn.c_attn.weight" in first and "blocks.1.attn.c_attn.weight" in last
     assert "blocks.1.attn.c_attn.weight" not in first and "blocks.0.attn.c_attn.weight" not in last
     assert torch.equal(first["tok_emb.weight"], last["lm_head.weight"])
@@ -205,7 +207,7 @@ def test_resume_at_the_same_layout_is_exact(tmp_path):
     assert evals(rest) == evals(full)[2:]  # the evaluation at 8 agrees too
     for t in range(2):
         for p in range(2):
-            a, b = (load_checkpoint(str(tmp_path / d / f"ckpt-tp{t}-pp{p}.pt")) for d in ("full", "stopped"))
+            a, b = (load_checkpoint(newest_checkpoint(tmp_path / d, f"ckpt-tp{t}-pp{p}.pt")) for d in ("full", "stopped"))
             assert a["iter_num"] == b["iter_num"] == 8
             assert a["model"].keys() == b["model"].keys()
             assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), (t, p)
