@@ -230,11 +230,7 @@ def check_values(cfg):
     need(cfg["out_dir"].strip() != "", "out_dir", "a directory name")
     need(not os.path.exists(cfg["out_dir"]) or os.path.isdir(cfg["out_dir"]), "out_dir",
          "a directory (it is an existing file)")
-    if cfg["device"].startswith("cuda"):
-        index = cfg["device"].partition(":")[2] or "0"
-        if not index.isdigit() or not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
-            raise ConfigError(f"config key 'device' is {cfg['device']!r}, but this machine has "
-                              f"{torch.cuda.device_count()} CUDA devices: use device=cpu (or auto)")
+    check_device(cfg["device"])
     try:  # the architecture's own rules (divisibility, RoPE's even head dim)
         GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig)})
     except ValueError as e:
@@ -269,6 +265,16 @@ def config_notes(cfg, start_iter):
                      f"warmup, its learning rate reaching {end / (warmup + 1):.0%} of learning_rate="
                      f"{cfg['learning_rate']:g} (a later resume with a larger max_iters goes on warming up)")
     return notes
+
+
+def check_device(device):
+    """A CUDA device that this machine has (train.py and sample.py): ConfigError, not an assertion
+    deep inside torch."""
+    if device.startswith("cuda"):
+        index = device.partition(":")[2] or "0"
+        if not index.isdigit() or not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"config key 'device' is {device!r}, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA devices: use device=cpu (or auto)")
 
 
 def check_model_parallel(cfg):
