@@ -358,6 +358,10 @@ def read_any(path):
         state, meta = load_portable(path)
         return state, dict(model_args=GPTConfig(**meta["model_args"]).__dict__, config=meta.get("config", {}),
                            iter_num=meta.get("iter_num"), notes=[], source=f"{path} (portable export)")
+    if not holds_checkpoint:
+        raise CheckpointError(f"{path} holds no model ({nothing_found(path)}): expected a training run's "
+                              f"out_dir or one of its checkpoint sets, an export, or a Hugging Face GPT-2 "
+                              f"(config.json + model.safetensors)")
     state, info = read_checkpoint(path)
     src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
                           info["layout"]["pipeline_parallel"], info["layout"]["zero_world"])
