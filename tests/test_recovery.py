@@ -34,7 +34,7 @@ import torch
 import export
 import sample
 import train
-from conftest import REPO, TINY, newest_checkpoint
+from conftest import REPO, TINY, newest_checkpoint, torchrun
 from nanofp8 import data as data_module
 from nanofp8 import model as model_module
 from nanofp8.checkpoint import find_checkpoint, read_any
@@ -728,3 +728,83 @@ def test_fp8_stats_cut_mid_line(tmp_path, capsys):
     recs = read_records(path)
     assert sorted({r["iter"] for r in recs}) == [0, 1, 2] and len(recs) == 3 * len(lines) // 2
     assert trim_jsonl(str(path), 3) is None  # nothing to drop
+
+
+# ---------------------------------------------------------------- under torchrun (gloo, 2 ranks)
+
+DIFFERENT_SETTINGS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import train
+rank = int(os.environ["RANK"])
+train.cli({tiny!r} + ["gradient_accumulation_steps=2", f"n_layer={{2 + rank}}", "out_dir={out}"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_ranks_with_different_settings(tmp_path):
+    """A per-rank difference (here n_layer) is one line before any model is built, not a timeout
+    that never happened."""
+    script = tmp_path / "worker.py"
+    script.write_text(DIFFERENT_SETTINGS.format(repo=REPO, tiny=TINY, out=tmp_path / "out"))
+    r = torchrun(2, script=str(script), check=False, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: the ranks were started with different settings: rank 1 has n_layer=3, rank 0 "
+                     "n_layer=2: give every rank the same command line and config files"], r.stderr[-3000:]
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+
+
+RANK_DIES_IN_A_SAVE = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import train
+from nanofp8 import run
+if os.environ["RANK"] == "1":  # dies while writing its file of the set of iteration 4
+    write = run.save_checkpoint
+    run.save_checkpoint = lambda state, path: os._exit(9) if "ckpt-00000004" in path else write(state, path)
+train.cli({tiny!r} + ["gradient_accumulation_steps=2", "tensor_parallel=2", "max_iters=4", "eval_interval=2",
+                      "out_dir={out}"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_rank_dies_during_a_save(tmp_path, capsys):
+    """Tensor-parallel ranks write one set: a rank that dies between its partner's write and its
+    own leaves a set without manifest, which readers ignore; the set before it stays whole."""
+    out = tmp_path / "out"
+    script = tmp_path / "worker.py"
+    script.write_text(RANK_DIES_IN_A_SAVE.format(repo=REPO, tiny=TINY, out=out))
+    r = torchrun(2, script=str(script), check=False, timeout=300)
+    assert r.returncode != 0 and not os.path.exists(out / "ckpt-00000004" / MANIFEST), r.stderr[-3000:]
+    state, info = read_any(str(out))
+    assert info["iter_num"] == 2 and len(info["files"]) == 2
+    assert f"ignoring {out / 'ckpt-00000004'}: partial" in " ".join(info["notes"])
+    sample.main([f"--out_dir={out}", "--max_new_tokens=4", "--num_samples=1"])
+    assert "ckpt-00000002/ckpt-tp0-pp0.pt" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_ctrl_c_under_torchrun(tmp_path):
+    """Ctrl-C (SIGINT to the whole job): the ranks exit 130 with one line, from rank 0, naming the
+    last good set; no rank prints a traceback (torchrun itself still reports the signal)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+           "gradient_accumulation_steps=2", "max_iters=100000", "eval_interval=3", f"out_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:
+            if line.startswith("iter 7:"):
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ours = [ln for ln in err.splitlines() if ln.startswith(("interrupted", "error:", "[rank"))]
+    assert ours == [f"interrupted (Ctrl-C): nothing half-written is kept; the last good checkpoint is "
+                    f"{out}/ckpt-00000006 (iter 6)"], err[-3000:]
+    assert read_any(str(out))[1]["iter_num"] == 6

@@ -156,6 +156,24 @@ def test_pp_tied_embedding_copies_agree(run):
     assert torch.equal(first["tok_emb.weight"], last["lm_head.weight"])
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_later_run_of_another_layout_wins(run, tmp_path, capsys):
+    """A tensor-parallel run's sets (iterations 4 and 8) and then, with overwrite_checkpoints=True,
+    a one-process run in the same out_dir (iteration 2): readers take the set written last, not
+    the highest iteration of another layout."""
+    import shutil
+
+    from nanofp8.checkpoint import read_any
+
+    out = shutil.copytree(run("tp2")[1], tmp_path / "out")
+    train.main(TINY + ["max_iters=2", "eval_interval=2", f"out_dir={out}", "overwrite_checkpoints=True"])
+    state, info = read_any(str(out))
+    assert info["iter_num"] == 2 and info["files"] == [str(out / "ckpt-00000002" / "ckpt.pt")]
+    resumed = train.main(TINY + ["max_iters=3", "eval_interval=2", f"out_dir={out}", "init_from=resume"])
+    assert "resuming at iter 2" in capsys.readouterr().out and [it for it, _ in resumed["losses"]] == [2]
+
+
 # ---------------------------------------------------------------- train.py's replica check
 
 
