@@ -36,7 +36,6 @@ import sample
 import train
 from conftest import REPO, TINY, newest_checkpoint, torchrun
 from nanofp8 import data as data_module
-from nanofp8 import model as model_module
 from nanofp8.checkpoint import find_checkpoint, read_any
 from nanofp8.configurator import ConfigError
 from nanofp8.interop import load_portable
@@ -89,6 +88,27 @@ def script(name, args, capsys):
     printed = capsys.readouterr()
     script.out = printed.out
     return e.value.code, printed.err
+
+
+def failing_save(monkeypatch, error):
+    """torch.save into a file that takes 20 kB and then raises `error` (OSError(ENOSPC): a full
+    disk; KeyboardInterrupt: Ctrl-C in the middle of a save)."""
+    real = torch.save
+
+    class Cut:
+        def __init__(self, f):
+            self.f, self.size = f, 0
+
+        def write(self, data):
+            self.size += len(data)
+            if self.size > 20000:
+                raise error
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real(obj, Cut(f), *a, **k))
 
 
 def one_line(err):
@@ -311,15 +331,15 @@ def test_init_from_dir_never_writes_into_it(run_dir, tmp_path, capsys):
 def test_flipped_bits_are_found_and_named(run_dir, capsys):
     """A flipped bit in Adam's state, an exponent flip in a weight, 4 KB of garbage: resume,
     sample.py and export.py refuse the file with one line naming it and the damaged tensor."""
-    path = run_dir / "ckpt-00000004" / "ckpt.pt"
-    ckpt = load_checkpoint(str(path))
-    good = path.read_bytes()
+    path = newest_checkpoint(run_dir)
+    ckpt = load_checkpoint(path)
+    good = open(path, "rb").read()
     m = ckpt["optimizer"]["state"][2]["exp_avg"].numpy().tobytes()  # blocks.0.attn.c_attn.weight's
     flip_bit(path, m[len(m) // 2: len(m) // 2 + 64], bit=3)
     code, err = cli(RUN + ["max_iters=6", "init_from=resume", f"out_dir={run_dir}"], capsys)
     assert code == 2 and one_line(err) == (f"error: {path} is damaged: tensor optimizer/state/2/exp_avg does not "
                                            f"match its checksum; restore the file from a copy or use another checkpoint")
-    path.write_bytes(good)
+    open(path, "wb").write(good)
     w = ckpt["model"]["blocks.1.attn.c_proj.weight"]
     flip_bit(path, w.numpy().tobytes()[:64], bit=6, at=3)  # the top exponent bit of the first weight: ~1e37
     code, err = script("sample.py", [f"--out_dir={run_dir}", "--max_new_tokens=4"], capsys)
@@ -330,7 +350,7 @@ def test_flipped_bits_are_found_and_named(run_dir, capsys):
         export.main([f"--out_dir={run_dir}", f"--to={run_dir.parent / 'exp'}"])
     blob = bytearray(good)
     blob[len(blob) // 2: len(blob) // 2 + 4096] = os.urandom(4096)
-    path.write_bytes(bytes(blob))
+    open(path, "wb").write(bytes(blob))
     with pytest.raises(CheckpointError, match=f"{path} is damaged"):
         read_any(str(run_dir))
 
@@ -623,14 +643,7 @@ def test_export_target_rules(good_run, tmp_path, capsys):
 def test_disk_full(run_dir, tmp_path, monkeypatch, capsys):
     """A save that fails for want of space: one line naming the good set, exit 4, no partial set
     and no temp file; an export likewise."""
-    real = model_module._HashingWriter.write
-
-    def full(self, data):
-        if self.size > 20000:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, data)
-
-    monkeypatch.setattr(model_module._HashingWriter, "write", full)
+    failing_save(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     code, err = cli(RUN + ["max_iters=6", "init_from=resume", f"out_dir={run_dir}"], capsys)
     assert code == 4 and one_line(err) == (f"error: cannot write {run_dir}/ckpt-00000006/ckpt.pt: No space left on "
                                            f"device; nothing half-written is kept, and the last good checkpoint is "
@@ -665,14 +678,7 @@ def test_ctrl_c_in_training_and_in_a_save(run_dir, monkeypatch, capsys):
                                              f"checkpoint is {run_dir}/ckpt-00000004 (iter 4)")
     monkeypatch.undo()
     assert sorted(os.listdir(run_dir)) == ["ckpt-00000002", "ckpt-00000004"]  # no lock left
-    real_write = model_module._HashingWriter.write
-
-    def ctrl_c(self, data):
-        if self.size > 20000:
-            raise KeyboardInterrupt
-        return real_write(self, data)
-
-    monkeypatch.setattr(model_module._HashingWriter, "write", ctrl_c)
+    failing_save(monkeypatch, KeyboardInterrupt())
     code, err = cli(RUN + ["max_iters=8", "init_from=resume", f"out_dir={run_dir}"], capsys)
     assert code == 130 and one_line(err).endswith(f"the last good checkpoint is {run_dir}/ckpt-00000004 (iter 4)")
     assert sorted(os.listdir(run_dir)) == ["ckpt-00000002", "ckpt-00000004"]
