@@ -37,6 +37,11 @@ differs between layouts (a pipeline's schedule, gradients spread over ranks, O3'
 a checkpoint file per model-parallel rank) is in nanofp8/run.py. The loop is flat: evaluate every
 eval_interval iterations (and checkpoint), forward/backward over the micro-batches, step.
 
+Checkpoints (nanofp8/outdir.py): each is a set, out_dir/ckpt-<iter>/, complete once its
+manifest is written; the newest keep_checkpoints are kept, a diverged state is never saved, and
+a run refuses to start where it would lose work (another run's checkpoint or lock, an out_dir it
+cannot write). Every failure is one line and an exit status (README: "Checkpoints and recovery").
+
 Seeing the numerics (nanofp8/stats.py): a table of the Linears (FP8 or not, and why), a count of
 GEMMs that fell back to high precision, and fp8_stats_interval=N: per-cast statistics to jsonl.
 

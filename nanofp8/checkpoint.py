@@ -16,6 +16,8 @@ reads all of these kinds of directories, for sample.py, export.py and train.py's
        TP / PP    one file per (tensor, pipeline) rank, ckpt-tp{t}-pp{p}.pt, each with its
                   shards of the block matrices (parallel.merge_tp_state_dicts glues them)
 
+   A run keeps these files in checkpoint sets (out_dir/ckpt-00000020/, nanofp8/outdir.py):
+   find_checkpoint() picks the newest complete set of an out_dir, or reads a set directory itself.
    read_checkpoint() resolves all of these to one fp32 state_dict of the single-device GPT, so
    sample.py, the exporters and a resume at another level all start from the same thing.
    Resolving O3 from the FP8 copy instead of the master would keep 3 of the master's 10

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import E4M3, quantize
-from nanofp8.model import GPT, CheckpointError, GPTConfig, WriteError, fsync_dir, tensor_checksums
+from nanofp8.model import GPT, CheckpointError, GPTConfig, WriteError, fsync_dir, is_newer_format, tensor_checksums
 
 # -----------------------------------------------------------------------------
 # 1. The portable export: safetensors + JSON
@@ -158,6 +158,9 @@ def load_portable(path):
     dict). Every tensor is checked against the model config.json describes: a missing or unexpected
     tensor, a wrong dtype or a wrong shape is a CheckpointError naming it; non-finite values too."""
     meta = _read_json(os.path.join(path, "config.json"))
+    if is_newer_format(meta.get("format"), EXPORT_FORMAT):
+        raise CheckpointError(f"{path} was written by a newer nanofp8 (format {meta['format']!r}; this version "
+                              f"reads {EXPORT_FORMAT!r}): update nanofp8 to read it")
     if meta.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{path}/config.json is not a nanofp8 export (format "
                               f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r})")

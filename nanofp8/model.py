@@ -414,6 +414,14 @@ class WriteError(RuntimeError):
     behind; the scripts exit with status 4."""
 
 
+def is_newer_format(found, current):
+    """Whether `found` names a later version of the format `current` ("nanofp8-ckpt-2" against
+    "nanofp8-ckpt-1"): a file of a newer nanofp8, to be refused with "update", not "not ours"."""
+    name, _, version = current.rpartition("-")
+    later = re.fullmatch(re.escape(name) + r"-(\d+)", str(found))
+    return bool(later) and int(later[1]) > int(version)
+
+
 def tensor_checksums(obj, prefix=""):
     """{path of every tensor in a nested dict/list: CRC-32 of its bytes}."""
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
@@ -551,8 +559,7 @@ def load_checkpoint(path, map_location="cpu", expect=None):
         raise CheckpointError(f"{path} is {why}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
-        newer = re.fullmatch(r"nanofp8-ckpt-(\d+)", str(found))
-        if newer and int(newer[1]) > int(CKPT_FORMAT.rsplit("-", 1)[1]):
+        if is_newer_format(found, CKPT_FORMAT):
             raise CheckpointError(f"{path} was written by a newer nanofp8 (format {found!r}; this version "
                                   f"reads {CKPT_FORMAT!r}): update nanofp8 to read it")
         raise CheckpointError(f"{path} is not a nanofp8 checkpoint (expected format "

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 from .configurator import ConfigError
-from .model import CheckpointError, WriteError, fsync_dir, process_alive
+from .model import CheckpointError, WriteError, fsync_dir, is_newer_format, process_alive
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nanofp8-set-1"
@@ -110,24 +110,34 @@ def read_manifest(set_dir):
                               f"out of the way to use the sets before it") from None
     found = manifest.get("format") if isinstance(manifest, dict) else None
     if found != MANIFEST_FORMAT:
-        newer = re.fullmatch(r"nanofp8-set-(\d+)", str(found))
-        if newer and int(newer[1]) > int(MANIFEST_FORMAT.rsplit("-", 1)[1]):
+        if is_newer_format(found, MANIFEST_FORMAT):
             raise CheckpointError(f"{set_dir} was written by a newer nanofp8 (manifest format {found!r}; "
                                   f"this version reads {MANIFEST_FORMAT!r}): update nanofp8 to read it")
         raise CheckpointError(f"{path} is not a nanofp8 manifest (format {found!r}, expected "
                               f"{MANIFEST_FORMAT!r})")
+    if not (isinstance(manifest.get("files"), dict) and isinstance(manifest.get("iter_num"), int)
+            and isinstance(manifest.get("sequence"), int) and isinstance(manifest.get("layout"), dict)):
+        raise CheckpointError(f"{path} is damaged: it lacks its files, iteration, sequence or layout; move "
+                              f"{set_dir} out of the way to use the sets before it")
     return manifest
 
 
-def scan(out_dir):
-    """(complete sets, newest first; [(set directory, why it is not complete)])."""
+def scan(out_dir, strict=True):
+    """(complete sets, newest first; [(set directory, why it is not complete)]). A manifest that
+    cannot be read, or that a newer nanofp8 wrote, is a CheckpointError; with strict=False (the
+    writer's view) its set is left out of both lists, and so left alone."""
     complete, incomplete = [], []
     names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     for name in names:
         path = os.path.join(out_dir, name)
         if not (SET_NAME.fullmatch(name) and os.path.isdir(path)):
             continue
-        manifest = read_manifest(path)
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            if strict:
+                raise
+            continue
         if manifest is None:
             incomplete.append((path, "partial: no manifest.json (its save was interrupted or failed)"))
             continue
@@ -208,7 +218,7 @@ def begin_set(out_dir, iter_num):
 def commit_set(path, iter_num, files, layout, **extra):
     """Write the manifest that makes the set at `path` complete. files: {name: {"bytes", "sha256"}}
     with rank 0's file first. Returns the set."""
-    complete, _ = scan(os.path.dirname(path))
+    complete, _ = scan(os.path.dirname(path), strict=False)
     sequence = 1 + max([s.sequence for s in complete], default=0)
     manifest = {"format": MANIFEST_FORMAT, "iter_num": iter_num, "sequence": sequence,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "layout": layout, "files": files, **extra}
@@ -218,8 +228,9 @@ def commit_set(path, iter_num, files, layout, **extra):
 
 def prune(out_dir, keep):
     """Keep the newest `keep` complete sets (the files of an older nanofp8 count as the oldest);
-    remove the rest, and every partial or broken set. Returns what was removed."""
-    complete, incomplete = scan(out_dir)
+    remove the rest, and every partial or broken set (a set whose manifest cannot be read, or
+    that a newer nanofp8 wrote, is left alone). Returns what was removed."""
+    complete, incomplete = scan(out_dir, strict=False)
     removed = [path for path, _ in incomplete] + [s.path for s in complete[keep:]]
     for path in removed:
         try:

@@ -12,8 +12,10 @@ model cut over tensor and pipeline ranks.
 Where the answers differ, they differ for a reason written next to them: a pipeline runs all
 micro-batches at once (GPipe), a model-parallel gradient is spread over ranks before it is
 averaged over replicas, O3's optimizer state is a shard per rank. The rest of the module is what
-a run checks about itself: non-finite weights, skipped steps, replicas drifting apart, a resume
-that would silently make another run.
+a run checks about itself: non-finite weights, skipped steps, a diverged state that must not be
+saved, replicas drifting apart, a resume that would silently make another run, an out_dir that
+cannot take a checkpoint; how the ranks write one checkpoint set (nanofp8/outdir.py); and the
+command's one line and exit status per kind of failure.
 """
 
 import io
@@ -700,8 +702,8 @@ def command(main, argv=None):
     that timed out, a process group that did not form); 4 a checkpoint that could not be written
     (disk full, read-only); 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) for a run
     stopped by one. A line about a stopped run names the last good checkpoint."""
-    global _signal
-    _signal = None
+    global _signal, current_out_dir
+    _signal, current_out_dir = None, None
     handlers = {}
     if threading.current_thread() is threading.main_thread():  # (signals reach only the main thread)
         handlers = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -176,6 +176,12 @@ def test_newer_format_versions(run_dir):
     torch.save({**ckpt, "format": "nanofp8-ckpt-2"}, run_dir / "newer.pt")
     with pytest.raises(CheckpointError, match=r"newer.pt was written by a newer nanofp8 \(format 'nanofp8-ckpt-2'"):
         load_checkpoint(str(run_dir / "newer.pt"))
+    exp = run_dir.parent / "exp"  # (exported from one set, named directly)
+    export.main([f"--out_dir={run_dir}/ckpt-00000002", f"--to={exp}"])
+    meta = json.load(open(exp / "config.json"))
+    json.dump({**meta, "format": "nanofp8-export-2"}, open(exp / "config.json", "w"))
+    with pytest.raises(CheckpointError, match=r"exp was written by a newer nanofp8 \(format 'nanofp8-export-2'"):
+        load_portable(str(exp))
 
 
 def test_files_of_older_versions(good_run, tmp_path, capsys):
