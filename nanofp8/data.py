@@ -54,9 +54,9 @@ def check_dataset(dataset):
             path = os.path.join(folder, f"{split}.bin")
             size = os.path.getsize(path)
             if size % 2 or size == 0:
-                raise ConfigError(f"{_shown(path)} has {size:,} bytes, not a whole number of uint16 token ids "
-                                  f"(cut short or not written by prepare.py): prepare the dataset again with "
-                                  f"python {_shown(script)}")
+                what = "is empty" if size == 0 else f"has {size:,} bytes, not a whole number of uint16 token ids"
+                raise ConfigError(f"{_shown(path)} {what} (cut short or not written by prepare.py): prepare the "
+                                  f"dataset again with python {_shown(script)}")
         return False
     if not os.path.exists(script):
         if os.path.isdir(folder) and len(missing) < len(wanted):  # a dataset of one's own, half there

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import E4M3, quantize
-from nanofp8.model import GPT, CheckpointError, GPTConfig, WriteError, fsync_dir, is_newer_format, tensor_checksums
+from nanofp8.model import GPT, CheckpointError, GPTConfig, is_newer_format, tensor_checksums, write_file
 
 # -----------------------------------------------------------------------------
 # 1. The portable export: safetensors + JSON
@@ -100,19 +100,7 @@ def _write_export(out_dir, tensors, config):
     if os.path.exists(paths[1]):  # replacing an export: until the new config.json, it is none
         os.remove(paths[1])
     for path, data in zip(paths, (blob, json.dumps(config, indent=2).encode())):
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as e:
-            raise WriteError(f"cannot write {path}: {e.strerror or e}") from None
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    fsync_dir(out_dir)
+        write_file(path, data)
     return paths
 
 

@@ -482,6 +482,24 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def write_file(path, data):
+    """Write bytes to path whole or not at all: a temp file beside it, flushed to disk, renamed
+    into place. A failed write (disk full, read-only) is a WriteError and leaves no temp file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def save_checkpoint(ckpt, path):
     """Write atomically: to a temp file in the same directory, flushed to disk, then renamed over
     the target. A crash mid-write leaves the previous checkpoint intact, never half a file. The

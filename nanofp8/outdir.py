@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 from .configurator import ConfigError
-from .model import CheckpointError, WriteError, fsync_dir, is_newer_format, process_alive
+from .model import CheckpointError, WriteError, is_newer_format, process_alive, write_file
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nanofp8-set-1"
@@ -68,7 +68,7 @@ class CheckpointSet:
 
     def expected(self, name):
         """The manifest's {"bytes", "sha256"} of a file (None without a manifest)."""
-        return self.manifest["files"][name] if self.manifest else None
+        return self.manifest["files"].get(name) if self.manifest else None
 
     def layout(self):
         return self.manifest["layout"] if self.manifest else None
@@ -77,23 +77,6 @@ class CheckpointSet:
         if self.manifest is None:
             return ", ".join(self.file(f) for f in self.files)
         return f"{self.path} (iter {self.iter_num})"
-
-
-def _write_json(path, obj):
-    """Atomically: a temp file, flushed, renamed into place."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
-    except OSError as e:
-        raise WriteError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def read_manifest(set_dir):
@@ -222,7 +205,7 @@ def commit_set(path, iter_num, files, layout, **extra):
     sequence = 1 + max([s.sequence for s in complete], default=0)
     manifest = {"format": MANIFEST_FORMAT, "iter_num": iter_num, "sequence": sequence,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "layout": layout, "files": files, **extra}
-    _write_json(os.path.join(path, MANIFEST), manifest)
+    write_file(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
     return CheckpointSet(path, list(files), iter_num, sequence, manifest)
 
 
@@ -392,16 +375,7 @@ def trim_jsonl(path, before_iter):
         kept.append(line)
     if not cut and not later:
         return None
-    _write_bytes(path, b"".join(line + b"\n" for line in kept))
+    write_file(path, b"".join(line + b"\n" for line in kept))
     what = [f"{cut} damaged line{'s' * (cut > 1)} (cut short by a crash)"] * bool(cut) + [
         f"{later} record{'s' * (later > 1)} of iterations >= {before_iter} (written again now)"] * bool(later)
     return f"{path}: dropped {' and '.join(what)}"
-
-
-def _write_bytes(path, data):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
