@@ -188,10 +188,8 @@ def begin_set(out_dir, iter_num):
     """Make the directory of the set of iter_num, removing what a failed save or a replaced run
     left under that name (its manifest first, so that it is never complete with mixed files)."""
     path = os.path.join(out_dir, set_name(iter_num))
+    discard_set(path)
     try:
-        if os.path.exists(os.path.join(path, MANIFEST)):
-            os.remove(os.path.join(path, MANIFEST))
-        shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise WriteError(f"cannot make {path}: {e.strerror or e}") from None
@@ -216,11 +214,7 @@ def prune(out_dir, keep):
     complete, incomplete = scan(out_dir, strict=False)
     removed = [path for path, _ in incomplete] + [s.path for s in complete[keep:]]
     for path in removed:
-        try:
-            os.remove(os.path.join(path, MANIFEST))
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(path, ignore_errors=True)
+        discard_set(path)
     if len(complete) >= keep:
         for f in legacy_files(out_dir):
             os.remove(os.path.join(out_dir, f))
@@ -229,7 +223,8 @@ def prune(out_dir, keep):
 
 
 def discard_set(path):
-    """Remove a set whose save failed or was interrupted."""
+    """Remove a set directory (if there is one), its manifest first: a set is never complete with
+    some of its files gone."""
     try:
         os.remove(os.path.join(path, MANIFEST))
     except OSError:
