@@ -210,7 +210,7 @@ def test_stale_files_of_another_layout(good_run, tmp_path, capsys):
     when allowed to replace them, readers take its set."""
     out = tmp_path / "out"
     out.mkdir()
-    ckpt = torch.load(good_run / "ckpt-00000004" / "ckpt.pt", weights_only=True)
+    ckpt = torch.load(newest_checkpoint(good_run), weights_only=True)
     for t in (0, 1):  # stand-ins for TP files of iteration 20
         torch.save({**ckpt, "iter_num": 20, "config": {**ckpt["config"], "tensor_parallel": 2}},
                    out / f"ckpt-tp{t}-pp0.pt")
