@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import E4M3, quantize
-from nanofp8.model import GPT, CheckpointError, GPTConfig, is_newer_format, tensor_checksums, write_file
+from nanofp8.model import (GPT, CheckpointError, GPTConfig, check_checksums, is_newer_format, tensor_checksums,
+                           write_file)
 
 # -----------------------------------------------------------------------------
 # 1. The portable export: safetensors + JSON
@@ -132,12 +133,7 @@ def _read_safetensors(path):
             saved = json.loads(metadata[CRC_KEY])
         except ValueError:
             raise CheckpointError(f"{path} is damaged: its checksums cannot be read") from None
-        now = tensor_checksums(tensors)
-        bad = sorted(set(now) ^ set(saved)) + [k for k in now if k in saved and saved[k] != now[k]]
-        if bad:
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            raise CheckpointError(f"{path} is damaged: tensor {bad[0]}{more} does not match its checksum; "
-                                  f"export it again")
+        check_checksums(saved, tensors, path, "export it again")
     return tensors
 
 

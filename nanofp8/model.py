@@ -436,6 +436,16 @@ def tensor_checksums(obj, prefix=""):
     return out
 
 
+def check_checksums(saved, obj, path, advice):
+    """CheckpointError naming the first tensor of `obj` whose CRC-32 is not its `saved` one (or
+    that is missing on either side): `path` is damaged."""
+    now = tensor_checksums(obj)
+    bad = sorted(set(now) ^ set(saved)) + [k for k in now if k in saved and saved[k] != now[k]]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{path} is damaged: tensor {bad[0]}{more} does not match its checksum; {advice}")
+
+
 class _HashingWriter:
     """A file object for torch.save that also counts and hashes what goes through it."""
 
@@ -583,14 +593,9 @@ def load_checkpoint(path, map_location="cpu", expect=None):
         raise CheckpointError(f"{path} is not a nanofp8 checkpoint (expected format "
                               f"{CKPT_FORMAT!r}, found {found!r})")
     if not intact:  # no manifest, or one that disagrees: find the damaged tensor
-        saved = ckpt.get("checksums")
-        if saved is not None:  # (files of nanofp8 versions before checksums have none)
-            now = tensor_checksums({k: v for k, v in ckpt.items() if k != "checksums"})
-            bad = sorted(set(now) ^ set(saved)) + [k for k in now if k in saved and saved[k] != now[k]]
-            if bad:
-                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                raise CheckpointError(f"{path} is damaged: tensor {bad[0]}{more} does not match its "
-                                      f"checksum; restore the file from a copy or use another checkpoint")
+        if "checksums" in ckpt:  # (files of nanofp8 versions before checksums have none)
+            check_checksums(ckpt["checksums"], {k: v for k, v in ckpt.items() if k != "checksums"}, path,
+                            "restore the file from a copy or use another checkpoint")
         if intact is False:
             raise CheckpointError(f"{path} is damaged: its sha256 differs from its manifest's, outside "
                                   f"its tensors (the iteration or the settings); restore the file from "
