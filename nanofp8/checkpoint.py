@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from nanofp8.fp8 import BLOCK, E4M3, expand_tiles, quantize
 from nanofp8.interop import is_hf_gpt2, load_hf_gpt2, load_portable
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint
-from nanofp8.outdir import MANIFEST, SET_NAME, CheckpointSet, legacy_files, newest_set, nothing_found, read_manifest
+from nanofp8.outdir import MANIFEST, SET_NAME, CheckpointSet, legacy_files, newest_set, nothing_found, read_set
 
 # -----------------------------------------------------------------------------
 # 1. Any checkpoint -> one fp32 state_dict of the single-device GPT
@@ -71,12 +71,10 @@ def find_checkpoint(out_dir):
     model-parallel ranks' ckpt-tp*-pp*.pt, the later iteration if both are there). A set
     directory itself (out/ckpt-00000010) is read as it is. CheckpointError if there is none."""
     if os.path.isfile(os.path.join(out_dir, MANIFEST)):  # a set, named directly
-        manifest = read_manifest(out_dir)
-        missing = [f for f in manifest["files"] if not os.path.isfile(os.path.join(out_dir, f))]
-        if missing:
-            raise CheckpointError(f"{out_dir} is broken: its manifest names {missing[0]}, which is missing")
-        return CheckpointSet(out_dir, list(manifest["files"]), manifest["iter_num"], manifest["sequence"],
-                             manifest), []
+        found, why = read_set(out_dir)
+        if found is None:
+            raise CheckpointError(f"{out_dir} is {why}")
+        return found, []
     found, notes = newest_set(out_dir)
     if found is not None:
         return found, notes

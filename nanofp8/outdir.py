@@ -105,6 +105,17 @@ def read_manifest(set_dir):
     return manifest
 
 
+def read_set(path):
+    """(the complete set in directory `path`, None), or (None, why it is not complete)."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return None, "partial: no manifest.json (its save was interrupted or failed)"
+    missing = [f for f in manifest["files"] if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        return None, f"broken: its manifest names {missing[0]}, which is missing"
+    return CheckpointSet(path, list(manifest["files"]), manifest["iter_num"], manifest["sequence"], manifest), None
+
+
 def scan(out_dir, strict=True):
     """(complete sets, newest first; [(set directory, why it is not complete)]). A manifest that
     cannot be read, or that a newer nanofp8 wrote, is a CheckpointError; with strict=False (the
@@ -116,20 +127,15 @@ def scan(out_dir, strict=True):
         if not (SET_NAME.fullmatch(name) and os.path.isdir(path)):
             continue
         try:
-            manifest = read_manifest(path)
+            found, why = read_set(path)
         except CheckpointError:
             if strict:
                 raise
             continue
-        if manifest is None:
-            incomplete.append((path, "partial: no manifest.json (its save was interrupted or failed)"))
-            continue
-        missing = [f for f in manifest["files"] if not os.path.isfile(os.path.join(path, f))]
-        if missing:
-            incomplete.append((path, f"broken: its manifest names {missing[0]}, which is missing"))
-            continue
-        complete.append(CheckpointSet(path, list(manifest["files"]), manifest["iter_num"],
-                                      manifest["sequence"], manifest))
+        if found is None:
+            incomplete.append((path, why))
+        else:
+            complete.append(found)
     complete.sort(key=lambda s: s.sequence, reverse=True)
     return complete, incomplete
 
