@@ -769,11 +769,10 @@ def test_ranks_with_different_settings(tmp_path):
 RANK_DIES_IN_A_SAVE = """
 import os, sys
 sys.path.insert(0, {repo!r})
-import train
-from nanofp8 import run
-if os.environ["RANK"] == "1":  # dies while writing its file of the set of iteration 4
-    write = run.save_checkpoint
-    run.save_checkpoint = lambda state, path: os._exit(9) if "ckpt-00000004" in path else write(state, path)
+import torch, train
+if os.environ["RANK"] == "1":  # dies as it starts writing its file of the checkpoint of iteration 4
+    write = torch.save
+    torch.save = lambda obj, f, *a, **k: os._exit(9) if obj.get("iter_num") == 4 else write(obj, f, *a, **k)
 train.cli({tiny!r} + ["gradient_accumulation_steps=2", "tensor_parallel=2", "max_iters=4", "eval_interval=2",
                       "out_dir={out}"])
 """
