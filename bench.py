@@ -846,7 +846,10 @@ def plot_stats(stats_dir, out):
     path = os.path.join(stats_dir, "fp8_stats.jsonl")
     if not os.path.exists(path):
         sys.exit(f"error: {path} not found: train with fp8_stats_interval > 0 and out_dir={stats_dir}")
-    recs = [r for r in read_records(path) if "sqnr_db" in r]  # the casts (not O2's stored moments)
+    try:
+        recs = [r for r in read_records(path) if "sqnr_db" in r]  # the casts (not O2's stored moments)
+    except ValueError as e:  # a line cut short: named, with its line number
+        sys.exit(f"error: {e}")
     if not recs:
         sys.exit(f"error: {path} holds no cast statistics")
     iters = sorted({r["iter"] for r in recs})
