@@ -226,14 +226,16 @@ def build_optimizer(model, cfg, device_type):
     return torch.optim.AdamW(groups, **kw, **extra)
 
 
-def optimizer_step(model, optimizer, cfg, layout=Layout()):
+def optimizer_step(model, optimizer, cfg, layout=None):
     """Sum gradients over ranks, clip, step, clear. Returns (norm, stepped, weights were finite).
+    layout: this rank's (default: one process, on the device of the model's parameters).
 
     A non-finite gradient norm (an overflow, or a NaN that FP8 casts let through on purpose): skip
     the step rather than write NaN into every weight. Deciding that is the step's one device sync
     (a copy to the host, also on CPU where tests/test_syncs.py counts it), which also reads the
     check of the weights that the last update left."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+    layout = layout or Layout(device=str(next(model.parameters()).device))  # the flags live there
     finite = sync_gradients(model, layout)  # the same verdict on every rank
     weights_ok = weights_finite_flag(model, layout)
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step

@@ -607,6 +607,14 @@ def one_pass_cast(x):
     return x.is_cuda and not torch.compiler.is_compiling() and _triton_available(x.device)
 
 
+def triton_cast(recipe, x):
+    """Does this cast run on kernels.py's Triton quantizers? backend="triton" asks for them, and
+    eager CUDA casts take them (one_pass_cast). Under torch.compile a cast stays torch operations
+    for inductor to fuse, whichever the backend: dynamo then traces no Triton launch (torch 2.11's
+    cannot trace every one: kernels.fp8_gemm_op)."""
+    return (recipe.backend == "triton" and not torch.compiler.is_compiling()) or one_pass_cast(x)
+
+
 def _quantize_triton(x2, fmt, granularity, block, margin, power_of_two):
     """quantize() on kernels.py's Triton quantizers (bit-exact with it: tests/test_kernels.py),
     for backend="triton". A tensor-scaled cast also writes its transpose in the same pass
@@ -776,7 +784,7 @@ def _requantize_t(mod, x2, fmt, q, block):
     r = mod.recipe
     if r.granularity == "tensor" or (r.granularity == "block" and q.block[0] > 1):
         return q.t()
-    if r.backend == "triton" or one_pass_cast(x2):
+    if triton_cast(r, x2):
         return _quantize_triton(x2.t(), fmt, r.granularity, block, r.margin, r.power_of_two)
     return quantize(x2.t(), fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 
@@ -921,7 +929,7 @@ class Fp8Linear(nn.Linear):
         if r.scaling == "delayed":
             return self.delayed_quantize(role, x2, fmt)
         block = (BLOCK, BLOCK) if role == WEIGHT else ACT_BLOCK
-        if r.backend == "triton" or one_pass_cast(x2):
+        if triton_cast(r, x2):
             return _quantize_triton(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
         return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 

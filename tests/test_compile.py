@@ -243,3 +243,39 @@ def test_train_compiled_o3_matches_eager(tmp_path):
     for rank in range(2):
         losses = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(abs(e - c) < 1e-5 for e, c in losses), losses
+
+
+@pytest.mark.slow
+def test_triton_backend_compiles_to_one_opaque_gemm():
+    """backend="triton" under torch.compile (autocast on): one graph, no break, and each GEMM is the
+    custom op nanofp8::fp8_gemm, so dynamo traces no Triton launch. Traced, the autotuned GEMM
+    crashed torch 2.11's dynamo on an H200 ("Can't construct an AttrSource without a valid base
+    source", pytorch#178179): every compiled GEMM of backend=triton, and the block recipe's GEMMs
+    routed to Triton. The casts stay torch operations for inductor (fp8.triton_cast). Outputs and
+    gradients are bit-identical to eager's (the same kernels run)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(256, 128))
+    convert_to_fp8(eager, Recipe(backend="triton"))
+    model = copy.deepcopy(eager)
+    x = torch.randn(16, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)(x.clone().requires_grad_())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    graphs = [str(m.graph) for g in explained.graphs for m in g.modules() if hasattr(m, "graph")]
+    assert sum(s.count("nanofp8.fp8_gemm") for s in graphs) == 3, "forward, dgrad and wgrad GEMMs"
+    assert not any("triton_kernel_wrapper" in s for s in graphs)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ye, yc = eager(xe), compiled(xc)
+    ye.float().square().sum().backward()
+    yc.float().square().sum().backward()
+    assert counter.frame_count == 1
+    assert torch.equal(yc, ye)
+    assert torch.equal(xc.grad, xe.grad) and torch.equal(model[0].weight.grad, eager[0].weight.grad)
