@@ -279,3 +279,30 @@ def test_triton_backend_compiles_to_one_opaque_gemm():
     assert counter.frame_count == 1
     assert torch.equal(yc, ye)
     assert torch.equal(xc.grad, xe.grad) and torch.equal(model[0].weight.grad, eager[0].weight.grad)
+
+
+def test_a_gemm_routed_while_tracing_does_not_recompile(monkeypatch):
+    """A GEMM that torch._scaled_mm cannot run is routed while dynamo traces, and that choice holds
+    for every call of the graph. Counted there (a Python counter read and written in the compiled
+    region), it made dynamo recompile at every step: on an H200, O2 with block scales hit the
+    recompile limit (8) at step 8 and ran eagerly from then on. Twelve calls: one compile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from nanofp8 import fp8
+
+    monkeypatch.setattr(fp8, "fallbacks", {})
+    torch._dynamo.reset()
+
+    def step(x):
+        fp8._fell_back("layer", "a rule of torch._scaled_mm")  # to a high-precision GEMM
+        fp8._fell_back("layer", "a rule of torch._scaled_mm", "the Triton GEMM (kernels.py)")
+        return x + 1
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(step, backend=counter)
+    for _ in range(12):
+        compiled(torch.ones(2))
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles"
+    with pytest.warns(UserWarning, match="falling back to a high-precision GEMM"):
+        step(torch.ones(2))  # eager: counted and reported
+    assert fp8.fallbacks == {"layer": 1}, "only the high-precision GEMM is a fallback"
