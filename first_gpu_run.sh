@@ -1,7 +1,7 @@
 #!/bin/bash
 # The first run on a CUDA GPU, in one go: what the CPU tests stand for, confirmed on the device.
 #
-#   bash first_gpu_run.sh [OUT_DIR]        (default gpu-first-run/; about 10 minutes on an H100)
+#   bash first_gpu_run.sh [OUT_DIR]        (default gpu-first-run/; about 15 minutes on an H100 or H200)
 #
 # SKIP_KERNELS=1 leaves out kernels.py. It writes OUT_DIR/first_run.log (everything, in order) and three JSON files (kernels_gpu.json,
 # throughput_compiled.json, throughput_eager.json). Each step has a time limit and the script
@@ -41,12 +41,12 @@ say "machine"
 
 say "phase A: correctness, side by side"
 run=(python train.py config/shakespeare_char.py device=cuda max_iters=200 eval_interval=100 always_save_checkpoint=False)
-job bf16-compiled 200 "${run[@]}" out_dir="$tmp/o-bf16" compile=True precision=bf16
-job O1-compiled 200 "${run[@]}" out_dir="$tmp/o-O1" compile=True precision=O1
-job O1-row-compiled 200 "${run[@]}" out_dir="$tmp/o-O1row" compile=True precision=O1 fp8_granularity=row
-job O2-block-compiled 200 "${run[@]}" out_dir="$tmp/o-O2b" compile=True precision=O2 fp8_granularity=block fp8_formats=e4m3
-job O3-compiled 200 torchrun --standalone --nproc_per_node=1 "${run[@]:1}" out_dir="$tmp/o-O3" compile=True precision=O3
-job O1-eager-strict 200 "${run[@]}" out_dir="$tmp/o-O1s" compile=False precision=O1 fp8_strict=True
+job bf16-compiled 300 "${run[@]}" out_dir="$tmp/o-bf16" compile=True precision=bf16
+job O1-compiled 300 "${run[@]}" out_dir="$tmp/o-O1" compile=True precision=O1
+job O1-row-compiled 300 "${run[@]}" out_dir="$tmp/o-O1row" compile=True precision=O1 fp8_granularity=row
+job O2-block-compiled 300 "${run[@]}" out_dir="$tmp/o-O2b" compile=True precision=O2 fp8_granularity=block fp8_formats=e4m3
+job O3-compiled 300 torchrun --standalone --nproc_per_node=1 "${run[@]:1}" out_dir="$tmp/o-O3" compile=True precision=O3
+job O1-eager-strict 300 "${run[@]}" out_dir="$tmp/o-O1s" compile=False precision=O1 fp8_strict=True
 cat > "$tmp/graph_breaks.py" <<'EOF'
 # A compiled FP8 MLP under autocast, per backend and granularity: graphs, breaks, and how far the
 # compiled forward and gradients are from eager's (SQNR, dB).
@@ -82,9 +82,9 @@ for backend in ("torch", "triton"):
         except Exception as e:
             print(f"{backend:6s} {gran:6s}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 EOF
-job graph-breaks 200 env PYTHONPATH="$PWD" python "$tmp/graph_breaks.py"
+job graph-breaks 300 env PYTHONPATH="$PWD" python "$tmp/graph_breaks.py"
 bench=(python bench.py throughput --models gpt2-124M wide-4096 --compiled_only --rounds 1 --steps 1)
-for level in bf16 O1 O2; do job "warm-$level" 200 "${bench[@]}" --levels $level; done
+for level in bf16 O1 O2; do job "warm-$level" 300 "${bench[@]}" --levels $level; done
 wait
 for f in "$tmp"/*.log; do
     echo "---- $(basename "$f" .log)" >> "$log"
@@ -98,10 +98,10 @@ done
 say "phase B: timed, one at a time"
 [ -n "${SKIP_KERNELS:-}" ] || timeout 150 python kernels.py --json "$out/kernels_gpu.json" 2>&1 | tee -a "$log"
 say "throughput, compiled"
-timeout 150 python bench.py throughput --models gpt2-124M wide-4096 --levels bf16 O1 O2 --compiled_only \
+timeout 400 python bench.py throughput --models gpt2-124M wide-4096 --levels bf16 O1 O2 --compiled_only \
     --rounds 1 --steps 10 --json "$out/throughput_compiled.json" 2>&1 | tee -a "$log"
 say "throughput, eager"
-timeout 100 python bench.py throughput --models gpt2-124M wide-4096 --levels bf16 O1 O2 --no_compile \
+timeout 300 python bench.py throughput --models gpt2-124M wide-4096 --levels bf16 O1 O2 --no_compile \
     --rounds 2 --steps 10 --json "$out/throughput_eager.json" 2>&1 | tee -a "$log"
 say "done"
 rm -rf "$tmp"
