@@ -647,7 +647,8 @@ def test_export_target_rules(good_run, tmp_path, capsys):
 
 def test_disk_full(run_dir, tmp_path, monkeypatch, capsys):
     """A save that fails for want of space: one line naming the good set, exit 4, no partial set
-    and no temp file; an export likewise."""
+    and no temp file. An export likewise (exit 4), and Ctrl-C in an export's write exits 130;
+    neither leaves a file behind."""
     failing_save(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     code, err = cli(RUN + ["max_iters=6", "init_from=resume", f"out_dir={run_dir}"], capsys)
     assert code == 4 and one_line(err) == (f"error: cannot write {run_dir}/ckpt-00000006/ckpt.pt: No space left on "
@@ -655,14 +656,39 @@ def test_disk_full(run_dir, tmp_path, monkeypatch, capsys):
                                            f"{run_dir}/ckpt-00000004 (iter 4)")
     assert sorted(os.listdir(run_dir)) == ["ckpt-00000002", "ckpt-00000004"]
     monkeypatch.undo()
+    exp = tmp_path / "exp"
+    real_open = builtins.open
 
-    def fsync_fails(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class Refused:  # a file under exp whose writes fail with `error`
+        def __init__(self, f, error):
+            self.f, self.error = f, error
 
-    monkeypatch.setattr(os, "fsync", fsync_fails)
-    with pytest.raises(WriteError, match=r"cannot write .*exp/model.safetensors: No space left on device"):
-        export.main([f"--out_dir={run_dir}", f"--to={tmp_path / 'exp'}"])
-    assert os.listdir(tmp_path / "exp") == []
+        def write(self, data):
+            raise self.error
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    for error, status, line in ((OSError(errno.ENOSPC, "No space left on device"), 4,
+                                 f"error: cannot write {exp}/model.safetensors: No space left on device; nothing "
+                                 f"half-written is left"),
+                                (KeyboardInterrupt(), 130, "interrupted (Ctrl-C): nothing half-written is left")):
+        def refusing_open(file, mode="r", *a, **k):
+            f = real_open(file, mode, *a, **k)
+            inside = isinstance(file, (str, os.PathLike)) and os.fspath(file).startswith(str(exp) + os.sep)
+            return Refused(f, error) if inside and "w" in mode else f
+
+        monkeypatch.setattr(builtins, "open", refusing_open)
+        code, err = script("export.py", [f"--out_dir={run_dir}", f"--to={exp}"], capsys)
+        monkeypatch.undo()
+        assert code == status and one_line(err) == line
+        assert os.listdir(exp) == []
 
 
 def test_ctrl_c_in_training_and_in_a_save(run_dir, monkeypatch, capsys):
