@@ -742,8 +742,14 @@ def _report(error):
     if isinstance(error, DataError):  # found by one rank, in its own batch
         say(f"error: {everyone}{error}", all_ranks=True)
         return EXIT_REFUSED
-    if isinstance(error, ConfigError):  # decided alike on every rank: say it once
-        say(f"error: {error}")
+    if isinstance(error, ConfigError):
+        # Once the process group exists, every rank reached it alike (agree): rank 0 says it. Before,
+        # each node read its own files and environment, and its first rank says what it found (the
+        # rank 0 it never joined can only say that the group did not form).
+        if rank != 0 and not dist.is_initialized() and os.environ.get("LOCAL_RANK") == "0":
+            say(f"error: {everyone}{error}", all_ranks=True)
+        else:
+            say(f"error: {error}")
         return EXIT_REFUSED
     if isinstance(error, CheckpointError):
         say(f"error: {everyone}{error}", all_ranks=True)

@@ -760,6 +760,22 @@ def test_a_rank_that_never_joins(tmp_path):
     assert err.strip().endswith("a rank stopped or failed before joining; see its own error") and "Traceback" not in err
 
 
+def test_the_error_of_a_rank_on_another_node(tmp_path, monkeypatch, capsys):
+    """A rank that stops before the process group exists says why: rank 0 prints only that the
+    group did not form ("see its own error"), so the first rank of every node prints its own
+    config error (a dataset missing on that node); the other ranks of a node leave it to that one."""
+    monkeypatch.setenv("RANK", "8")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    args = TINY + ["dataset=not_on_this_node", f"out_dir={tmp_path}"]
+    code, err = cli(args, capsys)
+    assert code == 2 and one_line(err).startswith("error: rank 8: ") and "not_on_this_node" in err
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    code, err = cli(args, capsys)
+    assert code == 2 and err == ""
+
+
 def test_fp8_stats_cut_mid_line(tmp_path, capsys):
     """A line cut short by a crash: read_records names it; a resume drops it and the records
     after the checkpoint's iteration (it writes them again), with a note."""
