@@ -780,7 +780,7 @@ def test_fp8_stats_cut_mid_line(tmp_path, capsys):
     """A line cut short by a crash: read_records names it; a resume drops it and the records
     after the checkpoint's iteration (it writes them again), with a note."""
     out = tmp_path / "out"
-    args = TINY + ["precision=O1", "fp8_stats_interval=1", "eval_interval=2", f"out_dir={out}"]
+    args = TINY + ["precision=O1", "fp8_stats_interval=1", "eval_interval=2", "eval_iters=1", f"out_dir={out}"]
     train.main(args + ["max_iters=2"])
     path = out / "fp8_stats.jsonl"
     lines = path.read_text().splitlines()
