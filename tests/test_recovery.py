@@ -11,9 +11,10 @@ show it):
     (held, stale), init_from=DIR never writing into DIR;
   * integrity: a flipped bit in a checkpoint or an export is found and named;
   * what is checked before training: out_dir writable with room, data files, meta.json;
-  * the remaining faults: Ctrl-C (in training, in a save, under torchrun), a full disk, a rank
-    that never joins, ranks with different settings, a damaged fp8_stats.jsonl, resumes with
-    nothing to do, sample.py's and export.py's misuses."""
+  * the remaining faults: Ctrl-C and SIGTERM (in training, in a save or an export, under
+    torchrun), a full disk, a rank that never joins, a config error on another node, ranks with
+    different settings, a damaged fp8_stats.jsonl, resumes with nothing to do, sample.py's and
+    export.py's misuses."""
 
 import builtins
 import errno
