@@ -706,7 +706,9 @@ def command(main, argv=None):
     _signal, current_out_dir = None, None
     handlers = {}
     if threading.current_thread() is threading.main_thread():  # (signals reach only the main thread)
-        handlers = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # a signal ignored when the run started (a script's background job ignores SIGINT) stays ignored
+        handlers = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+                    if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         main(argv)
     except SystemExit:

@@ -719,9 +719,11 @@ def test_ctrl_c_in_training_and_in_a_save(run_dir, monkeypatch, capsys):
 def test_signals_in_training(run_dir, monkeypatch, capsys):
     """A real SIGINT (Ctrl-C) and SIGTERM (a scheduler's stop), delivered to this process during
     training, go through train.py's own handler: one line naming the last good set, exit 130 and
-    143, the lock released. (Under torchrun, test_ctrl_c_under_torchrun sends them to real ranks.)"""
+    143, the lock released. A signal ignored when the run started stays ignored. (Under torchrun,
+    test_ctrl_c_under_torchrun sends SIGINT to real ranks.)"""
     real = train.get_batch
-    for sig, name in ((signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")):
+
+    def send_at_the_third_batch(sig):
         draws = []
 
         def signalled(*a, **k):
@@ -731,16 +733,25 @@ def test_signals_in_training(run_dir, monkeypatch, capsys):
             return real(*a, **k)
 
         monkeypatch.setattr(train, "get_batch", signalled)
-        # the handler train.py must replace: without one of its own, the signal fails the test (and
-        # SIGTERM does not kill pytest)
-        previous = signal.signal(sig, lambda *a: pytest.fail(f"{name} reached no handler of train.py"))
+
+    def run_with(sig, handler, max_iters):
+        previous = signal.signal(sig, handler)
         try:
-            code, err = cli(RUN + ["max_iters=8", "init_from=resume", f"out_dir={run_dir}"], capsys)
+            return cli(RUN + [f"max_iters={max_iters}", "init_from=resume", f"out_dir={run_dir}"], capsys)
         finally:
             signal.signal(sig, previous)
+
+    for sig, name in ((signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")):
+        send_at_the_third_batch(sig)
+        # the handler train.py must replace: without one of its own, the signal fails the test (and
+        # SIGTERM does not kill pytest)
+        code, err = run_with(sig, lambda *a: pytest.fail(f"{name} reached no handler of train.py"), 8)
         assert code == 128 + sig and one_line(err) == (f"interrupted ({name}): nothing half-written is kept; the "
                                                        f"last good checkpoint is {run_dir}/ckpt-00000004 (iter 4)")
         assert sorted(os.listdir(run_dir)) == ["ckpt-00000002", "ckpt-00000004"]  # no lock left
+    send_at_the_third_batch(signal.SIGINT)  # ignored, as in a script's background job: the run goes on
+    code, err = run_with(signal.SIGINT, signal.SIG_IGN, 6)
+    assert code == 0 and err == "" and sets(run_dir)[-1] == "ckpt-00000006"
 
 
 def test_a_rank_that_never_joins(tmp_path, monkeypatch, capsys):
