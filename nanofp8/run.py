@@ -706,7 +706,9 @@ def command(main, argv=None):
     _signal, current_out_dir = None, None
     handlers = {}
     if threading.current_thread() is threading.main_thread():  # (signals reach only the main thread)
-        handlers = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # a signal ignored when the run started (a script's background job ignores SIGINT) stays ignored
+        handlers = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+                    if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         main(argv)
     except SystemExit:
@@ -742,8 +744,14 @@ def _report(error):
     if isinstance(error, DataError):  # found by one rank, in its own batch
         say(f"error: {everyone}{error}", all_ranks=True)
         return EXIT_REFUSED
-    if isinstance(error, ConfigError):  # decided alike on every rank: say it once
-        say(f"error: {error}")
+    if isinstance(error, ConfigError):
+        # Once the process group exists, every rank reached it alike (agree): rank 0 says it. Before,
+        # each node read its own files and environment, and its first rank says what it found (the
+        # rank 0 it never joined can only say that the group did not form).
+        if rank != 0 and not dist.is_initialized() and os.environ.get("LOCAL_RANK") == "0":
+            say(f"error: {everyone}{error}", all_ranks=True)
+        else:
+            say(f"error: {error}")
         return EXIT_REFUSED
     if isinstance(error, CheckpointError):
         say(f"error: {everyone}{error}", all_ranks=True)

@@ -225,6 +225,7 @@ def test_gradient_accumulation_says_what_to_pass(monkeypatch, capsys):
     with pytest.raises(ConfigError, match="pass gradient_accumulation_steps=2$"):
         train.main(TINY + ["gradient_accumulation_steps=1", "max_iters=2"])
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # rank 1 on rank 0's node (the first rank of another node says its own)
     with pytest.raises(SystemExit) as e:
         train.cli(TINY + ["gradient_accumulation_steps=5", "max_iters=2"])
     assert e.value.code == 2 and capsys.readouterr().err == ""
