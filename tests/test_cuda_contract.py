@@ -29,7 +29,7 @@ from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize
 
 DEVICES = {"h100": dict(sm=(9, 0), cublaslt=(12, 9)),
            "h100-cuda12.6": dict(sm=(9, 0), cublaslt=(12, 6)),
-           "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_block=False),
+           "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_version=(2, 10)),
            "sm89": dict(sm=(8, 9), cublaslt=(12, 9))}
 RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in ("tensor", "row", "block")
            for f in ("hybrid", "e4m3")] + [dict(scaling="delayed", formats=f) for f in ("hybrid", "e4m3")]
@@ -173,6 +173,31 @@ def test_stand_in_refuses_what_pytorch_never_tests():
         h100(g.data, w.data.t(), scale_a=g.inv_scale, scale_b=w.inv_scale.t().contiguous(),
              out_dtype=torch.float32)
 
+
+def test_stand_in_block_recipes_take_e4m3_only():
+    """torch 2.11's v2 block recipes (check_deepseek_recipe) take E4M3 x E4M3 only: the dgrad and
+    wgrad GEMMs of formats="hybrid" (an E5M2 gradient) are "Invalid scaling configuration"
+    (ValueError), as an H200 said to nanofp8. v1 lets the pair through to cuBLASLt, which
+    PyTorch never tests: the stand-in refuses it too."""
+    import torch.nn.functional as F
+
+    kinds = {(1, 128): F.ScalingType.BlockWise1x128, (128, 128): F.ScalingType.BlockWise128x128}
+    for fa, fb, bb in ((E5M2, E4M3, (128, 128)), (E5M2, E4M3, (1, 128)), (E4M3, E5M2, (1, 128))):
+        h100 = CudaScaledMM(torch_version=(2, 11))
+        a, b = _ops(K=512, fa=fa, fb=fb, gran="block", bb=bb)
+        with pytest.raises(ValueError, match="Invalid scaling configuration"):
+            h100.scaled_mm_v2(a.data, b.data.t(), fp8._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
+                              fp8._block_scale_arg(b, "b", padded=True), kinds[bb], output_dtype=torch.float32)
+        with pytest.raises(RuntimeError, match="E5M2 operand"):
+            h100(a.data, b.data.t(), scale_a=fp8._block_scale_arg(a, "a"),
+                 scale_b=fp8._block_scale_arg(b, "b"), out_dtype=torch.float32)
+        assert len(h100.refusals) == 2 and not h100.calls
+    a, b = _ops(K=512, gran="block", bb=(128, 128))  # E4M3 x E4M3: taken by both
+    h100.scaled_mm_v2(a.data, b.data.t(), fp8._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
+                      fp8._block_scale_arg(b, "b", padded=True), kinds[(128, 128)], output_dtype=torch.float32)
+    h100(a.data, b.data.t(), scale_a=fp8._block_scale_arg(a, "a"), scale_b=fp8._block_scale_arg(b, "b"),
+         out_dtype=torch.float32)
+    assert [c[7] for c in h100.calls] == ["v2", "v1"]
 
 # -- nanofp8 under the stand-in ------------------------------------------------------
 
