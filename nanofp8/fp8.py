@@ -367,7 +367,10 @@ def sqnr(ref, approx):
 #     1x128 (scale_a (M, ceil(K/128)) with strides (1, M); for b (ceil(K/128), N) contiguous) and
 #     128x128 (for a (ceil(M/128), ceil(K/128)) contiguous; for b the transpose of b's
 #     (ceil(N/128), ceil(K/128)) grid). 128x128 x 128x128 is not a pair; block modes refuse
-#     use_fast_accum.
+#     use_fast_accum, and take E4M3 x E4M3 only: v2 refuses an E5M2 operand ("Invalid scaling
+#     configuration": its block recipes, check_deepseek_recipe, compare both dtypes with E4M3 in
+#     torch 2.11 and 2.13), and v1 passes it to cuBLASLt untested. So the dgrad and wgrad GEMMs
+#     of formats="hybrid", whose gradient is E5M2, never meet torch's block GEMM.
 #   * 128x128 scales as cuBLASLt reads them: row by row, each row's ceil(K/128) scales padded to
 #     a multiple of 4 (L4). torch.nn.functional.scaled_mm (the v2 API, torch >= 2.10) checks for
 #     that padded layout: (L4, row tiles) with strides (1, L4). The v1 torch._scaled_mm checks the
@@ -664,6 +667,8 @@ def _scaled_mm_refusal(a, b, out_dtype, sup):
         if not sup.block:
             return ("block scales need torch >= 2.11 on an SM90 GPU with cuBLASLt >= 12.9 "
                     f"(this device: {sup.device}, torch {torch.__version__}, CUDA {torch.version.cuda})")
+        if a.fmt is not E4M3 or b.fmt is not E4M3:
+            return "block scales with an E5M2 operand (torch's block GEMM takes E4M3 x E4M3 only)"
         if a.block[0] > 1 and b.block[0] > 1:
             return "128x128 x 128x128 block scales are not a supported pair"
         kt = -(-a.data.shape[1] // BLOCK)

@@ -43,11 +43,18 @@ torch.nn.functional.scaled_mm (the v2 API, `scaled_mm_v2` here; installed in pla
 F.scaled_mm) takes the scale kinds by name (ScalingType) and checks, for block scales, the
 layouts of aten/src/ATen/native/cuda/ScaledBlas.cpp's v2 entry points: 1x128 as (rows,
 ceil(K/128)) with strides (1, rows), for mat1 and for mat2's N rows alike; 128x128 as (L4, row
-tiles) with strides (1, L4), the padded grid that cuBLASLt reads. Its other rules are steps 1-10.
+tiles) with strides (1, L4), the padded grid that cuBLASLt reads. Before those, it looks the
+(scale kinds, dtypes) up in a table of recipes, and its block recipes (check_deepseek_recipe)
+take float8_e4m3fn x float8_e4m3fn only: an E5M2 operand with block scales is "Invalid scaling
+configuration" (ValueError). That is the rule of the torch the stand-in models,
+`torch_version`, from 2.11, where native block scales start: torch 2.11.0+cu130's
+libtorch_cuda.so and torch 2.13's libtorch_cpu.so both compare both dtypes with
+float8_e4m3fn there. Its other rules are steps 1-10.
 
-Beyond what the kernel checks, the stand-in refuses two combinations that PyTorch's own tests
+Beyond what the kernel checks, the stand-in refuses three combinations that PyTorch's own tests
 never run (test_scaled_matmul_cuda.py), so that nanofp8 is held to the tested ones: block scales
-with a bias, and row-wise scales with an E5M2 mat1.                         RuntimeError
+with a bias, block scales with an E5M2 operand on v1 (whose checks let it through to cuBLASLt,
+while v2 refuses it), and row-wise scales with an E5M2 mat1.               RuntimeError
 
 Use: `contract = CudaScaledMM(...)`; `contract.install(monkeypatch)` replaces torch._scaled_mm,
 torch.nn.functional.scaled_mm and nanofp8.fp8.scaled_mm_support; `contract.calls` lists (mode_a,
@@ -61,6 +68,7 @@ import torch.nn.functional as F
 from nanofp8 import fp8
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+E4M3 = torch.float8_e4m3fn
 
 
 def _cdiv(a, b):
@@ -126,10 +134,12 @@ def _as_read(sim, s, mode, shape, api):
 
 class CudaScaledMM:
     """torch._scaled_mm with the CUDA rules. sm: compute capability; cublaslt: (major, minor);
-    torch_block: whether the simulated torch has native block scales (torch >= 2.11)."""
+    torch_version: the simulated torch's (major, minor). From 2.11 it has native block scales
+    (which nanofp8 uses) and v2's block recipes take E4M3 x E4M3 only."""
 
-    def __init__(self, sm=(9, 0), cublaslt=(12, 9), torch_block=True):
-        self.sm, self.cublaslt, self.torch_block = sm, cublaslt, torch_block
+    def __init__(self, sm=(9, 0), cublaslt=(12, 9), torch_version=(2, 11)):
+        self.sm, self.cublaslt, self.torch_version = sm, cublaslt, torch_version
+        self.torch_block = torch_version >= (2, 11)
         self.calls, self.refusals, self.misreads = [], [], []
 
     def support(self, device=None):
@@ -179,8 +189,8 @@ class CudaScaledMM:
         sb = _as_read(self, _rows_view(scale_b, modes[1], api, True), modes[1], mat2.t().shape, api)
         return self._compute(mat1, mat2, sa, sb.t(), bias, out_dtype, modes)
 
-    @staticmethod
-    def _check_v2(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a, swizzle_b, contraction):
+    def _check_v2(self, mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a, swizzle_b,
+                  contraction):
         kinds = {F.ScalingType.TensorWise: "tensor", F.ScalingType.RowWise: "row",
                  F.ScalingType.BlockWise1x128: "1x128", F.ScalingType.BlockWise128x128: "128x128"}
         if any(isinstance(x, (list, tuple)) for x in (scale_a, recipe_a, scale_b, recipe_b)):
@@ -194,6 +204,9 @@ class CudaScaledMM:
         modes = (kinds[recipe_a], kinds[recipe_b])
         if modes not in PAIRS:
             raise ValueError(f"Invalid scaling configuration: {modes} is not a supported pair")
+        if "1x128" in modes and self.torch_block and (mat_a.dtype, mat_b.dtype) != (E4M3, E4M3):
+            raise ValueError(f"Invalid scaling configuration: block recipes {modes} take "
+                             f"float8_e4m3fn x float8_e4m3fn only, got {mat_a.dtype} x {mat_b.dtype}")
         (M, K), N = mat_a.shape, mat_b.shape[1]
         kt, l4 = _cdiv(K, 128), _cdiv(_cdiv(K, 128), 4) * 4
         for name, s, mode, rows in (("scale_a", scale_a, modes[0], M), ("scale_b", scale_b, modes[1], N)):
@@ -249,6 +262,9 @@ class CudaScaledMM:
                 raise RuntimeError(f"Bias must be Float16 to compute Float16 output, got {bias.dtype}")
         if bias is not None and "1x128" in modes:
             raise RuntimeError("block scales with a bias: never run by PyTorch's tests")
+        if "1x128" in modes and torch.float8_e5m2 in (mat1.dtype, mat2.dtype):
+            raise RuntimeError("block scales with an E5M2 operand: never run by PyTorch's tests "
+                               "(and refused by its v2 API)")
         if "row" in modes and mat1.dtype == torch.float8_e5m2:
             raise RuntimeError("row-wise scales with an E5M2 mat1: never run by PyTorch's tests")
         cublaslt_129 = self.cublaslt >= (12, 9)

@@ -29,7 +29,7 @@ from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize
 
 DEVICES = {"h100": dict(sm=(9, 0), cublaslt=(12, 9)),
            "h100-cuda12.6": dict(sm=(9, 0), cublaslt=(12, 6)),
-           "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_block=False),
+           "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_version=(2, 10)),
            "sm89": dict(sm=(8, 9), cublaslt=(12, 9))}
 RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in ("tensor", "row", "block")
            for f in ("hybrid", "e4m3")] + [dict(scaling="delayed", formats=f) for f in ("hybrid", "e4m3")]
@@ -174,6 +174,32 @@ def test_stand_in_refuses_what_pytorch_never_tests():
              out_dtype=torch.float32)
 
 
+
+def test_stand_in_block_recipes_take_e4m3_only():
+    """torch 2.11's v2 block recipes (check_deepseek_recipe) take E4M3 x E4M3 only: the dgrad and
+    wgrad GEMMs of formats="hybrid" (an E5M2 gradient) are "Invalid scaling configuration"
+    (ValueError), as an H200 said to nanofp8. v1 lets the pair through to cuBLASLt, which
+    PyTorch never tests: the stand-in refuses it too."""
+    import torch.nn.functional as F
+
+    kinds = {(1, 128): F.ScalingType.BlockWise1x128, (128, 128): F.ScalingType.BlockWise128x128}
+    for fa, fb, bb in ((E5M2, E4M3, (128, 128)), (E5M2, E4M3, (1, 128)), (E4M3, E5M2, (1, 128))):
+        h100 = CudaScaledMM(torch_version=(2, 11))
+        a, b = _ops(K=512, fa=fa, fb=fb, gran="block", bb=bb)
+        with pytest.raises(ValueError, match="Invalid scaling configuration"):
+            h100.scaled_mm_v2(a.data, b.data.t(), fp8._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
+                              fp8._block_scale_arg(b, "b", padded=True), kinds[bb], output_dtype=torch.float32)
+        with pytest.raises(RuntimeError, match="E5M2 operand"):
+            h100(a.data, b.data.t(), scale_a=fp8._block_scale_arg(a, "a"),
+                 scale_b=fp8._block_scale_arg(b, "b"), out_dtype=torch.float32)
+        assert len(h100.refusals) == 2 and not h100.calls
+    a, b = _ops(K=512, gran="block", bb=(128, 128))  # E4M3 x E4M3: taken by both
+    h100.scaled_mm_v2(a.data, b.data.t(), fp8._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
+                      fp8._block_scale_arg(b, "b", padded=True), kinds[(128, 128)], output_dtype=torch.float32)
+    h100(a.data, b.data.t(), scale_a=fp8._block_scale_arg(a, "a"), scale_b=fp8._block_scale_arg(b, "b"),
+         out_dtype=torch.float32)
+    assert [c[7] for c in h100.calls] == ["v2", "v1"]
+
 # -- nanofp8 under the stand-in ------------------------------------------------------
 
 
@@ -222,8 +248,10 @@ def test_every_recipe_obeys_the_contract_and_matches_emulate(contract, request):
         assert len(msgs) == len(set(msgs)), f"{case}: a fallback reported twice: {msgs}"
         assert all("layer linear" in m and "refused" not in m for m in msgs), msgs
         if kw.get("granularity") == "block":
-            if sim.block:
+            if sim.block and kw["formats"] == "e4m3":
                 assert not msgs, msgs  # native: nothing falls back
+            elif sim.block:  # hybrid: dgrad and wgrad (E5M2 x E4M3) go elsewhere
+                assert msgs and all("E5M2 operand" in m for m in msgs), msgs
             elif sim.cublaslt_rowwise:
                 assert msgs and all("row-wise GEMMs (one per 128 of K)" in m for m in msgs)
             else:
@@ -242,8 +270,8 @@ def test_every_recipe_obeys_the_contract_and_matches_emulate(contract, request):
 
 @pytest.mark.parametrize("contract", ["h100"], indirect=True)
 def test_native_block_scaling_is_one_call_per_gemm(contract):
-    torch.manual_seed(0)
-    layer = convert_to_fp8(nn.Linear(768, 3072), Recipe(granularity="block"))
+    torch.manual_seed(0)  # (E4M3 throughout: with formats="hybrid" only the forward is native)
+    layer = convert_to_fp8(nn.Linear(768, 3072), Recipe(granularity="block", formats="e4m3"))
     x = torch.randn(256, 768, requires_grad=True)
     layer(x).sum().backward()
     # forward, dgrad, wgrad: three calls, though K/128 = 6 (forward), 24 (dgrad), 2 (wgrad).
@@ -371,9 +399,9 @@ def test_triton_block_gemm_comes_before_the_loop(contract, monkeypatch):
 @pytest.mark.parametrize("contract", ["h100"], indirect=True)
 @pytest.mark.parametrize("padded", [True, False], ids=["eager-v2", "compiled-v1"])
 def test_block_recipe_at_every_k_tile_count(contract, padded, monkeypatch):
-    """The block recipe of a Linear with a bias, under bf16 autocast, at K with ceil(K/128) % 4
-    = 1, 2, 3, 0 (the forward GEMM; dgrad contracts over N = 384: 3 tiles, wgrad over 192
-    tokens: 2). Eager code passes padded scales to torch.nn.functional.scaled_mm at every K;
+    """The block recipe (formats="e4m3", so that all three GEMMs may be native) of a Linear with
+    a bias, under bf16 autocast, at K with ceil(K/128) % 4 = 1, 2, 3, 0 (the forward GEMM; dgrad
+    contracts over N = 384: 3 tiles, wgrad over 192 tokens: 2). Eager code passes padded scales to torch.nn.functional.scaled_mm at every K;
     compiled code (padded_block_scales() False) calls torch._scaled_mm only where ceil(K/128) %
     4 == 0 and sends the other GEMMs elsewhere, reported. Either way the stand-in misreads no
     scale, refuses nothing, and the results are bit-exact with the fp32 reference."""
@@ -384,7 +412,8 @@ def test_block_recipe_at_every_k_tile_count(contract, padded, monkeypatch):
         got, want = [], []
         for backend, out in (("torch", got), ("emulate", want)):
             torch.manual_seed(k)
-            layer = convert_to_fp8(nn.Linear(k, 384), Recipe(granularity="block", backend=backend))
+            layer = convert_to_fp8(nn.Linear(k, 384), Recipe(granularity="block", formats="e4m3",
+                                                              backend=backend))
             x = torch.randn(2, 96, k, requires_grad=True)
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
@@ -404,3 +433,48 @@ def test_block_recipe_at_every_k_tile_count(contract, padded, monkeypatch):
             assert msgs and all("ceil(K/128)" in m for m in msgs), msgs
         assert all(c[5] is None for c in contract.calls)  # never a block GEMM with a bias
     assert not contract.refusals and not contract.misreads
+
+
+@pytest.mark.parametrize("contract", ["h100"], indirect=True)
+@pytest.mark.parametrize("padded", [True, False], ids=["eager-v2", "compiled-v1"])
+def test_block_hybrid_mlp_is_routed_by_the_rules(contract, padded, monkeypatch):
+    """An MLP like the first GPU run's (768 -> 512 -> GELU -> 768 under bf16 autocast, the block
+    recipe with formats="hybrid"; there 768 -> 3072 -> 768) at torch 2.11's rules. Its dgrad and
+    wgrad GEMMs have an E5M2 gradient, which torch's block GEMM refuses (an H200 said "Invalid
+    scaling configuration" at both layers): the rules send them to the Triton GEMM before any
+    call, so the kernel refuses nothing and no try/except decides (compiled code,
+    padded_block_scales() False, has none that runs). The forward GEMMs stay on torch's (v1 only
+    at ceil(K/128) % 4 == 0), and every number is the fp32 reference's, bit for bit."""
+    monkeypatch.setattr(fp8, "padded_block_scales", lambda: padded)
+    routed = []
+
+    def triton_gemm(a, b, out_dtype, bias, fast_accum):  # (CPU tensors: a recorder, not Triton)
+        routed.append((a.fmt.name, b.fmt.name))
+        return fp8._gemm_emulate(a, b, out_dtype, bias)
+
+    monkeypatch.setattr(fp8, "_triton_available", lambda device: True)
+    monkeypatch.setattr(fp8, "_gemm_triton", triton_gemm)
+    got, want = [], []
+    for backend, out in (("torch", got), ("emulate", want)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(768, 512), nn.GELU(), nn.Linear(512, 768))
+        convert_to_fp8(model, Recipe(granularity="block", backend=backend))
+        x = torch.randn(2, 96, 768, requires_grad=True)  # wgrad: 192 tokens, 2 K tiles
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(x)
+            y.float().square().sum().backward()
+        out += [y, x.grad] + [p.grad for p in model.parameters()]
+        msgs = msgs if backend == "emulate" else [str(m.message) for m in w]
+    assert all(torch.equal(g_, w_) for g_, w_ in zip(got, want))
+    assert not contract.refusals and not contract.misreads
+    # torch's block GEMM: the forward GEMMs only, E4M3 x E4M3, through v2 (eager) or, compiled,
+    # through v1 where K = 512 (4 tiles); K = 768 (6 tiles) goes to the Triton GEMM
+    want_calls = [("1x128", "128x128", "v2")] * 2 if padded else [("1x128", "128x128", "v1")]
+    assert [(c[0], c[1], c[7]) for c in contract.calls] == want_calls
+    assert all(c[2] == c[3] == torch.float8_e4m3fn for c in contract.calls)
+    e5 = [r for r in routed if "e5m2" in r[0]]
+    assert len(e5) == 4 and len(routed) == (4 if padded else 5), routed  # dgrad + wgrad per layer
+    e5_msgs = [m for m in msgs if "E5M2 operand" in m]
+    assert len(e5_msgs) == 2 and all("the Triton GEMM" in m and "refused" not in m for m in msgs), msgs
