@@ -124,8 +124,9 @@ def fp32_moments(ckpt):
     sqrt_v = ckpt["config"].get("o2_v_format") == "fp8"  # O2/O3 weights then store sqrt(v)
 
     def load(st, key):
-        x = st[key].float()
-        return x * st[key + "_scale"].reciprocal() if key + "_scale" in st else x
+        from nanofp8.optim import dequantize_stored
+
+        return dequantize_stored(st[key], st[key + "_scale"]) if key + "_scale" in st else st[key].float()
 
     out = {}
     for i, name in zip(index, names):
@@ -149,7 +150,7 @@ def load_moments(optimizer, model, moments):
     """Put fp32 moments (from fp32_moments) into a freshly built optimizer of any level, in its own
     formats: fp32 for torch AdamW, E4M3 m and fp16 (or E4M3 sqrt) v for O2 weights, this rank's
     shard of those for O3. Parameters are matched by name; a shape mismatch is an error."""
-    from nanofp8.dist import ZeroFp8AdamW, shard_len
+    from nanofp8.dist import ZeroFp8AdamW, held_shard_len
     from nanofp8.optim import Fp8AdamW, stored
 
     trained = {p for g in optimizer.param_groups for p in g["params"]}
@@ -164,7 +165,7 @@ def load_moments(optimizer, model, moments):
         st = optimizer.state[p]
         if isinstance(optimizer, Fp8AdamW) and p in optimizer.o2:
             if isinstance(optimizer, ZeroFp8AdamW):  # this rank's shard (the master is already there)
-                c, r = shard_len(p.numel(), optimizer.world), optimizer.rank
+                c, r = held_shard_len(p, optimizer.world), optimizer.rank
                 m, v = (F.pad(t.reshape(-1), (0, optimizer.world * c - p.numel()))[r * c : (r + 1) * c]
                         for t in (m, v))
             st["exp_avg"], st["exp_avg_scale"] = stored(m, "fp8")
