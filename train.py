@@ -65,7 +65,7 @@ from nanofp8.run import (Clock, check_replicas, check_step, checkpoint_path, cli
                          forward_backward, grad_comm_format, nonfinite_tensors, optimizer_state,
                          peak_flops_for, pipeline_formats, read_losses, restore_state, resume_point,
                          rng_state, shard_model, show_fp8_layers, sync_gradients, weights_finite, weights_finite_flag)
-from nanofp8.stats import Fp8Stats, fallback_line
+from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
 
 # -----------------------------------------------------------------------------
 # Defaults: GPT-2 small (124M) on OpenWebText. Config files and key=value override them.
@@ -134,6 +134,7 @@ fp8_alarm_underflow = 0.05  # ... fraction of its non-zero values flushed to zer
 fp8_alarm_sqnr_db = 15.0  # ... SQNR of its FP8 copy below this ...
 fp8_alarm_intervals = 3  # ... for this many statistics steps in a row
 fp8_alarm_amax_growth = 10.0  # alarm: an activation's or weight's amax grew this many times
+fp8_alarm_saturation_severe = 0.01  # alarm at once: this fraction of an operand clipped in one step
 # model parallelism (torchrun; see nanofp8/parallel.py). Processes = data x tensor x pipeline.
 tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, MLP units)
 sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
@@ -212,27 +213,33 @@ def build_optimizer(model, cfg, device_type):
     return torch.optim.AdamW(groups, **kw, **extra)
 
 
-def optimizer_step(model, optimizer, cfg, layout=Layout()):
+def optimizer_step(model, optimizer, cfg, layout=Layout(), clips=None):
     """Sum gradients over ranks, clip, step, clear. Returns (norm, stepped, weights were finite).
 
     A non-finite gradient norm (an overflow, or a NaN that FP8 casts let through on purpose): skip
     the step rather than write NaN into every weight. Deciding that is the step's one device sync
     (a copy to the host, also on CPU where tests/test_syncs.py counts it), which also reads the
-    check of the weights that the last update left."""
+    check of the weights that the last update left, and the flag of clips (a stats.ClipLog:
+    whether delayed scaling clipped values in this step), kept in clips.clipped_now."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     finite = sync_gradients(model, layout)  # the same verdict on every rank
     weights_ok = weights_finite_flag(model, layout)
+    clipped = [] if clips is None else [clips.flag()]
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
         stepped = optimizer.step(grads_finite=finite, max_norm=max_norm, shards=shards)
-        norm, weights_ok = torch.stack([optimizer.grad_norm.float(), weights_ok]).to("cpu", copy=True).tolist()
+        norm, weights_ok, *clipped = torch.stack([optimizer.grad_norm.float(), weights_ok, *clipped]).to(
+            "cpu", copy=True).tolist()
     else:
         norm = clip(model, max_norm, layout)  # the whole model's norm, the same on every rank
-        norm, weights_ok, finite = torch.stack([norm.float(), weights_ok, finite]).to("cpu", copy=True).tolist()
+        norm, weights_ok, finite, *clipped = torch.stack([norm.float(), weights_ok, finite, *clipped]).to(
+            "cpu", copy=True).tolist()
         stepped = finite == 1 and math.isfinite(norm)
         if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
             optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
     optimizer.zero_grad(set_to_none=True)
+    if clips is not None:
+        clips.clipped_now = clipped[0] == 1
     return norm, stepped, weights_ok == 1
 
 
@@ -381,6 +388,8 @@ def main(argv=None):
            layout.world, "tokens_per_iter": cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]}
     stats = (Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"], stats_alarms(cfg), append=start_iter > 0)
              if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and layout.master else None)
+    # Delayed scaling can clip: each rank logs what its own casts clipped, on the step it happens
+    clips = ClipLog(raw_model) if cfg["precision"] != "bf16" and cfg["fp8_scaling"] == "delayed" else None
     if compile_model:
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
@@ -421,10 +430,12 @@ def main(argv=None):
                              batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, j, rank), layout.device)
                    for j, rank in layout.micro_batch_keys(accum)]
         loss = forward_backward(model, batches, layout, autocast, pipeline_formats(cfg))
-        grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg, layout)
+        grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg, layout, clips)
         skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok,
                                       lr_at(iter_num - 1, cfg), cfg, layout, log)
         history["losses"].append((iter_num, loss))  # a device tensor until a log line reads it
+        for line in clips.lines(iter_num, clips.clipped_now) if clips is not None else ():
+            print(line if layout.world == 1 else f"rank {layout.rank}: {line}")
         for line in stats.finish(iter_num, optimizer) if stats is not None else ():
             log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
         clock.tick()
