@@ -284,8 +284,8 @@ def cmd_state(args):
     gen = torch.Generator().manual_seed(0)
     synthetic = {}
     for k in (128, 768):
-        for span in (28, 37):  # lognormal magnitudes, about +-4 std over 768 x k values
-            synthetic[f"lognormal_2^{span}_k{k}"] = torch.exp2(torch.randn(768, k, generator=gen) * span / 8)
+        for span in (24, 35):  # tests/test_o2_numerics.py's first steps: log2 |g| with a std of span / 7.2
+            synthetic[f"lognormal_2^{span}_k{k}"] = torch.exp2(torch.randn(768, k, generator=gen) * span / 7.2)
         x = torch.randn(768, k, generator=gen)
         x[1::2] *= 1e-6
         synthetic[f"rows_1e6_k{k}"] = x
@@ -301,7 +301,8 @@ def cmd_state(args):
         rows.append(row)
     print(f"Fraction of non-zero values flushed to zero by each granularity of scales (nanofp8/optim.py, (7)): "
           f"the README model (block Linear widths {widths}) trained {args.steps} steps in fp32, worst over steps "
-          f"{keep} and layers; then lognormal gradients and rows 1e6 apart, 768 rows of k values, in E4M3")
+          f"{keep} and layers; then, in E4M3, 768 rows of k values: lognormal magnitudes (log2 |g| with a std of "
+          f"span / 7.2, as tests/test_o2_numerics.py's first steps over 2^span) and rows 1e6 apart")
     emit("state", rows, list(rows[0]), args, {"steps": keep, "widths": widths})
 
 
@@ -1238,7 +1239,8 @@ def cmd_report(args):
                   _md_table(d["memory"], ["model", "level", "linear_B_per_param", "linear_B_per_param_at_step",
                                           "model_B_per_param", "gemm_weight_B_per_param", "activation_B_per_token"],
                             {"activation_B_per_token": lambda v: f"{v:,.0f}"}),
-                  "", "`linear` = the block Linears, measured after a backward (as between micro-steps); "
+                  "", "`linear` = the block Linears, measured after a backward (as between micro-steps), every "
+                  "scale counted (O2's FP8 gradient, m and v carry one fp32 scale per 128 values: 1/32 B each); "
                   "`at_step` = once the step has cast O2's summed gradient to FP8; `-fp8v` = sqrt(v) in E4M3; "
                   "`-fp8acc` = micro-steps summed in FP8 instead of fp16; `gemm_weight` = FP8 copies held "
                   "from forward to the optimizer step (not in the total); activation bytes per token saved "

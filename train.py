@@ -13,8 +13,9 @@ Precision levels (`precision=...`):
           dgrad, wgrad) in FP8 and keep FP8 copies of their input and weight for the backward
           pass (nanofp8/fp8.py). Embeddings, norms, attention and the LM head stay bf16/fp32.
     O2    as O1, plus precision decoupling for those Linears (nanofp8/optim.py): fp16 master
-          weights with a scale, FP8 weight gradients, FP8 Adam m, fp16 Adam v: 6 instead of 16
-          bytes per parameter (o2_v_format='fp8': 5).
+          weights with a scale, FP8 weight gradients, FP8 Adam m, fp16 Adam v (a scale per 128
+          values of each of the last three): 6.09 instead of 16 bytes per parameter
+          (o2_v_format='fp8': 5.09).
     O3    as O2, with the master weights and moments sharded over the data-parallel ranks
           (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
 

@@ -56,11 +56,12 @@ fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to tor
         0.95 * k rounds back to k (k <= 10, in units of 2^-24). sqrt(v) in E4M3 sticks at any
         size: when its gradient stops (and its block's largest value does not) it changes by
         1 - sqrt(b2) per step (2.5% at b2 = 0.95), less while gradients shrink slowly, and half a
-        spacing is 3-6% there. With m stuck
-        and v decaying, |m| / sqrt(v) climbs to the bound of (3), and the weight goes on moving
-        by a fifth of lr per step where AdamW's update has decayed to nothing: 98x AdamW's
-        movement over 1000 steps (tests/test_o2_numerics.py, section 6, on the code before this
-        rule). A v stuck above its fp32 value does the opposite: the update shrinks.
+        spacing is 3-6% there. With m stuck and v decaying, |m| / sqrt(v) climbs to the bound of
+        (3), and the weight goes on moving where AdamW's update has decayed to nothing: 43x
+        AdamW's movement over the 1000 steps after an input feature stopped (tests/
+        test_o2_numerics.py, section 6, rounding to nearest). A v stuck above its fp32 value
+        does the opposite: with sqrt(v) in E4M3, columns whose gradient shrank 100x moved 0.17x
+        as far as AdamW's.
     So the master, m and v are rounded stochastically: to one of the two neighbours, the upper
     one with probability equal to the distance from the lower one, in spacings. Every stored
     value is then its fp32 value on average: small updates and decay add up, a decaying moment
@@ -85,19 +86,20 @@ fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to tor
     tensor's largest value, and rows of a layer's gradient can lie further apart (output units
     that learn at different rates, a unit that is almost dead). Rows 1e6 apart: the smaller
     rows' gradient, m and v flush to zero, and those rows get no update at all (0x AdamW's
-    movement, section 6). So the FP8 gradient, m and v carry one fp32 scale per block of 128
-    consecutive values of the flattened tensor (state_block; v in fp16 too). The block size is
-    chosen by `bench.py state` (results/o2_state_cpu.json), which measures the fraction of
-    values each granularity flushes to zero: on the README model's real gradients and moments
-    every granularity flushes almost none (one scale per tensor: at most 0.04%); what
-    decides is the adversary. Blocks must not span two rows: 128 divides every block Linear's
-    width in config/ (128 for shakespeare_char, 768, 2048), and 256-value blocks, which span two
-    rows of the README model's 128-wide layers, still lose half of rows 1e6 apart there.
-    Within a row, finer blocks flush less of a gradient whose magnitudes are lognormal over
-    2^37: 43% of it with one tensor scale, 1.4% with 128 values per scale, 0.8% with 64
-    (at twice the bytes). The scales cost 4/128 = 1/32 B per value of each of the three tensors.
-    A block still holds only E4M3's range: a value 1e7 above its 127 neighbours (a spike)
-    freezes them for tens of steps, as one tensor scale froze the whole tensor.
+    movement, tests/test_o2_numerics.py, section 6). So the FP8 gradient, m and v carry one fp32
+    scale per block of 128 consecutive values of the flattened tensor (state_block; v in fp16
+    too). The block size comes from `bench.py state` (results/o2_state_cpu.json), which measures
+    the fraction of values each granularity flushes to zero. On the README model's real
+    gradients and moments it is small at any granularity (one scale per tensor: at most 0.4% of
+    a gradient, finer scales 0.0%); the adversaries decide. Blocks must not span two rows: 128
+    divides every block Linear's width in config/ (128 for shakespeare_char, 768, 2048), while
+    256-value blocks span two rows of the README model's 128-wide layers and flush all of the
+    smaller rows 1e6 apart there. Within a row, finer blocks flush less of a gradient whose
+    magnitudes are lognormal (log2 |g| with a std of 4.9: section 6's first step over 2^35):
+    83% of it with one scale per tensor, 12% with 128 values per scale, 8% with 64 (at twice the
+    bytes). The scales cost 4/128 = 1/32 B per value of each of the three tensors. A block still
+    holds only E4M3's range: a value 1e7 above its 127 neighbours (a spike) freezes them for
+    tens of steps, as one scale per tensor froze the whole tensor.
 
 Non-finite gradients: before any state is touched, one check over every gradient (a single
 device-to-host sync per step, or the caller's verdict: train.py has one from its own single sync)
