@@ -720,7 +720,8 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0, twin
             long_rows.append({"variant": v, "seed": LONG_SEED, "iters": long_iters, "final_val_loss": val,
                               "gap": None if b is None else (val - b) / b,
                               "cpu_seconds": runs[v, LONG_SEED, long_iters]["cpu_seconds"],
-                              "machine": mach[v, LONG_SEED, long_iters]})
+                              "machine": mach[v, LONG_SEED, long_iters],
+                              "commit": runs[v, LONG_SEED, long_iters].get("commit", "")})
     run_envs = [r.get("env", {}) for r in runs.values()]
     return {"env": environment(), "iters": iters, "seeds": list(seeds), "method": METHOD,
             "noise_floor": None if b_std is None else b_std / b_mean, "bf16_seeds": len(base),
@@ -1183,10 +1184,10 @@ def report_parity(d):
             for r in d["parity"] if r["variant"] != "bf16"] + [""]
     if d.get("long"):
         out += ["Long runs (one seed each, no uncertainty of their own: read their gaps against the noise "
-                "floor above):", "",
+                "floor above; the commit each ran, as a run is kept until it is run again):", "",
                 _md_table([{**r, "final val loss": f"{r['final_val_loss']:.4f}", "gap to bf16": _pct(r["gap"]),
                             "CPU s": f"{letters.get(r.get('machine'), '?')}: {r['cpu_seconds']:,.0f}"} for r in d["long"]],
-                          ["variant", "iters", "seed", "final val loss", "gap to bf16", "CPU s"]), ""]
+                          ["variant", "iters", "seed", "final val loss", "gap to bf16", "CPU s", "commit"]), ""]
     return out + ["![parity](results/parity.png)", ""]
 
 
