@@ -113,6 +113,8 @@ def fp32_moments(ckpt):
     """{parameter name: {step, exp_avg, exp_avg_sq}} in fp32, from the optimizer state of a
     single-device checkpoint of any level: torch AdamW's fp32 moments, O2's E4M3 m and fp16 (or
     E4M3 sqrt) v with their scales, O3's shards of those glued back. None if there is none."""
+    from nanofp8.optim import dequantize_stored
+
     opt = ckpt.get("optimizer")
     if not isinstance(opt, dict) or "param_groups" not in opt and "zero_shards" not in opt:
         return None
@@ -123,9 +125,7 @@ def fp32_moments(ckpt):
         return None
     sqrt_v = ckpt["config"].get("o2_v_format") == "fp8"  # O2/O3 weights then store sqrt(v)
 
-    def load(st, key):
-        from nanofp8.optim import dequantize_stored
-
+    def load(st, key):  # (a scale per block of values, or one per tensor: optim.dequantize_stored)
         return dequantize_stored(st[key], st[key + "_scale"]) if key + "_scale" in st else st[key].float()
 
     out = {}

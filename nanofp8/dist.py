@@ -83,13 +83,13 @@ O2 and O3 keep the FP8 layers' weight gradients outside .grad, on the weight (op
 where autograd's hooks never see them. With wgrads="all_reduce" (O2) or "reduce_scatter" (O3) the
 wrapper buckets them too, and each weight's "weight gradient ready" hook (optim.fp8_grad_hook,
 called by O2Linear.take_wgrad) marks its gradient final: a full bucket's reduce-scatter (the FP8
-bytes as they are, with their scales, one per 128 values: optim.quantize_wgrad; one all_to_all per
-bucket) leaves while backward goes on. Only the last
-micro-step's backward launches (no_sync() before it), so reading fp8_grad there ends the fp16 sum
-of the micro-steps with the very E4M3 cast a read after backward would make. sync_gradients() then
-finishes: O2 all-gathers the averages, each rank's shard cast with its own block scales (the
-gradient is FP8 again, the same on every rank, and its finiteness is in the verdict; shards hold
-whole blocks, held_shard_len, so no scale is shared between ranks); O3 leaves each rank its fp32 shards
+bytes as they are, with their scales, one per 128 values: optim.quantize_wgrad; one all_to_all
+per bucket) leaves while backward goes on. Only the last micro-step's backward launches
+(no_sync() before it), so reading fp8_grad there ends the fp16 sum of the micro-steps with the
+very E4M3 cast a read after backward would make. sync_gradients() then finishes: O2 all-gathers
+the averages, each rank's shard cast with its own block scales (the gradient is FP8 again, the
+same on every rank, and its finiteness is in the verdict; shards hold whole blocks,
+held_shard_len, so no scale spans two ranks); O3 leaves each rank its fp32 shards
 (take_wgrad_shards()) for ZeroFp8AdamW.step, which clips by the global norm and agrees on
 finiteness with one flag. Every chunk is summed as if it travelled alone, so the result is
 bit-identical to reducing after backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
@@ -749,16 +749,16 @@ class Fp8DataParallel(nn.Module):
 #
 # One step: reduce-scatter the FP8 gradients (their bytes go out as they are, with their block
 # scales: 1 + 1/32 B per parameter on the wire, and the receiver sums in fp32), run AdamW on the
-# local shard in fp32, then
-# all-gather the updated shards in FP8 (1 B per parameter). For the gathered bytes to form one
-# valid per-tensor FP8 weight, every rank must quantize its shard with the same scale: the ranks
-# agree on it with one small MAX all-reduce of the shard amaxes (4 bytes per weight tensor).
+# local shard in fp32, then all-gather the updated shards in FP8 (1 B per parameter). For the
+# gathered bytes to form one valid per-tensor FP8 weight, every rank must quantize its shard with
+# the same scale: the ranks agree on it with one small MAX all-reduce of the shard amaxes (4
+# bytes per weight tensor).
 #
 # Shards are cut from each weight flattened: rank r owns values [r*C, (r+1)*C) with
 # C = held_shard_len(p, N) (whole blocks of 128 values), the tail zero-padded. Checkpoints hold
-# each rank's own shard, so a run
-# resumes at the same world size; at another size the shards do not line up and loading stops
-# with an error (re-shard by gathering the fp16 masters, which is not done here).
+# each rank's own shard, so a run resumes at the same world size; at another size the shards do
+# not line up and loading stops with an error (re-shard by gathering the fp16 masters, which is
+# not done here).
 
 
 class O3Linear(O2Linear):
@@ -1033,9 +1033,9 @@ def sync_fp8_wgrads(params, group=None):
     weights among `params` hold outside autograd (fp8_grad; Fp8DataParallel(params=...) handles the rest;
     Fp8DataParallel(wgrads="all_reduce") does this too, overlapped with backward, to the same
     bits). Reduce-scatter the FP8 bytes as they are (1 B per parameter out, and a scale per 128
-    values), sum in fp32, all-gather the averaged shards in FP8, a scale per 128 values (1 B per
-    parameter back, and the scales): each
-    weight's fp8_grad becomes the same FP8 tensor on every rank. A NaN anywhere reaches every rank
+    values), sum in fp32, all-gather the averaged shards in FP8 with a scale per 128 values (1 B
+    per parameter back, and the scales): each weight's fp8_grad becomes the same FP8 tensor on
+    every rank. A NaN anywhere reaches every rank
     through the sum and the gather. A weight without a gradient on some rank counts as zero there
     (and gets the average everywhere)."""
     world = _world(group)
