@@ -22,6 +22,9 @@ the same figures (plus machine, date and versions) as JSON.
     python bench.py throughput  tokens/s and peak memory, fp32 / BF16 / O1 / O2, the levels taking
                                 turns over several rounds
     python bench.py gemm        the kernels benchmark (python kernels.py)
+    python bench.py predict     predicted H100 (or B200) step time of bf16, O1 and O2 from the ops
+                                this code issues, priced by a roofline (predict.py), validated
+                                against published FP8 speedups
     python bench.py stats DIR   per-layer heatmaps (SQNR, underflow, saturation) over the steps and
                                 amax trends, as PNG, from DIR/fp8_stats.jsonl (train.py with
                                 fp8_stats_interval > 0); --cost: step time with the statistics off,
@@ -944,6 +947,13 @@ STAT_PANELS = (("sqnr_db", "SQNR (dB)", "viridis"), ("underflow", "underflow (% 
 OPERAND_ORDER = ("x", "w", "dy", "xT", "wT", "dyT", "wgrad")
 
 
+def cmd_predict(args):
+    """The step-time model of predict.py (its own file: it reads standalone), with its arguments."""
+    import predict
+
+    predict.main(args.args + (["--json", args.json] if args.json else []))
+
+
 def cmd_stats(args):
     if args.cost:
         stats_cost(args)
@@ -965,7 +975,10 @@ def plot_stats(stats_dir, out):
     path = os.path.join(stats_dir, "fp8_stats.jsonl")
     if not os.path.exists(path):
         sys.exit(f"error: {path} not found: train with fp8_stats_interval > 0 and out_dir={stats_dir}")
-    recs = [r for r in read_records(path) if "sqnr_db" in r]  # the casts (not O2's stored moments)
+    try:
+        recs = [r for r in read_records(path) if "sqnr_db" in r]  # the casts (not O2's stored moments)
+    except ValueError as e:  # a line cut short: named, with its line number
+        sys.exit(f"error: {e}")
     if not recs:
         sys.exit(f"error: {path} holds no cast statistics")
     iters = sorted({r["iter"] for r in recs})
@@ -1317,6 +1330,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="the levels take turns this many times; median")
     p.add_argument("--no_compile", action="store_true")
     sub.add_parser("gemm")
+    p = sub.add_parser("predict", help="predicted H100/B200 step time of bf16, O1, O2 (predict.py)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="predict.py's own arguments")
     p = sub.add_parser("stats")
     p.add_argument("out_dir", nargs="?", help="a train.py out_dir holding fp8_stats.jsonl: draw it")
     p.add_argument("--out", help="where the PNGs go (default: out_dir)")
@@ -1329,8 +1344,9 @@ def main(argv=None):
     p.add_argument("--results", default=os.path.join(REPO, "results"))
     p.add_argument("--readme", default=os.path.join(REPO, "README.md"))
     args = ap.parse_args(argv)
-    {"memory": cmd_memory, "comm": cmd_comm, "state": cmd_state, "parity": cmd_parity, "throughput": cmd_throughput,
-     "gemm": cmd_gemm, "train": cmd_train, "stats": cmd_stats, "report": cmd_report}[args.cmd](args)
+    {"memory": cmd_memory, "comm": cmd_comm, "state": cmd_state, "parity": cmd_parity,
+     "throughput": cmd_throughput, "gemm": cmd_gemm, "predict": cmd_predict, "train": cmd_train,
+     "stats": cmd_stats, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ tensor fp32 (lossless, for further training). --format=hf writes the Hugging Fac
 (arch=gpt2 only): transformers.GPT2LMHeadModel.from_pretrained(DIR) computes the same logits.
 
 Fine-tune from an export with train.py init_from=DIR (config/finetune_shakespeare.py).
+
+--to must be a new or empty directory, or (with --force) an earlier export to replace; never a
+training run's out_dir, whose checkpoints would hide the export from every reader. Each file is
+written whole or not at all. Exit status: 0 done, 2 a bad argument or an unreadable model, 4 a
+write that failed (disk full), 130 Ctrl-C; nothing half-written is left.
 """
 
 import os
@@ -23,12 +28,14 @@ import sys
 from nanofp8.checkpoint import read_any
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
 from nanofp8.interop import export_hf_gpt2, export_portable
-from nanofp8.model import CheckpointError
+from nanofp8.model import CheckpointError, WriteError
+from nanofp8.outdir import LOCK, MANIFEST, SET_NAME, legacy_files
 
 # -----------------------------------------------------------------------------
 out_dir = "out"  # the model to export (see above)
 to = ""  # the directory to write (created)
 format = "fp8"  # "fp8" | "fp32" | "hf"
+force = False  # replace an earlier export in `to`
 DEFAULTS = defaults_of(globals())
 # -----------------------------------------------------------------------------
 
@@ -40,19 +47,37 @@ def main(argv=None):
         raise ConfigError("say where to write the export: --to=DIR")
     if os.path.abspath(cfg["to"]) == os.path.abspath(cfg["out_dir"]):
         raise ConfigError("--to must be another directory than --out_dir (it would overwrite the source)")
+    check_target(cfg["to"], cfg["force"])
     state, info = read_any(cfg["out_dir"])
     for note in info["notes"]:
         print(f"note: {note}")
     if cfg["format"] == "hf":
-        export_hf_gpt2(state, info["model_args"], cfg["to"])
+        written = export_hf_gpt2(state, info["model_args"], cfg["to"])
     else:
         train_cfg = info["config"]
         # What sample.py needs to find the tokenizer and validation data again.
         keep = {k: train_cfg[k] for k in ("dataset", "precision", "batch_size", "block_size") if k in train_cfg}
-        export_portable(state, info["model_args"], cfg["to"], fp8=cfg["format"] == "fp8",
-                        extra={"config": keep, "iter_num": info["iter_num"]})
-    size = sum(os.path.getsize(os.path.join(cfg["to"], f)) for f in os.listdir(cfg["to"]))
+        written = export_portable(state, info["model_args"], cfg["to"], fp8=cfg["format"] == "fp8",
+                                  extra={"config": keep, "iter_num": info["iter_num"]})
+    size = sum(os.path.getsize(f) for f in written)
     print(f"exported {info['source']} to {cfg['to']} ({cfg['format']}, {size / 2**20:.2f} MB)")
+
+
+def check_target(to, force):
+    """ConfigError unless `to` may take the export: new, empty, or (force) an earlier export; never
+    a training run's out_dir (readers would take its checkpoints, not the export)."""
+    if not os.path.exists(to):
+        return
+    if not os.path.isdir(to):
+        raise ConfigError(f"--to={to} is a file, not a directory")
+    entries = os.listdir(to)
+    if legacy_files(to) or MANIFEST in entries or LOCK in entries or any(SET_NAME.fullmatch(e) for e in entries):
+        raise ConfigError(f"--to={to} is a training run's out_dir: its checkpoints would hide the export "
+                          f"from sample.py, export.py and init_from; export into a new or empty directory")
+    if entries and not force:
+        what = "an earlier export" if "config.json" in entries else f"{len(entries)} entries ({', '.join(sorted(entries)[:3])})"
+        raise ConfigError(f"--to={to} already holds {what}: pass --force=True to replace it, or export into a "
+                          f"new or empty directory")
 
 
 if __name__ == "__main__":
@@ -61,3 +86,9 @@ if __name__ == "__main__":
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except WriteError as e:
+        print(f"error: {e}; nothing half-written is left", file=sys.stderr)
+        sys.exit(4)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): nothing half-written is left", file=sys.stderr)
+        sys.exit(130)

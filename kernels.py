@@ -397,6 +397,19 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M,
 # Python entry points
 
 
+def tma_scratch(size, align, stream):
+    """Triton's allocator for the TMA descriptors the GEMM builds on the device: a little global
+    scratch memory per program, on the current CUDA device (torchrun sets it per rank)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+# Triton keeps its allocator in a context variable: per thread, and autograd runs the backward
+# GEMMs in a thread of its own. So fp8_gemm sets it at every call, to this module-level function:
+# a constant, which torch.compile (torch >= 2.13) traces into the graph as a call made at run
+# time, in whichever thread runs the graph, with no graph break. (torch 2.11's dynamo breaks the
+# graph at any triton.set_allocator: one break per GEMM there.)
+
+
 def _check_device(*tensors):
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
@@ -474,9 +487,8 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
         raise ValueError(f"use_tma=True needs K % 16 == 0 (K={K}), 16-byte output rows (N={N}, "
                          f"{out_dtype}) and a Hopper GPU or the interpreter")
     use_tma = tma_ok if use_tma is None else bool(use_tma)
-    if use_tma and cuda:  # device-side descriptors live in a small global scratch buffer
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, device=a.device,
-                                                                      dtype=torch.int8))
+    if use_tma and cuda:
+        triton.set_allocator(tma_scratch)
     num_sms = _num_sms(a.device)
     grid = lambda META: (min(num_sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
     _fp8_gemm_kernel[grid](
@@ -630,6 +642,17 @@ def reference_gemm(a, b, a_inv_scale, b_inv_scale, bias=None):
     return out if bias is None else out + bias.float()
 
 
+def native_block_gemm(a, b, a_inv, b_inv, out_dtype, padded=True):
+    """torch's own 1x128 x 128x128 block GEMM: torch.nn.functional.scaled_mm with the weight's
+    scale grid padded to a multiple of 4 K tiles (padded=True), or the v1 torch._scaled_mm with
+    the unpadded grid, which cuBLASLt misreads unless ceil(K/128) % 4 == 0 (PyTorch PR 166752)."""
+    sa = a_inv.t().contiguous().t()
+    if not padded:
+        return torch._scaled_mm(a, b.t(), sa, b_inv.t(), out_dtype=out_dtype)
+    return F.scaled_mm(a, b.t(), sa, F.ScalingType.BlockWise1x128, F.pad(b_inv, (0, -b_inv.shape[1] % 4)).t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
 def _self_check(device):
     """Quantizers vs reference_quantize (bytes and scales), GEMM vs reference_gemm."""
     torch.manual_seed(0)
@@ -669,6 +692,21 @@ def _self_check(device):
             print(f"fp8_gemm {name[fa]}x{name[fb]} {gran:6s} M,N,K={M},{N},{K}: max rel err {rel:.2e}, "
                   f"SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
                   f"{sqnr(x @ w.t() + bias, out):.1f} dB")
+    if device == "cuda" and torch.cuda.get_device_capability()[0] == 9 and hasattr(F, "scaled_mm"):
+        # torch's native block GEMM at K = 768 (6 K tiles: the case the v1 call gets wrong)
+        a, sa = quantize(x[:, :768].contiguous(), torch.float8_e4m3fn, "block", (1, KBLOCK))
+        b, sb = quantize(w[:, :768].contiguous(), torch.float8_e4m3fn, "block", (KBLOCK, KBLOCK))
+        ref = reference_gemm(a, b, sa.reciprocal(), sb.reciprocal())
+        for padded in (True, False):
+            try:
+                out = native_block_gemm(a, b, sa.reciprocal(), sb.reciprocal(), torch.float32, padded)
+                db = sqnr(ref, out)
+            except (RuntimeError, ValueError) as e:
+                db = f"refused ({str(e).splitlines()[0][:80]})"
+            if padded:
+                ok &= not isinstance(db, str) and db > 100
+            print(f"torch native block GEMM, K=768, {'F.scaled_mm, padded scales' if padded else 'torch._scaled_mm, unpadded (expected wrong)'}: "
+                  f"SQNR vs reference {db if isinstance(db, str) else f'{db:.1f} dB'}")
     print("correctness:", "OK" if ok else "FAILED")
     return ok
 
@@ -698,9 +736,9 @@ def _benchmark(json_path=None):
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16, use_fast_accum=True),
                # native 1x128 x 128x128 (SM90, cuBLASLt >= 12.9, torch >= 2.11), in the scale
-               # layouts the CUDA kernel asks for (nanofp8/fp8.py passes the same): (M, K/128)
-               # with strides (1, M), and the transpose of the weight's (N/128, K/128) grid
-               lambda: torch._scaled_mm(ta, tb.t(), tia.t().contiguous().t(), tib.t(), out_dtype=bf16),
+               # layouts nanofp8/fp8.py passes: (M, K/128) with strides (1, M), and the weight's
+               # grid padded to a multiple of 4 K tiles, as cuBLASLt reads it (v2 API)
+               lambda: native_block_gemm(ta, tb, tia, tib, bf16),
                lambda: torch.matmul(x, w.t())]
         row = {"shape": label, "M": M, "N": N, "K": K}
         for name, fn in zip(names, fns):

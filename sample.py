@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from nanofp8.checkpoint import freeze_fp8, load_for_inference, weight_bytes
-from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of, read_dataset_meta
+from nanofp8.configurator import ConfigError, check_choice, check_device, configure, defaults_of, read_dataset_meta
 from nanofp8.data import EVAL_STREAMS, batch_generator, data_dir, get_batch
 from nanofp8.model import CheckpointError
 
 # -----------------------------------------------------------------------------
-out_dir = "out"  # where train.py wrote ckpt.pt (or ckpt-tp*-pp*.pt), or an exported model
+out_dir = "out"  # a training run's out_dir (its newest checkpoint set), one set (out/ckpt-00000020), an export
 start = "\n"  # the prompt, or "FILE:path" to read it from a file
 num_samples = 3
 max_new_tokens = 500
@@ -76,6 +76,19 @@ def check_args(cfg):
                           f"got {cfg['temperature']}")
     if cfg["start"].startswith("FILE:") and not os.path.isfile(cfg["start"][5:]):
         raise ConfigError(f"config key 'start': no prompt file {cfg['start'][5:]!r}")
+    check_device(cfg["device"])
+
+
+def read_prompt(start):
+    """The prompt: `start` itself, or the text of the file it names (FILE:path), which must be UTF-8."""
+    if not start.startswith("FILE:"):
+        return start
+    try:
+        with open(start[5:], encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config key 'start': {start[5:]} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                          f"offset {e.start}): give a text file as the prompt") from None
 
 
 def load_tokenizer(dataset, vocab_size):
@@ -112,6 +125,7 @@ def load_tokenizer(dataset, vocab_size):
 def main(argv=None):
     cfg = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
     check_args(cfg)
+    prompt = read_prompt(cfg["start"])
     globals().update(cfg)  # the settings become this module's globals, as in a plain script
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16)
@@ -149,10 +163,6 @@ def main(argv=None):
 
     # no dataset (a Hugging Face GPT-2, say): GPT-2 BPE
     encode, decode = load_tokenizer(train_cfg.get("dataset", "openwebtext"), model.config.vocab_size)
-    prompt = start
-    if prompt.startswith("FILE:"):
-        with open(prompt[5:], encoding="utf-8") as f:
-            prompt = f.read()
     ids = torch.tensor([encode(prompt) or encode("\n")], dtype=torch.long, device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
     for _ in range(num_samples):
@@ -168,3 +178,6 @@ if __name__ == "__main__":
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -38,6 +38,11 @@ differs between layouts (a pipeline's schedule, gradients spread over ranks, O3'
 a checkpoint file per model-parallel rank) is in nanofp8/run.py. The loop is flat: evaluate every
 eval_interval iterations (and checkpoint), forward/backward over the micro-batches, step.
 
+Checkpoints (nanofp8/outdir.py): each is a set, out_dir/ckpt-<iter>/, complete once its
+manifest is written; the newest keep_checkpoints are kept, a diverged state is never saved, and
+a run refuses to start where it would lose work (another run's checkpoint or lock, an out_dir it
+cannot write). Every failure is one line and an exit status (README: "Checkpoints and recovery").
+
 Seeing the numerics (nanofp8/stats.py): a table of the Linears (FP8 or not, and why), a count of
 GEMMs that fell back to high precision, and fp8_stats_interval=N: per-cast statistics to jsonl.
 
@@ -53,19 +58,21 @@ import sys
 import torch
 
 from nanofp8 import fp8
-from nanofp8.configurator import (ConfigError, check_accumulation, check_train_config, configure,
+from nanofp8.configurator import (ConfigError, check_accumulation, check_train_config, config_notes, configure,
                                   defaults_of, read_dataset_meta, stats_alarms)
-from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dataset, data_dir,
+from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dataset, check_tokens, data_dir,
                           get_batch, open_splits, vocab_size_for)
 from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3
-from nanofp8.layout import Layout, start, stop
-from nanofp8.model import GPT, CheckpointError, GPTConfig, apply_fp8, load_model_state, save_checkpoint
+from nanofp8.layout import Layout, start
+from nanofp8.model import GPT, CheckpointError, GPTConfig, apply_fp8, load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.parallel import TPDataParallel
-from nanofp8.run import (Clock, check_replicas, check_step, checkpoint_path, clip, command, eval_loss,
-                         forward_backward, grad_comm_format, nonfinite_tensors, optimizer_state,
-                         peak_flops_for, pipeline_formats, read_losses, restore_state, resume_point,
-                         rng_state, shard_model, show_fp8_layers, sync_gradients, weights_finite, weights_finite_flag)
+from nanofp8.outdir import last_good, trim_jsonl
+from nanofp8.run import (Clock, TrainingStopped, check_replicas, check_room, check_step, clip, command, diverged,
+                         eval_loss, finish, forward_backward, grad_comm_format, nonfinite_tensors, nothing_to_do,
+                         optimizer_state, peak_flops_for, pipeline_formats, prepare_out_dir, read_losses,
+                         restore_state, resume_point, rng_state, save_checkpoint_set, shard_model, show_fp8_layers,
+                         sync_gradients, weights_finite_flag)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
 
 # -----------------------------------------------------------------------------
@@ -77,6 +84,8 @@ log_interval = 10
 eval_iters = 200  # batches per split per evaluation
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # else only when the validation loss improves
+keep_checkpoints = 2  # checkpoint sets kept in out_dir, the newest ones (nanofp8/outdir.py)
+overwrite_checkpoints = False  # may a run that does not resume replace out_dir's checkpoint?
 init_from = "scratch"  # "scratch" | "resume" (from out_dir, any level/layout) | a directory: an
 #                       export, a Hugging Face GPT-2 or another run's out_dir (nanofp8/checkpoint.py)
 # data
@@ -104,6 +113,7 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm to this (0 = no clipping)
 max_skipped_steps = 10  # stop after this many steps in a row skipped for non-finite gradients (0 = never)
+max_loss_rise = 1.0  # a val loss this far (nats) above the best so far is a divergence: not saved (0 = off)
 # learning rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
 decay_lr = True
 warmup_iters = 2000
@@ -182,7 +192,11 @@ def setup_precision(model, cfg, device_type):
     if not names:  # FP8 GEMMs need both dims % 16: an "FP8" run with none would be bf16 in disguise
         raise ConfigError(f"precision={level}: no block Linear can run in FP8: their widths "
                           f"(n_embd={model.config.n_embd}, MLP {model.config.hidden}) must be multiples of 16")
-    if level == "O2":
+    if level == "O1":  # each weight cast to FP8 once per step, not per micro-step (optimizer_step
+        for m in model.modules():  # bumps the weights' version counters, which the cast is keyed on)
+            if isinstance(m, fp8.Fp8Linear):
+                m.cache_weight = True
+    elif level == "O2":
         convert_to_o2(model, grad_accum=cfg["o2_grad_accum"])
     elif level == "O3":
         convert_to_o3(model)
@@ -228,9 +242,10 @@ def optimizer_step(model, optimizer, cfg, layout=Layout(), clips=None):
     clipped = [] if clips is None else [clips.flag()]
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
-        stepped = optimizer.step(grads_finite=finite, max_norm=max_norm, shards=shards)
-        norm, weights_ok, *clipped = torch.stack([optimizer.grad_norm.float(), weights_ok, *clipped]).to(
+        go = optimizer.prepare_step(grads_finite=finite, max_norm=max_norm, shards=shards)
+        norm, weights_ok, go, *clipped = torch.stack([optimizer.grad_norm.float(), weights_ok, go, *clipped]).to(
             "cpu", copy=True).tolist()
+        stepped = optimizer.step(verdict=go == 1)
     else:
         norm = clip(model, max_norm, layout)  # the whole model's norm, the same on every rank
         norm, weights_ok, finite, *clipped = torch.stack([norm.float(), weights_ok, finite, *clipped]).to(
@@ -238,6 +253,8 @@ def optimizer_step(model, optimizer, cfg, layout=Layout(), clips=None):
         stepped = finite == 1 and math.isfinite(norm)
         if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
             optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
+            if optimizer.defaults.get("fused"):  # it wrote the weights without telling autograd
+                torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
     optimizer.zero_grad(set_to_none=True)
     if clips is not None:
         clips.clipped_now = clipped[0] == 1
@@ -319,11 +336,10 @@ def build_model(cfg, layout, model_args, ckpt, converted, log):
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = shard_model(model, cfg, layout)  # from here on: this rank's stage
     if ckpt is not None:
-        path = checkpoint_path(cfg["out_dir"], layout)
-        load_model_state(model, ckpt["model"], path)
+        load_model_state(model, ckpt["model"], ckpt["path"])
         bad = nonfinite_tensors(model)
         if bad:
-            raise CheckpointError(f"{path} holds non-finite values in {bad[:5]}: the run that wrote "
+            raise CheckpointError(f"{ckpt['path']} holds non-finite values in {bad[:5]}: the run that wrote "
                                   f"it had diverged; resume from an earlier checkpoint")
     model.to(layout.device)
     if cfg["precision"] != "bf16":
@@ -331,36 +347,39 @@ def build_model(cfg, layout, model_args, ckpt, converted, log):
     return model, desc, n_params, flops_per_token
 
 
-def save_if_better(raw_model, optimizer, cfg, run, layout, iter_num, val_loss, best_val_loss, log):
-    """Checkpoint after an evaluation (always_save_checkpoint, or a better val loss), but never
-    replace a good checkpoint by a diverged one. Called on every rank (O3 shards and the RNG
-    streams are gathered). Saves the config as it was asked for and, apart, what the run derived.
-    Returns the best val loss."""
-    improved, best_val_loss = val_loss < best_val_loss, min(best_val_loss, val_loss)
+def save_if_better(raw_model, optimizer, cfg, run, layout, iter_num, val_loss, best_val_loss, skipped, log):
+    """Checkpoint after an evaluation (always_save_checkpoint, or a better val loss) as a new set
+    (nanofp8/outdir.py, the older ones kept up to keep_checkpoints), but never a state that has
+    diverged (run.diverged): it would push the last good one out. A final evaluation that has
+    diverged stops the run. Called on every rank (O3 shards and the RNG streams are gathered).
+    Saves the config as it was asked for and, apart, what the run derived. Returns the best val loss."""
+    improved, best = val_loss < best_val_loss, min(best_val_loss, val_loss)
     if iter_num == 0 or cfg["eval_only"] or not (improved or cfg["always_save_checkpoint"]):
-        return best_val_loss
-    if not math.isfinite(val_loss) or not weights_finite(raw_model, layout):  # never replace a good one
-        why = "the last update left non-finite weights" if math.isfinite(val_loss) else f"the val loss is {val_loss}"
-        log(f"not saving a checkpoint: {why}")
-        return best_val_loss
+        return best
+    why = diverged(raw_model, cfg, layout, val_loss, best_val_loss, skipped)
+    if why:
+        log(f"not saving a checkpoint: {why}; {last_good(cfg['out_dir'])}")
+        if iter_num >= cfg["max_iters"]:
+            raise TrainingStopped(f"the run ended diverged ({why}), so its final state is not saved; "
+                                  f"{last_good(cfg['out_dir'])}: resume from it with a lower learning_rate")
+        return best
     state = {
         "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
         "optimizer": optimizer_state(optimizer, layout),
         "model_args": run["model_args"],
         "config": dict(cfg),
         "derived": {k: v for k, v in run.items() if k != "model_args"},
-        "iter_num": iter_num, "best_val_loss": best_val_loss,
+        "iter_num": iter_num, "best_val_loss": best,
         "rng": rng_state(layout),
         # Batches are a function of (seed, iteration): the iteration is the position.
         "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
                  "tokens_seen": iter_num * run["tokens_per_iter"]},
     }
-    if layout.writer:
-        path = checkpoint_path(cfg["out_dir"], layout)
-        save_checkpoint(state, path)
-        log(f"saved checkpoint to {path}" + (" (each tensor and pipeline rank its own "
-            "ckpt-tp*-pp*.pt)" if layout.model_parallel else ""))
-    return best_val_loss
+    done = save_checkpoint_set(state, cfg, layout, iter_num, val_loss=val_loss, best_val_loss=best)
+    if done is not None:
+        log(f"saved checkpoint to {done.path}" + (f" ({len(done.files)} files: one per tensor and pipeline "
+                                                  "rank)" if layout.model_parallel else ""))
+    return best
 
 
 # -----------------------------------------------------------------------------
@@ -372,6 +391,7 @@ def main(argv=None):
     check_dataset(cfg["dataset"])  # every rank, before one of them waits for another
     layout = start(cfg, check=lambda dp_size: check_accumulation(cfg, dp_size))
     log = print if layout.master else (lambda *a, **k: None)
+    prepare_out_dir(cfg, layout, log)  # writable, not in use by another run, not another run's work
     autocast = torch.autocast(layout.device_type, dtype=torch.bfloat16)
     accum = cfg["gradient_accumulation_steps"] // layout.dp  # micro-steps per replica
     data = open_splits(cfg["dataset"], cfg["block_size"], layout)  # rank 0 prepares it if need be
@@ -380,15 +400,24 @@ def main(argv=None):
     compile_model = cfg["compile"] if cfg["compile"] is not None else (
         layout.device_type == "cuda" and not layout.model_parallel and not cfg["fp8_stats_interval"])
     ckpt, converted, model_args = resume_point(cfg, layout, vocab_size, log)
+    if nothing_to_do(cfg, (ckpt or converted or {}).get("iter_num", 0), log):
+        finish(cfg, layout)
+        return {"losses": [], "evals": []}
+    check_tokens(data, model_args["vocab_size"])
     model, precision_desc, n_params, flops_per_token = build_model(cfg, layout, model_args, ckpt, converted, log)
     optimizer = build_optimizer(model, cfg, layout.device_type)
+    check_room(model, cfg, layout, log)
     iter_num, best_val_loss = restore_state(model, optimizer, ckpt, converted, cfg, layout, log)
     ckpt = converted = None  # free the loaded tensors
     start_iter, raw_model = iter_num, model  # raw_model: whose state_dict is saved (no wrappers)
     run = {"model_args": model_args, "device": layout.device, "compile": compile_model, "world_size":
            layout.world, "tokens_per_iter": cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]}
+    keep_stats = cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and layout.master
+    note = keep_stats and start_iter > 0 and trim_jsonl(os.path.join(cfg["out_dir"], "fp8_stats.jsonl"), start_iter)
+    if note:  # the records written after the checkpoint's iteration go: this run writes them again
+        log(f"note: {note}")
     stats = (Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"], stats_alarms(cfg), append=start_iter > 0)
-             if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and layout.master else None)
+             if keep_stats else None)
     # Delayed scaling can clip: each rank logs what its own casts clipped, on the step it happens
     clips = ClipLog(raw_model) if cfg["precision"] != "bf16" and cfg["fp8_scaling"] == "delayed" else None
     if compile_model:
@@ -400,11 +429,18 @@ def main(argv=None):
         f"{layout.describe(cfg['sequence_parallel'])}, {accum} micro-batches per replica, compile="
         f"{compile_model}, {run['tokens_per_iter']:,} tokens per iteration, "
         f"{'resuming at iter ' + str(iter_num) if start_iter else 'from scratch'}")
-    if layout.writer:
-        os.makedirs(cfg["out_dir"], exist_ok=True)
+    for note in config_notes(cfg, start_iter):
+        log(note)
 
     # ---- the training loop
     history, skipped_in_a_row = {"losses": [], "evals": []}, 0
+
+    def train_batches(it):  # iteration it's micro-batches: a function of (seed, it) alone
+        return [get_batch(data["train"], cfg["batch_size"], cfg["block_size"],
+                          batch_generator(cfg["seed"], TRAIN_STREAM, it, j, rank), layout.device)
+                for j, rank in layout.micro_batch_keys(accum)]
+
+    batches, batches_of = None, None
     clock = Clock(run["tokens_per_iter"], peak_flops_for(cfg, layout.device_type), flops_per_token, layout)
     while True:
         lr = lr_at(iter_num, cfg)
@@ -420,17 +456,19 @@ def main(argv=None):
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             history["evals"].append((iter_num, losses["train"], losses["val"]))
             best_val_loss = save_if_better(raw_model, optimizer, cfg, run, layout, iter_num, losses["val"],
-                                           best_val_loss, log)
+                                           best_val_loss, skipped_in_a_row, log)
             clock.restart()  # do not bill the evaluation to the next iteration
         if cfg["eval_only"] or iter_num >= cfg["max_iters"]:
             break
 
         if stats is not None and stats.due(iter_num):
             stats.start()
-        batches = [get_batch(data["train"], cfg["batch_size"], cfg["block_size"],
-                             batch_generator(cfg["seed"], TRAIN_STREAM, iter_num, j, rank), layout.device)
-                   for j, rank in layout.micro_batch_keys(accum)]
+        batches = batches if batches_of == iter_num else train_batches(iter_num)
         loss = forward_backward(model, batches, layout, autocast, pipeline_formats(cfg))
+        # The next iteration's batches now, while the GPU still runs this backward: the step's one
+        # sync (in optimizer_step) waits for the backward to finish, and from then on the GPU
+        # waits for the host only until the optimizer's first kernel is launched.
+        batches, batches_of = train_batches(iter_num + 1), iter_num + 1
         grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg, layout, clips)
         skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok,
                                       lr_at(iter_num - 1, cfg), cfg, layout, log)
@@ -448,7 +486,7 @@ def main(argv=None):
     read_losses(history["losses"])
     if cfg["precision"] != "bf16":
         log(fallback_line())
-    stop(layout)
+    finish(cfg, layout)
     return history
 
 

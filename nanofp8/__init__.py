@@ -6,6 +6,7 @@ dist.py      FP8 collectives, FP8 data parallelism, ZeRO in FP8 (O3)
 parallel.py  FP8 tensor, sequence and pipeline parallelism
 model.py     GPT-2 and LLaMA-style models, the checkpoint format
 checkpoint.py  models out of the run: any level/layout -> one model, conversion on resume, frozen FP8
+outdir.py    what a run keeps in out_dir: checkpoint sets and their manifests, the lock, pre-flight checks
 interop.py   the portable safetensors export, Hugging Face GPT-2 in and out
 layout.py    the run's layout: a DeviceMesh (pp x dp x tp), sizes of 1 for one process
 run.py       what differs between layouts in train.py's loop: steps, gradient sums, checkpoints

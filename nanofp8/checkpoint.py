@@ -16,6 +16,8 @@ reads all of these kinds of directories, for sample.py, export.py and train.py's
        TP / PP    one file per (tensor, pipeline) rank, ckpt-tp{t}-pp{p}.pt, each with its
                   shards of the block matrices (parallel.merge_tp_state_dicts glues them)
 
+   A run keeps these files in checkpoint sets (out_dir/ckpt-00000020/, nanofp8/outdir.py):
+   find_checkpoint() picks the newest complete set of an out_dir, or reads a set directory itself.
    read_checkpoint() resolves all of these to one fp32 state_dict of the single-device GPT, so
    sample.py, the exporters and a resume at another level all start from the same thing.
    Resolving O3 from the FP8 copy instead of the master would keep 3 of the master's 10
@@ -35,7 +37,6 @@ reads all of these kinds of directories, for sample.py, export.py and train.py's
    and so needs no master copy.
 """
 
-import glob
 import os
 import re
 
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from nanofp8.fp8 import BLOCK, E4M3, expand_tiles, quantize
 from nanofp8.interop import is_hf_gpt2, load_hf_gpt2, load_portable
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint
+from nanofp8.outdir import MANIFEST, SET_NAME, CheckpointSet, legacy_files, newest_set, nothing_found, read_set
 
 # -----------------------------------------------------------------------------
 # 1. Any checkpoint -> one fp32 state_dict of the single-device GPT
@@ -63,17 +65,29 @@ def _peek(path):
     return load_checkpoint(path, map_location="cpu")
 
 
-def checkpoint_files(out_dir):
-    """The files of the newest model in out_dir: [ckpt.pt], or the model-parallel ranks' files."""
-    single = os.path.join(out_dir, "ckpt.pt")
-    ranks = sorted(glob.glob(os.path.join(out_dir, "ckpt-tp*-pp*.pt")))
-    if not os.path.isfile(single) and not ranks:
-        raise CheckpointError(f"no checkpoint in {out_dir} (neither ckpt.pt nor ckpt-tp*-pp*.pt)")
-    if os.path.isfile(single) and ranks:
+def find_checkpoint(out_dir):
+    """(the checkpoint to read in out_dir, notes on what is ignored): its newest complete set
+    (nanofp8/outdir.py), else the files an older nanofp8 wrote into out_dir (ckpt.pt or the
+    model-parallel ranks' ckpt-tp*-pp*.pt, the later iteration if both are there). A set
+    directory itself (out/ckpt-00000010) is read as it is. CheckpointError if there is none."""
+    if os.path.isfile(os.path.join(out_dir, MANIFEST)):  # a set, named directly
+        found, why = read_set(out_dir)
+        if found is None:
+            raise CheckpointError(f"{out_dir} is {why}")
+        return found, []
+    found, notes = newest_set(out_dir)
+    if found is not None:
+        return found, notes
+    legacy = legacy_files(out_dir)
+    if not legacy:
+        raise CheckpointError(f"no checkpoint in {out_dir}: {nothing_found(out_dir)}")
+    single, ranks = [f for f in legacy if f == "ckpt.pt"], [f for f in legacy if f != "ckpt.pt"]
+    if single and ranks:
         # Both layouts wrote here (a run resumed at another layout): the later iteration wins.
-        newer = _peek(ranks[0])["iter_num"] > _peek(single)["iter_num"]
-        return ranks if newer else [single]
-    return [single] if os.path.isfile(single) else ranks
+        newer = _peek(os.path.join(out_dir, ranks[0]))["iter_num"] > _peek(os.path.join(out_dir, "ckpt.pt"))["iter_num"]
+        notes.append(f"ignoring {', '.join(single if newer else ranks)} in {out_dir}: an earlier iteration")
+        legacy = ranks if newer else single
+    return CheckpointSet(out_dir, legacy), notes
 
 
 def _param_order(model_args):
@@ -202,21 +216,23 @@ def _resolve(ckpt, path, notes):
 
 
 def read_checkpoint(out_dir):
-    """Any checkpoint train.py wrote in out_dir -> (fp32 state_dict of the single-device GPT, info).
+    """Any checkpoint train.py wrote in out_dir (find_checkpoint) -> (fp32 state_dict of the
+    single-device GPT, info).
 
     info: model_args, config (the training run's), iter_num, best_val_loss, files, precision,
     layout (tensor_parallel, pipeline_parallel, zero_world: O3's shard count, else None), notes
-    (what was approximated; empty when the weights are exactly the trained ones)."""
+    (what was approximated or ignored; empty when the weights are exactly the trained ones)."""
     from nanofp8.parallel import merge_tp_state_dicts
 
-    files = checkpoint_files(out_dir)
-    notes, stages = [], {}
+    found, notes = find_checkpoint(out_dir)
+    files = [found.file(f) for f in found.files]
+    stages = {}
     first = None
-    for path in files:
-        ckpt = load_checkpoint(path, map_location="cpu")
+    for name, path in zip(found.files, files):
+        ckpt = load_checkpoint(path, map_location="cpu", expect=found.expected(name))
         first = first or ckpt
         if ckpt["iter_num"] != first["iter_num"]:
-            raise CheckpointError(f"the checkpoints in {out_dir} are from different iterations "
+            raise CheckpointError(f"the checkpoints in {found.path} are from different iterations "
                                   f"({first['iter_num']} and {ckpt['iter_num']}): not one model")
         m = re.search(r"ckpt-tp(\d+)-pp(\d+)\.pt$", path)
         t, p = (int(m[1]), int(m[2])) if m else (0, 0)
@@ -226,7 +242,7 @@ def read_checkpoint(out_dir):
     for p in range(pp):
         missing = [t for t in range(tp) if t not in stages.get(p, {})]
         if missing:
-            raise CheckpointError(f"{out_dir} was written with tensor_parallel={tp}, pipeline_parallel="
+            raise CheckpointError(f"{found.path} was written with tensor_parallel={tp}, pipeline_parallel="
                                   f"{pp}: ckpt-tp{missing[0]}-pp{p}.pt is missing")
     config = GPTConfig(**first["model_args"])
     state = {}
@@ -278,11 +294,15 @@ def resume_from(out_dir, cfg, world_size):
     dict with model (fp32 state_dict of the single-device GPT, to load *before* the level and the
     layout are set up), model_args, iter_num, best_val_loss, moments (for load_moments, or None)
     and note: what carries over and what restarts, for the log."""
-    head = _peek(checkpoint_files(out_dir)[0])  # one file decides
-    if same_layout(head["config"]["precision"], _layout(head), cfg, world_size):
+    found, _ = find_checkpoint(out_dir)
+    if found.manifest is not None:  # the manifest says what wrote the set
+        saved_config, saved_layout = found.manifest["config"], found.layout()
+    else:  # files of an older nanofp8: one file decides
+        head = _peek(found.file(found.files[0]))
+        saved_config, saved_layout = head["config"], _layout(head)
+        del head
+    if same_layout(saved_config["precision"], saved_layout, cfg, world_size):
         return None
-    saved_config = head["config"]
-    del head
     state, info = read_checkpoint(out_dir)
     src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
                           info["layout"]["pipeline_parallel"], info["layout"]["zero_world"])
@@ -296,7 +316,8 @@ def resume_from(out_dir, cfg, world_size):
     moments = None
     cut_before = info["layout"]["tensor_parallel"] * info["layout"]["pipeline_parallel"] > 1
     if not cut_before and cfg["tensor_parallel"] * cfg["pipeline_parallel"] == 1:
-        moments = fp32_moments(load_checkpoint(info["files"][0], map_location="cpu"))
+        moments = fp32_moments(load_checkpoint(info["files"][0], map_location="cpu",
+                                               expect=found.expected(found.files[0])))
     fresh = [] if moments else ["optimizer moments (Adam m and v restart from zero)"]
     if "bf16" not in (info["precision"], cfg["precision"]):
         fresh.append("FP8 scaling state (amax histories)")
@@ -319,23 +340,33 @@ def resume_from(out_dir, cfg, world_size):
 
 def read_any(path):
     """Weights from a directory of any kind -> (fp32 state_dict of the GPT, info): a training run's
-    out_dir (any level, any layout), a portable export, or a Hugging Face GPT-2. info: model_args,
-    config (the training run's settings, as far as known), iter_num, source, notes."""
+    out_dir (its newest complete checkpoint set, any level, any layout) or one set of it, a
+    portable export, or a Hugging Face GPT-2. info: model_args, config (the training run's
+    settings, as far as known), iter_num, source, notes."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a directory (expected a training run's out_dir, an "
                               "export, or a Hugging Face GPT-2)")
-    if os.path.isfile(os.path.join(path, "ckpt.pt")) or glob.glob(os.path.join(path, "ckpt-tp*-pp*.pt")):
-        state, info = read_checkpoint(path)
-        src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
-                              info["layout"]["pipeline_parallel"], info["layout"]["zero_world"])
-        return state, {**info, "source": f"{', '.join(info['files'])} ({src})"}
-    if is_hf_gpt2(path):
-        state, model_args = load_hf_gpt2(path)
-        return state, dict(model_args=model_args, config={}, iter_num=None, notes=[],
-                           source=f"{path} (Hugging Face GPT-2)")
-    state, meta = load_portable(path)
-    return state, dict(model_args=GPTConfig(**meta["model_args"]).__dict__, config=meta.get("config", {}),
-                       iter_num=meta.get("iter_num"), notes=[], source=f"{path} (portable export)")
+    holds_checkpoint = (os.path.isfile(os.path.join(path, MANIFEST)) or legacy_files(path)
+                        or any(SET_NAME.fullmatch(f) for f in os.listdir(path)))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        if holds_checkpoint:
+            raise CheckpointError(f"{path} holds both a training run's checkpoints and an export or a "
+                                  f"Hugging Face model (config.json): move one of them to its own directory")
+        if is_hf_gpt2(path):
+            state, model_args = load_hf_gpt2(path)
+            return state, dict(model_args=model_args, config={}, iter_num=None, notes=[],
+                               source=f"{path} (Hugging Face GPT-2)")
+        state, meta = load_portable(path)
+        return state, dict(model_args=GPTConfig(**meta["model_args"]).__dict__, config=meta.get("config", {}),
+                           iter_num=meta.get("iter_num"), notes=[], source=f"{path} (portable export)")
+    if not holds_checkpoint:
+        raise CheckpointError(f"{path} holds no model ({nothing_found(path)}): expected a training run's "
+                              f"out_dir or one of its checkpoint sets, an export, or a Hugging Face GPT-2 "
+                              f"(config.json + model.safetensors)")
+    state, info = read_checkpoint(path)
+    src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
+                          info["layout"]["pipeline_parallel"], info["layout"]["zero_world"])
+    return state, {**info, "source": f"{', '.join(info['files'])} ({src})"}
 
 
 def load_pretrained(path):

@@ -143,9 +143,15 @@ def check_train_config(cfg):
     if cfg["precision"] == "bf16" and (cfg["grad_comm"] in ("e4m3", "e5m2") or cfg["mp_comm"] == "fp8"):
         raise ConfigError("precision=bf16 has no FP8 layers and sends no FP8: grad_comm must be "
                           "auto/fp32/bf16 and mp_comm auto/bf16/fp32")
-    if cfg["init_from"] not in ("scratch", "resume") and not os.path.isdir(cfg["init_from"]):
-        raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a directory with "
-                          f"exported or Hugging Face GPT-2 weights, got {cfg['init_from']!r}")
+    if cfg["init_from"] not in ("scratch", "resume"):
+        if not os.path.isdir(cfg["init_from"]):
+            raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a directory with "
+                              f"exported or Hugging Face GPT-2 weights, got {cfg['init_from']!r}")
+        src, dst = os.path.realpath(cfg["init_from"]), os.path.realpath(cfg["out_dir"])
+        if src == dst or src.startswith(dst + os.sep) or dst.startswith(src + os.sep):
+            raise ConfigError(f"init_from={cfg['init_from']} and out_dir={cfg['out_dir']} overlap, and a run "
+                              f"never writes into the directory it starts from: pick another out_dir (or "
+                              f"init_from=resume to continue the run in out_dir)")
     check_choice(cfg, "arch", ("gpt2", "llama"))
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
     check_choice(cfg, "fp8_granularity", ("tensor", "row", "block"))
@@ -155,6 +161,7 @@ def check_train_config(cfg):
                           "says nothing about the next step's rows (use fp8_scaling='current')")
     check_choice(cfg, "fp8_formats", ("hybrid", "e4m3"))
     check_choice(cfg, "fp8_backend", (None, "torch", "emulate", "triton"))
+    check_triton(cfg)
     check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))
     check_choice(cfg, "compile", (None, True, False))
     for key in ("max_iters", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
@@ -210,7 +217,8 @@ def check_values(cfg):
         need(cfg[key] >= 1, key, ">= 1")
     for key in ("mlp_hidden", "warmup_iters", "lr_decay_iters", "max_skipped_steps"):
         need(cfg[key] >= 0, key, ">= 0")
-    for key in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops", "norm_eps"):
+    need(cfg["keep_checkpoints"] >= 1, "keep_checkpoints", ">= 1")
+    for key in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops", "norm_eps", "max_loss_rise"):
         need(math.isfinite(cfg[key]) and cfg[key] >= 0, key, "finite and >= 0")
     need(0 <= cfg["dropout"] < 1, "dropout", "in [0, 1)")
     for key in ("beta1", "beta2"):
@@ -222,15 +230,51 @@ def check_values(cfg):
     need(cfg["out_dir"].strip() != "", "out_dir", "a directory name")
     need(not os.path.exists(cfg["out_dir"]) or os.path.isdir(cfg["out_dir"]), "out_dir",
          "a directory (it is an existing file)")
-    if cfg["device"].startswith("cuda"):
-        index = cfg["device"].partition(":")[2] or "0"
-        if not index.isdigit() or not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
-            raise ConfigError(f"config key 'device' is {cfg['device']!r}, but this machine has "
-                              f"{torch.cuda.device_count()} CUDA devices: use device=cpu (or auto)")
+    check_device(cfg["device"])
     try:  # the architecture's own rules (divisibility, RoPE's even head dim)
         GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig)})
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_triton(cfg):
+    """fp8_backend='triton' runs kernels.py's Triton kernels: on a CUDA GPU, or on a CPU only in
+    Triton's interpreter (TRITON_INTERPRET=1, as the tests run them), not at the first forward."""
+    if cfg["fp8_backend"] != "triton" or cfg["precision"] == "bf16":
+        return
+    device = cfg["device"]
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        return
+    try:
+        import kernels  # the repo root's Triton kernels (they read TRITON_INTERPRET once, on import)
+        interpreted = kernels.INTERPRET
+    except ImportError:
+        interpreted = False
+    if not interpreted:
+        raise ConfigError(f"fp8_backend='triton' runs Triton kernels, which need a CUDA GPU, and this run's "
+                          f"device is {'cpu' if device == 'auto' else device}: use fp8_backend=emulate (or leave "
+                          f"it unset), or set TRITON_INTERPRET=1 to run them in Triton's interpreter (slow)")
+
+
+def config_notes(cfg, start_iter):
+    """What a run should know about settings that are allowed but may not be meant: log lines."""
+    notes = []
+    warmup, end = cfg["warmup_iters"], cfg["max_iters"]
+    if cfg["decay_lr"] and not cfg["eval_only"] and start_iter < end < warmup:
+        notes.append(f"note: warmup_iters={warmup} is more than max_iters={end}: the run ends during the "
+                     f"warmup, its learning rate reaching {end / (warmup + 1):.0%} of learning_rate="
+                     f"{cfg['learning_rate']:g} (a later resume with a larger max_iters goes on warming up)")
+    return notes
+
+
+def check_device(device):
+    """A CUDA device that this machine has (train.py and sample.py): ConfigError, not an assertion
+    deep inside torch."""
+    if device.startswith("cuda"):
+        index = device.partition(":")[2] or "0"
+        if not index.isdigit() or not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"config key 'device' is {device!r}, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA devices: use device=cpu (or auto)")
 
 
 def check_model_parallel(cfg):

@@ -458,6 +458,11 @@ def all_gather_plain(x, group=None, dtype=torch.bfloat16, numel=None, shape=None
 def any_nonfinite(tensors, group=None):
     """True on every rank if any rank has an inf or NaN in `tensors` (one 4-byte MAX all-reduce).
     Needed where ranks hold different data after communication (ZeRO's reduce-scatter)."""
+    return bool(nonfinite_flag(tensors, group).item())
+
+
+def nonfinite_flag(tensors, group=None):
+    """any_nonfinite as a 1-element device tensor (1.0 or 0.0), not read: no device sync."""
     tensors = list(tensors)
     flag = torch.zeros((), device=tensors[0].device if tensors else "cpu")
     for t in tensors:
@@ -465,7 +470,7 @@ def any_nonfinite(tensors, group=None):
     flag = flag.reshape(1)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     COMM.add("any_nonfinite", 4, 4 * 2 * (_world(group) - 1) / _world(group))
-    return bool(flag.item())
+    return flag
 
 
 def broadcast_parameters(module, group=None, src=0):
@@ -780,6 +785,9 @@ class O3Linear(O2Linear):
         new.weight_scale = q.scale.clone()  # (the buffer O2 registered, now the recipe's grid)
         new.init_master = lin.weight.detach().float()  # taken (and dropped) by the optimizer
         new.ensure_grad_hook()  # the new weight holds the FP8 gradient
+        # The casts O2 made were of the fp16 weight: a compiled forward reads them as they are
+        # (eager code would notice the new weight and cast again).
+        new.refresh_fp8_weight(record=False)
         return new
 
     def weight_layout(self):
@@ -849,6 +857,8 @@ class ZeroFp8AdamW(Fp8AdamW):
     backward instead: opt.step(grads_finite=ok, shards=dp.take_wgrad_shards()) (the same bits).
     """
 
+    _prepared = None  # (gradient shards, replicated gradients, clipping factor) of prepare_step
+
     def __init__(self, params, model, group=None, v_format="fp16", **kw):
         self.group, self.world = group, _world(group)
         self.rank = dist.get_rank(group)
@@ -886,20 +896,40 @@ class ZeroFp8AdamW(Fp8AdamW):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
 
     @torch.no_grad()
-    def step(self, closure=None, grads_finite=True, max_norm=float("inf"), shards=None):
+    def step(self, closure=None, grads_finite=True, max_norm=float("inf"), shards=None, verdict=None):
         """One O3 step; returns whether it was taken. grads_finite: the verdict on the replicated
-        parameters' gradients (from Fp8DataParallel.sync_gradients). max_norm: clip the global
-        gradient norm (kept in self.grad_norm), computed from the reduced shards. shards: the
-        averaged fp32 gradient shards, {weight: shard}, where the data-parallel wrapper already
-        reduce-scattered them during backward (Fp8DataParallel(wgrads="reduce_scatter")
-        .take_wgrad_shards()); None: reduce-scatter the FP8 gradients here (the same bits)."""
+        parameters' gradients (from Fp8DataParallel.sync_gradients; a bool, or a device tensor
+        1.0/0.0). max_norm: clip the global gradient norm (kept in self.grad_norm), computed from
+        the reduced shards. shards: the averaged fp32 gradient shards, {weight: shard}, where the
+        data-parallel wrapper already reduce-scattered them during backward
+        (Fp8DataParallel(wgrads="reduce_scatter").take_wgrad_shards()); None: reduce-scatter the
+        FP8 gradients here (the same bits).
+
+        The step needs one device sync, to read whether every rank's gradients are finite. A
+        caller with values of its own to read (train.py: the norm, the weights' check) calls
+        prepare_step(...) first, reads its flag with them in one copy, and passes what it read
+        as `verdict` (then the other arguments are not used)."""
+        if verdict is None:
+            verdict = bool(self.prepare_step(grads_finite, max_norm, shards))
+        shards, others, coef = self._prepared
+        self._prepared = None
+        if not verdict:
+            self.skipped_steps += 1
+            return False
+        for t in shards + others:
+            t.mul_(coef.to(t.dtype))
+        return self._update(shards)
+
+    @torch.no_grad()
+    def prepare_step(self, grads_finite=True, max_norm=float("inf"), shards=None):
+        """The half of step() before its decision: every collective, no device sync. Returns the
+        flag, the same on every rank: a 0-dim device tensor, 1.0 to step, 0.0 to skip."""
         held, reduced = list(self.o2), shards  # the O3 weights, whose gradients are fp8_grad
         # 1. reduce-scatter the FP8 gradients, all launched before any is waited for
         pending = [reduce_scatter_fp8(_held_rows(p, self.world), self.group, op="mean",
                                       out_dtype=torch.float32, async_op=True)
                    for p in (held if reduced is None else ())]
         shards = [pd.wait() for pd in pending] if reduced is None else [reduced[p] for p in held]
-        index = {p: i for i, p in enumerate(held)}
         # A reduce-scatter shows a NaN only to the shard's owner: ask every rank (one flag).
         others = [p.grad for g in self.param_groups for p in g["params"] if p not in self.o2 and p.grad is not None]
         # The global norm: the shards' squares summed over the ranks (one all-reduce), plus the
@@ -911,14 +941,15 @@ class ZeroFp8AdamW(Fp8AdamW):
         sq = sq + sum((g.float().square().sum() for g in others), torch.zeros((), device=sq.device))
         self.grad_norm = sq.sqrt()
         # Every rank asks (the same collectives on every rank, whatever its local verdict), and
-        # the caller's verdict is folded into the one flag, so all ranks skip or step together.
-        flags = shards + others + [torch.zeros(()) if grads_finite else torch.full((), float("nan"))]
-        if any_nonfinite(flags, self.group) or not torch.isfinite(self.grad_norm):
-            self.skipped_steps += 1
-            return False
-        coef = torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0)
-        for t in shards + others:
-            t.mul_(coef.to(t.dtype))
+        # the caller's verdict and the norm are folded into the one flag, so all ranks skip or
+        # step together.
+        mine = torch.as_tensor(grads_finite, dtype=torch.float32, device=self.grad_norm.device)
+        flags = shards + others + [torch.where(mine > 0, self.grad_norm, torch.nan)]
+        self._prepared = (shards, others, torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0))
+        return 1.0 - nonfinite_flag(flags, self.group).reshape(())
+
+    def _update(self, shards):
+        index = {p: i for i, p in enumerate(self.o2)}
         # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v), the O2 update,
         # foreach over all shards of a param group (and over its replicated parameters)
         new = []

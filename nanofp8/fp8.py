@@ -113,7 +113,7 @@ that falls back to high precision at run time is counted (fallbacks), or refused
 import math
 import os
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -186,10 +186,17 @@ class Fp8Tensor:
     amax: torch.Tensor = None  # the amax the data was measured with (NaN where it was non-finite;
     #                            None where a Triton quantizer measured it and kept it on chip)
     data_t: torch.Tensor = None  # the transposed copy, where the quantizer wrote it in the same pass
+    _inv: tuple = field(default=None, repr=False, compare=False)  # (scale, 1 / scale), once computed
 
     @property
     def inv_scale(self):
-        return self.scale.reciprocal()
+        """1 / scale, what the GEMMs multiply by; computed once per scale (a cached weight cast
+        serves every micro-step of an optimizer step). Kept with the scale it inverts, so a
+        container whose scale is replaced (clipping divides an FP8 gradient's scale) never hands
+        out the old inverse."""
+        if self._inv is None or self._inv[0] is not self.scale:
+            self._inv = (self.scale, self.scale.reciprocal())
+        return self._inv[1]
 
     def t(self):
         """The transpose, without re-quantizing. A tensor scale and a square block grid transpose
@@ -205,7 +212,8 @@ class Fp8Tensor:
         else:
             data_t = self.data.t().contiguous()
         return Fp8Tensor(data_t, scale, self.fmt, self.granularity, self.block[::-1],
-                         torch.Size((cols, rows)), self.dtype, self.amax)
+                         torch.Size((cols, rows)), self.dtype, self.amax,
+                         _inv=self._inv if self.granularity == "tensor" else None)
 
 
 def _tile_amax(x2, block):
@@ -374,7 +382,17 @@ def sqnr(ref, approx):
 #     128x128 (for a (ceil(M/128), ceil(K/128)) contiguous; for b the transpose of b's
 #     (ceil(N/128), ceil(K/128)) grid). 128x128 x 128x128 is not a pair; block modes refuse
 #     use_fast_accum.
+#   * 128x128 scales as cuBLASLt reads them: row by row, each row's ceil(K/128) scales padded to
+#     a multiple of 4 (L4). torch.nn.functional.scaled_mm (the v2 API, torch >= 2.10) checks for
+#     that padded layout: (L4, row tiles) with strides (1, L4). The v1 torch._scaled_mm checks the
+#     unpadded grid and hands its pointer on, so where ceil(K/128) % 4 != 0 the kernel reads the
+#     wrong scales, and past the allocation, without an error (PyTorch PR 166752): v1 is used
+#     for a 128x128 operand only where ceil(K/128) % 4 == 0, where the two layouts are one.
 #   * no bias with fp32 output; a bias is bf16/fp16 and has the output's dtype.
+#   * what PyTorch's own tests never run is not run here either: block scales with a bias (the
+#     bias is added outside the GEMM, in fp32), and row scales with an E5M2 first operand (the
+#     dgrad and wgrad GEMMs of formats="hybrid": the Triton GEMM, tested here for that pair, or
+#     the fp32 reference).
 #   * builds whose cuBLASLt is older than 12.9 (CUDA 12.6 wheels) run row x row on a CUTLASS
 #     kernel that writes bf16/fp16 only and wants mat2 in E4M3 (ValueError otherwise).
 #   * CPU: torch 2.11's kernel takes one-element (tensor) scales only; 2.13 also takes rows. We use
@@ -479,34 +497,60 @@ def _gemm_cpu(a, b, out_dtype, bias):
     return out.to(out_dtype)
 
 
-def _block_scale_arg(q, operand):
-    """q's inverse block scales laid out as torch._scaled_mm wants them for `operand` "a" (mat1)
-    or "b" (mat2 = q^T). q.inv_scale is the (row tiles, K tiles) grid, contiguous."""
+_HAS_SCALED_MM_V2 = hasattr(F, "scaled_mm")  # torch.nn.functional.scaled_mm: torch >= 2.10
+
+
+def padded_block_scales():
+    """Do block-scaled GEMMs go through torch.nn.functional.scaled_mm, with padded 128x128 scales?
+    Where torch has it, and not under torch.compile: there torch 2.11's shape checks of the v2 op
+    want K and N multiples of 128 (ragged shapes fail the trace), and torch 2.13's inductor turns
+    the v2 op into a v1 torch._scaled_mm call with the padded scales, which the kernel refuses
+    unless ceil(K/128) % 4 == 0. Compiled code calls v1 itself, where it is right (the rules)."""
+    return _HAS_SCALED_MM_V2 and not torch.compiler.is_compiling()
+
+
+def _block_scale_arg(q, operand, padded=False):
+    """q's inverse block scales laid out as torch's scaled GEMM wants them for `operand` "a"
+    (mat1) or "b" (mat2 = q^T). q.inv_scale is the (row tiles, K tiles) grid, contiguous.
+    padded: for torch.nn.functional.scaled_mm (v2), else for torch._scaled_mm (v1)."""
     s = q.inv_scale
-    if q.block[0] == 1:  # 1x128: a (M, Kt) with strides (1, M); b (Kt, N) contiguous
-        return s.t().contiguous().t() if operand == "a" else s.t().contiguous()
-    return s if operand == "a" else s.t()  # 128x128: a (Mt, Kt) contiguous; b (Kt, Nt) strides (1, Kt)
+    if q.block[0] == 1:  # 1x128: (rows, Kt) with strides (1, rows); v1's b: its transpose (Kt, N)
+        return s.t().contiguous() if operand == "b" and not padded else s.t().contiguous().t()
+    if padded:  # 128x128, v2: the grid with each row padded to L4 scales, as (L4, row tiles)
+        return F.pad(s, (0, -s.shape[1] % 4)).t()
+    return s if operand == "a" else s.t()  # 128x128, v1: a (Mt, Kt) contiguous; b (Kt, Nt) strides (1, Kt)
 
 
 def _gemm_torch(a, b, out_dtype, bias, fast_accum):
-    """One torch._scaled_mm call (the operands already passed _scaled_mm_refusal)."""
-    if a.granularity == "block":
-        sa, sb = _block_scale_arg(a, "a"), _block_scale_arg(b, "b")
-        fast_accum = False  # block modes refuse it; they promote to fp32 every 128 of K anyway
-    else:
-        sa, sb = a.inv_scale, b.inv_scale
-        if a.granularity == "row" or b.granularity == "row":
-            # a tensor scale next to a row scale is repeated per row: row x row is a mode, mixed is not
-            # (a fresh column, not expand().contiguous(): with one row that keeps a stride of 0,
-            # which _scaled_mm refuses)
-            sa = sa.reshape(-1, 1) * torch.ones(len(a.data), 1, device=sa.device)
-            sb = (sb.reshape(-1, 1) * torch.ones(len(b.data), 1, device=sb.device)).t()  # (1, N)
-    in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
+    """One torch._scaled_mm (or, for block scales, torch.nn.functional.scaled_mm) call; the
+    operands already passed _scaled_mm_refusal."""
     # cuBLASLt wants 16-byte aligned rows; a view into a packed buffer (SP's gathered FP8 rows
     # carry their scale behind them) is not, so it is copied (free when already contiguous).
-    out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=sa, scale_b=sb,
-                           bias=bias.to(out_dtype) if in_gemm else None, out_dtype=out_dtype,
-                           use_fast_accum=fast_accum)
+    mat1, mat2 = a.data.contiguous(), b.data.contiguous().t()
+    if a.granularity == "block":  # (no fast accumulation: block modes refuse it, and promote to
+        # fp32 every 128 of K anyway.) PyTorch never tests block scales with a bias: the GEMM
+        # writes fp32 and the bias is added to that, as the reference adds it.
+        gemm_dtype = out_dtype if bias is None else torch.float32
+        if padded_block_scales():
+            kinds = [F.ScalingType.BlockWise1x128 if q.block[0] == 1 else F.ScalingType.BlockWise128x128
+                     for q in (a, b)]
+            out = F.scaled_mm(mat1, mat2, _block_scale_arg(a, "a", True), kinds[0],
+                              _block_scale_arg(b, "b", True), kinds[1], output_dtype=gemm_dtype)
+        else:
+            out = torch._scaled_mm(mat1, mat2, scale_a=_block_scale_arg(a, "a"),
+                                   scale_b=_block_scale_arg(b, "b"), out_dtype=gemm_dtype)
+        return out if bias is None else (out + bias.float()).to(out_dtype)
+    sa, sb = a.inv_scale, b.inv_scale
+    if a.granularity == "row" or b.granularity == "row":
+        # a tensor scale next to a row scale is repeated per row: row x row is a mode, mixed is not
+        # (a fresh column, not expand().contiguous(): with one row that keeps a stride of 0,
+        # which _scaled_mm refuses)
+        per_row = lambda q, s: s if q.granularity == "row" else s.reshape(1, 1) * torch.ones(  # noqa: E731
+            len(q.data), 1, device=s.device)
+        sa, sb = per_row(a, sa), per_row(b, sb).t()  # (M, 1), (1, N)
+    in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
+    out = torch._scaled_mm(mat1, mat2, scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_gemm else None,
+                           out_dtype=out_dtype, use_fast_accum=fast_accum)
     if bias is not None and not in_gemm:
         out = out + bias.float()  # the fp32 output takes the bias outside the GEMM, in fp32
     return out
@@ -549,15 +593,32 @@ def _gemm_triton(a, b, out_dtype, bias, fast_accum):
                                fast_accum=fast_accum)
 
 
+_TRITON = []  # [whether kernels.py imports], asked once
+
+
 def _triton_available(device):
-    """May backend="torch" fall back to the Triton GEMM? On CUDA, where kernels.py imports."""
+    """May backend="torch" use kernels.py (its casts, or its GEMM as a fallback)? On CUDA, where
+    kernels.py imports."""
     if device.type != "cuda":
         return False
-    try:
-        _kernels()
-        return True
-    except ImportError:
-        return False
+    if not _TRITON:
+        try:
+            _kernels()
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    return _TRITON[0]
+
+
+def one_pass_cast(x):
+    """Does an eager cast of x run on kernels.py's Triton quantizers? On a CUDA device where
+    kernels.py imports, outside torch.compile (which fuses quantize()'s operations itself).
+    quantize() in eager mode is about a dozen kernels per cast (amax, the scale's float64
+    arithmetic, clamp, cast, the NaN guard), each a launch: with four to six casts per Linear
+    and micro-step, the host could not keep an H100 busy. The Triton quantizers read the tensor
+    once (a tensor scale: once more for the amax), give the same bytes (tests/test_kernels.py),
+    and write the transposed copy that backward needs in the same pass."""
+    return x.is_cuda and not torch.compiler.is_compiling() and _triton_available(x.device)
 
 
 def _quantize_triton(x2, fmt, granularity, block, margin, power_of_two):
@@ -599,8 +660,15 @@ def _scaled_mm_refusal(a, b, out_dtype, sup):
                     f"(this device: {sup.device}, torch {torch.__version__}, CUDA {torch.version.cuda})")
         if a.block[0] > 1 and b.block[0] > 1:
             return "128x128 x 128x128 block scales are not a supported pair"
+        kt = -(-a.data.shape[1] // BLOCK)
+        if max(a.block[0], b.block[0]) > 1 and kt % 4 and not padded_block_scales():
+            return (f"128x128 block scales with ceil(K/128) = {kt}, not a multiple of 4, need "
+                    "torch.nn.functional.scaled_mm (not used under torch.compile): torch._scaled_mm "
+                    "would hand cuBLASLt an unpadded scale grid, which it misreads")
         return None
     if "row" in grans:
+        if a.fmt is E5M2:
+            return "row-wise scales with an E5M2 first operand (never run by PyTorch's tests)"
         if not sup.rowwise:
             return f"torch._scaled_mm on {sup.device} takes only per-tensor scales (torch 2.11)"
         if not sup.cublaslt_rowwise and out_dtype == torch.float32:
@@ -647,7 +715,8 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
             reason, refused = "refused by torch._scaled_mm: " + str(e).splitlines()[0], True
     if _triton_available(a.data.device):
         alt, fn = "the Triton GEMM (kernels.py)", lambda: _gemm_triton(a, b, out_dtype, bias, fast_accum)
-    elif a.granularity == "block" and sup.cublaslt_rowwise and not _shape_refusal(a, b, sup):
+    elif (a.granularity == "block" and sup.cublaslt_rowwise and not _shape_refusal(a, b, sup)
+          and a.fmt is E4M3):  # (its row-wise GEMMs: never an E5M2 first operand, see the rules)
         kt = -(-a.data.shape[1] // BLOCK)
         alt = (f"{kt} row-wise GEMMs (one per 128 of K) with fp32 outputs summed in fp32: "
                f"{kt}x the launches and {kt} x M x N x 8 bytes of extra traffic")
@@ -721,7 +790,7 @@ def _requantize_t(mod, x2, fmt, q, block):
     r = mod.recipe
     if r.granularity == "tensor" or (r.granularity == "block" and q.block[0] > 1):
         return q.t()
-    if r.backend == "triton":
+    if r.backend == "triton" or one_pass_cast(x2):
         return _quantize_triton(x2.t(), fmt, r.granularity, block, r.margin, r.power_of_two)
     return quantize(x2.t(), fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 
@@ -742,27 +811,31 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mod, out_dtype):
-        r = mod.recipe
-        # x2: x as (M, K) in high precision; None where it never exists whole on this rank
-        qx, x2, lead = mod.gemm_input(x)
-        qw, qw_t = mod.weight_operands()  # W for this GEMM, W^T for dgrad
-        b = None if bias is None else bias.to(out_dtype)
-        y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
-        y = mod.gemm_output(y.reshape(*lead, y.shape[-1]))
-        # Keep only the FP8 operands of the two backward GEMMs, laid out along their
-        # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Where only the FP8 copy
-        # of x exists (gathered in FP8), row and block scales re-quantize x^T from it.
-        if x2 is None and r.granularity != "tensor":
-            x2 = dequantize(qx, torch.float32)
-        qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, ACT_BLOCK)
-        if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
-            mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
-        (tx, mx), (tw, mw) = pack_saved(qx_t), pack_saved(qw_t)
-        ctx.save_for_backward(*tx, *tw)
-        ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
-        return y
+        # Autocast is off inside, where every dtype is chosen here (out_dtype is autocast's where it
+        # was on). Turned off here, not around .apply: dynamo fails a compiled region that changes
+        # the global autocast state around a Function ("Global autocast state changed").
+        with torch.autocast(x.device.type, enabled=False):
+            r = mod.recipe
+            # x2: x as (M, K) in high precision; None where it never exists whole on this rank
+            qx, x2, lead = mod.gemm_input(x)
+            qw, qw_t = mod.weight_operands()  # W for this GEMM, W^T for dgrad
+            b = None if bias is None else bias.to(out_dtype)
+            y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
+            y = mod.gemm_output(y.reshape(*lead, y.shape[-1]))
+            # Keep only the FP8 operands of the two backward GEMMs, laid out along their
+            # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Where only the FP8 copy
+            # of x exists (gathered in FP8), row and block scales re-quantize x^T from it.
+            if x2 is None and r.granularity != "tensor":
+                x2 = dequantize(qx, torch.float32)
+            qx_t = _requantize_t(mod, x2, r.fwd_fmt, qx, ACT_BLOCK)
+            if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
+                mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
+            (tx, mx), (tw, mw) = pack_saved(qx_t), pack_saved(qw_t)
+            ctx.save_for_backward(*tx, *tw)
+            ctx.meta, ctx.mod, ctx.lead = (mx, mw), mod, lead
+            ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+            ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
+            return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -795,8 +868,7 @@ def fp8_linear(x, layer, bias):
     scaling state and hooks. The output dtype is autocast's where autocast is on, else x's."""
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    with torch.autocast(dev, enabled=False):  # we choose every dtype ourselves
-        return _Fp8LinearFunction.apply(x, layer.weight, bias, layer, out_dtype)
+    return _Fp8LinearFunction.apply(x, layer.weight, bias, layer, out_dtype)
 
 
 def _count_clips_from_zero(module, state_dict, prefix, *args):
@@ -838,10 +910,13 @@ class Fp8Linear(nn.Linear):
         """Receives the fp32 weight gradient; returns what autograd accumulates into .grad."""
         return dw.to(self.weight.dtype)
 
-    # Cast the weight to FP8 once per optimizer step and reuse it across micro-steps? Only where
-    # the optimizer says when the weight changed (O2/O3 call free_weight_cache() in their step):
-    # an optimizer that updates in place without bumping the version counter (fused AdamW) would
-    # otherwise leave a stale FP8 weight in use.
+    # Cast the weight to FP8 once per optimizer step and reuse the cast across micro-steps (eager
+    # code), as long as the weight's version counter and storage stay the same? Off by default:
+    # torch's fused AdamW writes the weights without bumping their version counters (measured
+    # here), so a training loop turns it on only where it bumps them after such a step
+    # (torch.autograd.graph.increment_version: train.py's optimizer_step at O1). Foreach and
+    # single-tensor torch.optim steps, load_state_dict and copy_ bump it themselves. (O2/O3 keep
+    # their own cast, which their optimizer refreshes.)
     cache_weight = False
 
     # Statistics of the casts (nanofp8/stats.py): set for the steps it observes, else None.
@@ -872,7 +947,7 @@ class Fp8Linear(nn.Linear):
         if r.scaling == "delayed":
             return self.delayed_quantize(role, x2, fmt)
         block = (BLOCK, BLOCK) if role == WEIGHT else ACT_BLOCK
-        if r.backend == "triton":
+        if r.backend == "triton" or one_pass_cast(x2):
             return _quantize_triton(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
         return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 

@@ -7,8 +7,10 @@ nanofp8/checkpoint.py turns any training checkpoint into the fp32 state_dict the
    when it is read, and any framework reads it. The block Linear weights are stored as what an
    FP8 GPU consumes, float8_e4m3fn, with "<name>.weight_scale" next to each: fp32, one per output
    row, the *dequantization* factor (w = fp8.float() * weight_scale: a multiply, as an inference
-   kernel applies it, not nanofp8's quantization scale). Everything else is fp32. Nothing of
-   nanofp8 is needed to read it:
+   kernel applies it, not nanofp8's quantization scale). Everything else is fp32. The header's
+   metadata holds a CRC-32 of every tensor's bytes ("nanofp8.crc32", JSON), checked on import so
+   that a damaged file is reported by the tensor that is damaged. Nothing of nanofp8 is needed to
+   read it:
 
        from safetensors.torch import load_file
        t = load_file("export/model.safetensors")
@@ -29,12 +31,14 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import E4M3, quantize
-from nanofp8.model import GPT, CheckpointError, GPTConfig
+from nanofp8.model import (GPT, CheckpointError, GPTConfig, check_checksums, is_newer_format, tensor_checksums,
+                           write_file)
 
 # -----------------------------------------------------------------------------
 # 1. The portable export: safetensors + JSON
 
 EXPORT_FORMAT = "nanofp8-export-1"
+CRC_KEY = "nanofp8.crc32"  # safetensors metadata: {tensor name: CRC-32 of its bytes}, as JSON
 
 
 def _block_linear_weights(model_args):
@@ -61,9 +65,8 @@ def _expected(model_args, fp8):
 
 def export_portable(state, model_args, out_dir, fp8=True, extra=None):
     """Write state (an fp32 GPT state_dict) to out_dir/model.safetensors + out_dir/config.json.
-    fp8=True stores the block Linear weights in E4M3 with one fp32 scale per output row."""
-    from safetensors.torch import save_file
-
+    fp8=True stores the block Linear weights in E4M3 with one fp32 scale per output row. Returns
+    the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     expected = _expected(model_args, fp8)
     tensors = {}
@@ -79,14 +82,27 @@ def export_portable(state, model_args, out_dir, fp8=True, extra=None):
             tensors[name + "_scale"] = q.inv_scale.float().contiguous()  # dequantize: data * this
         else:
             tensors[name] = t.contiguous()
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     meta = {"format": EXPORT_FORMAT, "model_args": dict(model_args),
             "fp8": {"weights": "float8_e4m3fn, one fp32 scale per output row in <name>_scale; "
                                "w = weight.float() * weight_scale"} if fp8 else None,
             **(extra or {})}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-    return os.path.join(out_dir, "model.safetensors")
+    return _write_export(out_dir, tensors, meta)
+
+
+def _write_export(out_dir, tensors, config):
+    """model.safetensors (with its tensors' CRC-32s), then config.json, which marks the export as
+    complete. Each is written whole or not at all (a temp file renamed into place), with the mode
+    any new file gets (0644 under umask 022). A failed write (disk full) is a WriteError and
+    leaves no temp file. Returns the paths written."""
+    from safetensors.torch import save
+
+    blob = save(tensors, metadata={"format": "pt", CRC_KEY: json.dumps(tensor_checksums(tensors))})
+    paths = [os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "config.json")]
+    if os.path.exists(paths[1]):  # replacing an export: until the new config.json, it is none
+        os.remove(paths[1])
+    for path, data in zip(paths, (blob, json.dumps(config, indent=2).encode())):
+        write_file(path, data)
+    return paths
 
 
 def _read_json(path):
@@ -100,14 +116,25 @@ def _read_json(path):
 
 
 def _read_safetensors(path):
-    from safetensors.torch import load_file
+    """The tensors of a safetensors file, checked against the CRC-32s in its metadata where it has
+    them (nanofp8's exports; a file from elsewhere has none)."""
+    from safetensors import safe_open
 
     if not os.path.isfile(path):
         raise CheckpointError(f"no {os.path.basename(path)} in {os.path.dirname(path)}")
     try:
-        return load_file(path)
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # truncated header, bad offsets, not a safetensors file at all
         raise CheckpointError(f"cannot read {path}: {e}") from None
+    if CRC_KEY in metadata:
+        try:
+            saved = json.loads(metadata[CRC_KEY])
+        except ValueError:
+            raise CheckpointError(f"{path} is damaged: its checksums cannot be read") from None
+        check_checksums(saved, tensors, path, "export it again")
+    return tensors
 
 
 def load_portable(path):
@@ -115,6 +142,9 @@ def load_portable(path):
     dict). Every tensor is checked against the model config.json describes: a missing or unexpected
     tensor, a wrong dtype or a wrong shape is a CheckpointError naming it; non-finite values too."""
     meta = _read_json(os.path.join(path, "config.json"))
+    if is_newer_format(meta.get("format"), EXPORT_FORMAT):
+        raise CheckpointError(f"{path} was written by a newer nanofp8 (format {meta['format']!r}; this version "
+                              f"reads {EXPORT_FORMAT!r}): update nanofp8 to read it")
     if meta.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{path}/config.json is not a nanofp8 export (format "
                               f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r})")
@@ -244,9 +274,8 @@ def _check_against_model(state, model_args, path):
 def export_hf_gpt2(state, model_args, out_dir):
     """Write an fp32 GPT state_dict (arch gpt2) in the Hugging Face GPT-2 layout: transformers'
     GPT2LMHeadModel.from_pretrained(out_dir) then computes the same logits. A model trained
-    without biases (bias=False) gets zero biases, which is the same function."""
-    from safetensors.torch import save_file
-
+    without biases (bias=False) gets zero biases, which is the same function. Returns the paths
+    written."""
     c = GPTConfig(**model_args)
     if c.arch != "gpt2":
         raise ValueError(f"the Hugging Face GPT-2 layout needs arch='gpt2', this model is {c.arch!r} "
@@ -271,7 +300,6 @@ def export_hf_gpt2(state, model_args, out_dir):
                 tensors[f"transformer.h.{i}.{name}.bias"] = torch.zeros(width)
         tensors["transformer.ln_f.bias"] = torch.zeros(c.n_embd)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     eos = 50256 if c.vocab_size > 50256 else None
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
               "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
@@ -279,5 +307,4 @@ def export_hf_gpt2(state, model_args, out_dir):
               "layer_norm_epsilon": c.norm_eps, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
               "attn_pdrop": c.dropout, "tie_word_embeddings": c.tie_embeddings,
               "scale_attn_weights": True, "bos_token_id": eos, "eos_token_id": eos}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    return _write_export(out_dir, tensors, config)

@@ -162,8 +162,35 @@ def start(cfg, check=lambda dp_size: None):
     if device.startswith("cuda"):
         device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
-    init_distributed(cfg["dist_timeout"], "nccl" if device.startswith("cuda") else "gloo")
+    try:
+        init_distributed(cfg["dist_timeout"], "nccl" if device.startswith("cuda") else "gloo")
+    except (RuntimeError, ValueError) as e:  # torch's DistStoreError, a port in use, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise GroupError(f"the process group did not form within dist_timeout={cfg['dist_timeout']:g}s "
+                         f"({type(e).__name__}: {first}): a rank stopped or failed before joining; see "
+                         f"its own error") from None
+    check_same_config(cfg)
     return make_layout(cfg["tensor_parallel"], cfg["pipeline_parallel"], device)
+
+
+class GroupError(RuntimeError):
+    """The processes of a torchrun job did not come together (the command exits with status 3)."""
+
+
+def check_same_config(cfg):
+    """Every rank must run the same settings: a difference (a config file that reads the
+    environment, different files on different nodes) builds different models, whose collectives
+    then wait for each other until dist_timeout. ConfigError on every rank, naming the first key."""
+    mine = {k: repr(v) for k, v in cfg.items()}
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    for rank, theirs in enumerate(got):
+        diff = [k for k in mine if theirs.get(k) != got[0].get(k)]
+        if diff:
+            k = diff[0]
+            raise ConfigError(f"the ranks were started with different settings: rank {rank} has {k}={theirs[k]}, "
+                              f"rank 0 {k}={got[0][k]}" + (f" (and {len(diff) - 1} more keys)" if len(diff) > 1 else "")
+                              + ": give every rank the same command line and config files")
 
 
 def stop(layout):

@@ -12,13 +12,18 @@ model cut over tensor and pipeline ranks.
 Where the answers differ, they differ for a reason written next to them: a pipeline runs all
 micro-batches at once (GPipe), a model-parallel gradient is spread over ranks before it is
 averaged over replicas, O3's optimizer state is a shard per rank. The rest of the module is what
-a run checks about itself: non-finite weights, skipped steps, replicas drifting apart, a resume
-that would silently make another run.
+a run checks about itself: non-finite weights, skipped steps, a diverged state that must not be
+saved, replicas drifting apart, a resume that would silently make another run, an out_dir that
+cannot take a checkpoint; how the ranks write one checkpoint set (nanofp8/outdir.py); and the
+command's one line and exit status per kind of failure.
 """
 
 import io
+import math
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import fields
@@ -27,12 +32,15 @@ import torch
 import torch.distributed as dist
 
 from . import fp8, parallel
-from .checkpoint import initial_weights, load_moments
+from .checkpoint import find_checkpoint, initial_weights, load_moments
 from .configurator import ConfigError
+from .data import DataError
 from .dist import Fp8DataParallel, ZeroFp8AdamW
 from .fp8 import E4M3, E5M2
-from .layout import is_collective_failure, report_collective_failure
-from .model import CheckpointError, GPTConfig, load_checkpoint
+from .layout import GroupError, is_collective_failure, report_collective_failure, stop
+from .model import CheckpointError, GPTConfig, WriteError, load_checkpoint, root_cause, save_checkpoint
+from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
+                     prune, release_lock, release_locks, room_for, scan, set_name)
 from .optim import clip_grad_norm
 from .stats import format_linear_table, linear_table
 
@@ -189,7 +197,9 @@ def check_replicas(stage, layout):
         dist.all_gather(got, mine, group=group)
         bad = [k for i, (k, _) in enumerate(ps) if any(g[i] != mine[i] for g in got)]
         if bad:
-            raise RuntimeError(f"{what} hold different values of {bad[:5]}: the replicas diverged")
+            raise TrainingStopped(f"{what} hold different values of {bad[:5]}: the replicas diverged "
+                                  f"(ranks that compute differently: another setting, library or device); "
+                                  f"stopped; {last_good(current_out_dir) if current_out_dir else 'nothing saved'}")
 
 
 def show_fp8_layers(model, strict, log):
@@ -250,6 +260,26 @@ def weights_finite_flag(model, layout):
     return ok
 
 
+def diverged(model, cfg, layout, val_loss, best_val_loss, skipped_in_a_row):
+    """Why the state after an evaluation must not become a checkpoint (None if it may): it would
+    push out the last good one with a state that cannot be resumed usefully. A non-finite val
+    loss or weight; a val loss more than max_loss_rise above the best so far (a divergence that
+    is still finite, e.g. 3e9); or a last step skipped for non-finite gradients (weights whose
+    forward pass overflows: resumed, they skip again). Every rank reaches the same verdict."""
+    if not math.isfinite(val_loss):
+        return f"the val loss is {val_loss}"
+    if not weights_finite(model, layout):
+        return "the last update left non-finite weights"
+    rise = cfg["max_loss_rise"]
+    if rise > 0 and val_loss > best_val_loss + rise:
+        return (f"the val loss {val_loss:.4g} is more than max_loss_rise={rise:g} above the best so far "
+                f"({best_val_loss:.4f}): the run diverged")
+    if skipped_in_a_row:
+        return (f"the last {skipped_in_a_row} step{'s were' if skipped_in_a_row > 1 else ' was'} skipped for "
+                f"non-finite gradients")
+    return None
+
+
 def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok, prev_lr, cfg, layout, log):
     """After each optimizer step: stop when the weights went non-finite, or when steps keep being
     skipped for non-finite gradients (a run that only skips learns nothing and would keep writing
@@ -257,12 +287,11 @@ def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok
     verdict on the weights its step started from, i.e. on the update of iteration iter_num - 1,
     made with learning rate prev_lr (read in the step's one sync; a checkpoint is never written
     between that update and this check: save_if_better checks the weights itself)."""
-    ckpt_path = checkpoint_path(cfg["out_dir"], layout)
     if not weights_ok:
         bad = nonfinite_tensors(model)
         raise TrainingStopped(f"the update of iteration {iter_num - 1} (learning rate {prev_lr:g}) made weights "
                               f"non-finite{' (' + ', '.join(bad[:3]) + ')' if bad else ' on another rank'}: "
-                              f"stopped; {ckpt_path} is untouched: resume from it with a lower learning_rate")
+                              f"stopped; {last_good(cfg['out_dir'])}: resume from it with a lower learning_rate")
     if stepped:
         return 0
     skipped_in_a_row += 1
@@ -270,20 +299,152 @@ def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok
     if 0 < cfg["max_skipped_steps"] <= skipped_in_a_row:
         raise TrainingStopped(f"{skipped_in_a_row} steps in a row skipped for non-finite gradients "
                               f"(max_skipped_steps={cfg['max_skipped_steps']}), the last at iteration {iter_num}: "
-                              f"stopped; {ckpt_path} holds the last good state: resume from it with a lower "
+                              f"stopped; {last_good(cfg['out_dir'])}: resume from it with a lower "
                               f"learning_rate, or look for bad data")
     return skipped_in_a_row
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: one file per (tensor, pipeline) rank, written by data-parallel rank 0
+# Checkpoints: a set per save (nanofp8/outdir.py) with one file per (tensor, pipeline) rank, each
+# written by that position's data-parallel rank 0
 
 
-def checkpoint_path(out_dir, layout):
-    """out_dir/ckpt.pt; under model parallelism one file per (tensor, pipeline) rank, written by
-    data-parallel rank 0: that rank's shards (the GPT's keys) and its optimizer state."""
-    name = f"ckpt-{parallel.checkpoint_suffix(layout)}.pt" if layout.model_parallel else "ckpt.pt"
-    return os.path.join(out_dir, name)
+def checkpoint_name(layout):
+    """This rank's file in a checkpoint set: ckpt.pt; under model parallelism one file per (tensor,
+    pipeline) rank: that rank's shards (the GPT's keys) and its optimizer state."""
+    return f"ckpt-{parallel.checkpoint_suffix(layout)}.pt" if layout.model_parallel else "ckpt.pt"
+
+
+def agree(layout, problem):
+    """Every rank's problem (a message or None) -> the first one, the same on every rank (an object
+    all-gather, which is also a barrier): a check that some ranks make stops all of them alike."""
+    if layout.world == 1:
+        return problem
+    got = [None] * layout.world
+    dist.all_gather_object(got, problem)
+    return next((p for p in got if p), None)
+
+
+current_out_dir = None  # the run's out_dir: the last line of a run that stops names its checkpoint
+
+
+def prepare_out_dir(cfg, layout, log):
+    """Before anything is loaded or trained, on every rank: each rank that writes can write in
+    out_dir; rank 0 takes its lock (another run writing there is refused); and a run that did not
+    resume from out_dir's checkpoint refuses to replace it, unless overwrite_checkpoints=True.
+    ConfigError on every rank alike. A run that only evaluates (eval_only) writes nothing."""
+    global current_out_dir
+    current_out_dir = out_dir = cfg["out_dir"]
+    if cfg["eval_only"]:
+        return
+    problem = check_writable(out_dir) if layout.writer else None
+    if layout.master and problem is None:
+        try:
+            note = acquire_lock(out_dir)
+            if note:
+                log(f"note: {note}")
+            problem = replaces_work(cfg)
+        except (ConfigError, CheckpointError) as e:
+            problem = str(e)
+    problem = agree(layout, problem)
+    if problem:
+        release_lock(out_dir)
+        raise ConfigError(problem)
+
+
+def replaces_work(cfg):
+    """Why this run must not write into out_dir (None if it may): out_dir holds a checkpoint the
+    run does not continue."""
+    if cfg["init_from"] == "resume" or cfg["overwrite_checkpoints"]:
+        return None
+    complete, _ = scan(cfg["out_dir"])
+    found = complete[0] if complete else ", ".join(legacy_files(cfg["out_dir"]))
+    if not found:
+        return None
+    start = "from scratch" if cfg["init_from"] == "scratch" else f"from init_from={cfg['init_from']}"
+    return (f"out_dir {cfg['out_dir']} holds the checkpoint {found} of an earlier run, and this run starts "
+            f"{start}: pass init_from=resume to continue it, or overwrite_checkpoints=True to replace it "
+            f"(or use another out_dir)")
+
+
+def checkpoint_bytes(model):
+    """About how large this rank's checkpoint file gets, before the first step makes the optimizer
+    state: the model's state as it is, plus 8 bytes per trained value for Adam's moments (fp32 m
+    and v: the most any level stores; O2 and O3 store less, O3's masters included), plus 1 MiB
+    for the rest (settings, RNG streams, checksums, the archive's headers)."""
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return state + 8 * sum(p.numel() for p in model.parameters() if p.requires_grad) + 2**20
+
+
+def check_room(model, cfg, layout, log):
+    """Refuse to train when out_dir has no room for one more checkpoint (older sets are removed
+    only after a new one is complete); say how large one is. ConfigError on every rank alike."""
+    if cfg["eval_only"]:
+        return
+    need = checkpoint_bytes(model) if layout.writer else 0
+    free, problem = room_for(cfg["out_dir"], need) if layout.writer else (0, None)
+    problem = agree(layout, problem)
+    if problem:
+        raise ConfigError(problem)
+    log(f"checkpoints: about {need / 2**20:,.1f} MiB{' per file' if layout.model_parallel else ''}, the newest "
+        f"{cfg['keep_checkpoints']} kept in {cfg['out_dir']} ({free / 2**30:,.1f} GiB free)")
+
+
+def save_checkpoint_set(state, cfg, layout, iter_num, **extra):
+    """Write one checkpoint set (nanofp8/outdir.py), on every rank: rank 0 makes its directory,
+    every writing rank saves its file into it, and once all of them have, rank 0 writes the
+    manifest that makes the set complete, then removes the sets beyond keep_checkpoints. A write
+    that fails on any rank is a WriteError on every rank, and the partial set is removed; so is
+    the set of a save that Ctrl-C interrupts in one process (under torchrun the next save removes
+    it; readers ignore it). Returns the set (on rank 0; None elsewhere)."""
+    out_dir, name = cfg["out_dir"], checkpoint_name(layout)
+    path = os.path.join(out_dir, set_name(iter_num))
+    try:
+        problem = None
+        if layout.master:
+            try:
+                begin_set(out_dir, iter_num)
+            except WriteError as e:
+                problem = str(e)
+        problem = agree(layout, problem)  # the directory exists before anyone writes into it
+        record = None
+        if problem is None and layout.writer:
+            try:
+                os.makedirs(path, exist_ok=True)  # (an out_dir that is not shared between nodes)
+                record = (name, save_checkpoint(state, os.path.join(path, name)))
+            except WriteError as e:
+                problem = str(e)
+        records = [(record, problem)] if layout.world == 1 else [None] * layout.world
+        if layout.world > 1:
+            dist.all_gather_object(records, (record, problem))
+        problem = next((p for _, p in records if p), None)
+        done = None
+        if problem is None and layout.master:
+            files = dict(r for r, _ in records if r)  # in rank order: rank 0's file first
+            info = {"precision": cfg["precision"], "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
+                    "zero_world": layout.world if cfg["precision"] == "O3" else None, "world_size": layout.world}
+            try:
+                done = commit_set(path, iter_num, files, info, config=dict(cfg), **extra)
+                prune(out_dir, cfg["keep_checkpoints"])
+            except WriteError as e:
+                problem = str(e)
+        problem = agree(layout, problem)
+        if problem:
+            if layout.master:
+                discard_set(path)
+            raise WriteError(f"{problem}; nothing half-written is kept, and {last_good(out_dir)}")
+    except KeyboardInterrupt:
+        if layout.world == 1:
+            discard_set(path)
+        raise
+    return done
+
+
+def finish(cfg, layout):
+    """The end of a run: its lock released, its process group torn down."""
+    if layout.master:
+        release_lock(cfg["out_dir"])
+    stop(layout)
 
 
 # What a resumed run must share with the run that wrote the checkpoint, and what changing it would
@@ -401,16 +562,25 @@ def resume_point(cfg, layout, vocab_size, log):
     """(the checkpoint of an exact resume, converted weights, model_args). Converted: another
     level or layout, or pretrained weights, as fp32 (nanofp8/checkpoint.py). The architecture is
     the checkpoint's, whatever the config says."""
-    ckpt_path = checkpoint_path(cfg["out_dir"], layout)
     ckpt, converted = None, initial_weights(cfg, layout.world)
     if converted is not None:
         if cfg["init_from"] == "resume":
-            check_resume_config(converted["config"], cfg, ckpt_path, converted=True)
+            check_resume_config(converted["config"], cfg, cfg["out_dir"], converted=True)
         log(f"note: {converted['note']}")
     elif cfg["init_from"] == "resume":
-        ckpt = load_checkpoint(ckpt_path, map_location=layout.device)
-        check_resume_config(ckpt["config"], cfg, ckpt_path)
-        check_resume_layout(ckpt, cfg, ckpt_path, layout)
+        found, notes = find_checkpoint(cfg["out_dir"])
+        for note in notes:
+            log(f"note: {note}")
+        name = checkpoint_name(layout)
+        path = found.file(name)
+        ckpt = load_checkpoint(path, map_location=layout.device, expect=found.expected(name))
+        if "optimizer" not in ckpt:
+            raise CheckpointError(f"{path} has no 'optimizer' entry (Adam's state), so the run cannot go on "
+                                  f"exactly from it: fine-tune from its weights instead, with init_from="
+                                  f"{found.path} and another out_dir (from iteration 0, with a fresh optimizer)")
+        ckpt["path"] = path
+        check_resume_config(ckpt["config"], cfg, path)
+        check_resume_layout(ckpt, cfg, path, layout)
     model_args = {k: cfg[k] for k in MODEL_KEYS} | {"vocab_size": vocab_size}
     for k in MODEL_KEYS if (ckpt or converted) else ():
         saved = (ckpt or converted)["model_args"][k]
@@ -433,12 +603,26 @@ def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
         return converted["iter_num"], converted["best_val_loss"]
     if ckpt is None:
         return 0, float("inf")
-    load_optimizer_state(optimizer, ckpt["optimizer"], checkpoint_path(cfg["out_dir"], layout), layout)
+    load_optimizer_state(optimizer, ckpt["optimizer"], ckpt["path"], layout)
     if not ("rng" in ckpt and restore_rng(ckpt["rng"], layout)):
         log("note: the checkpoint has no dropout RNG state for this world size: reseeded, so "
             "with dropout > 0 the resumed run differs from an uninterrupted one")
         torch.manual_seed(hash((cfg["seed"], layout.dropout_stream, ckpt["iter_num"])) & (2**63 - 1))
-    return ckpt["iter_num"], ckpt["best_val_loss"]
+    return ckpt["iter_num"], ckpt.get("best_val_loss", float("inf"))
+
+
+def nothing_to_do(cfg, start_iter, log):
+    """Whether a resumed run has no iteration left to train (it says so; the command exits 0). A
+    checkpoint past max_iters is a ConfigError: a max_iters too small, or an iteration that is
+    not this run's."""
+    if cfg["eval_only"] or cfg["init_from"] != "resume" or start_iter < cfg["max_iters"]:
+        return False
+    if start_iter > cfg["max_iters"]:
+        raise ConfigError(f"the checkpoint in {cfg['out_dir']} is at iter {start_iter}, past max_iters="
+                          f"{cfg['max_iters']}: nothing to train; pass max_iters > {start_iter} to train on")
+    log(f"nothing to do: the checkpoint in {cfg['out_dir']} is at iter {start_iter} = max_iters; pass a larger "
+        f"max_iters to train on")
+    return True
 
 
 # -----------------------------------------------------------------------------
@@ -499,25 +683,80 @@ class Clock:
         return line
 
 
+# The exit statuses of train.py (README: "Checkpoints and recovery").
+EXIT_DIVERGED, EXIT_REFUSED, EXIT_LOST_RANKS, EXIT_WRITE_FAILED = 1, 2, 3, 4
+_signal = None  # the signal that stopped the run (SIGINT: Ctrl-C, SIGTERM: a scheduler), if any
+
+
+def _stop_on_signal(signum, frame):
+    global _signal
+    _signal = _signal or signum
+    raise KeyboardInterrupt
+
+
 def command(main, argv=None):
-    """train.main() as a command: one line on stderr per failure, and the exit status says which kind:
-    2 a bad config, checkpoint or dataset; 1 a run that stopped on non-finite weights or gradients.
-    Under torchrun, a collective that times out makes its rank name the ranks not answering."""
+    """train.main() as a command: one line on stderr per failure, and an exit status per kind:
+    2 a bad config, dataset, checkpoint or out_dir, found before training (DataError: during it);
+    1 a run that stopped because it diverged (non-finite weights, skipped steps, a loss far above
+    its best, replicas that differ); 3 ranks that lost each other under torchrun (a collective
+    that timed out, a process group that did not form); 4 a checkpoint that could not be written
+    (disk full, read-only); 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) for a run
+    stopped by one. A line about a stopped run names the last good checkpoint."""
+    global _signal, current_out_dir
+    _signal, current_out_dir = None, None
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # (signals reach only the main thread)
+        handlers = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         main(argv)
-    except ConfigError as e:  # decided alike on every rank: say it once
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except CheckpointError as e:
-        rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
-        print(f"error: {rank}{e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as e:  # diverged: every rank reaches the same verdict
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except RuntimeError as e:
-        if not is_collective_failure(e):
-            raise
-        report_collective_failure(e)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        try:
+            code = _report(e)
+        except KeyboardInterrupt:  # the signal arrived while another failure was being reported
+            code = _report(KeyboardInterrupt())
+        sys.exit(code)
+    finally:
+        release_locks()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _report(error):
+    """Print the one line of a failure (on rank 0 only where every rank reached the same verdict)
+    and return the exit status; raise it again if it is not one of those kinds (a bug: traceback)."""
+    rank = int(os.environ.get("RANK", 0))
+    everyone = f"rank {rank}: " if "RANK" in os.environ else ""
+
+    def say(line, all_ranks=False):
+        if all_ranks or rank == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    if _signal is not None or isinstance(root_cause(error), KeyboardInterrupt):
+        sig = _signal or signal.SIGINT
+        what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+        where = last_good(current_out_dir) if current_out_dir else "no checkpoint was being written"
+        say(f"interrupted ({what}): nothing half-written is kept; {where}")
+        return 128 + sig
+    if isinstance(error, DataError):  # found by one rank, in its own batch
+        say(f"error: {everyone}{error}", all_ranks=True)
+        return EXIT_REFUSED
+    if isinstance(error, ConfigError):  # decided alike on every rank: say it once
+        say(f"error: {error}")
+        return EXIT_REFUSED
+    if isinstance(error, CheckpointError):
+        say(f"error: {everyone}{error}", all_ranks=True)
+        return EXIT_REFUSED
+    if isinstance(error, TrainingStopped):  # diverged: every rank reaches the same verdict
+        say(f"error: {error}")
+        return EXIT_DIVERGED
+    if isinstance(error, WriteError):  # agreed by every rank (save_checkpoint_set)
+        say(f"error: {error}")
+        return EXIT_WRITE_FAILED
+    if isinstance(error, GroupError):
+        say(f"error: {everyone}{error}", all_ranks=True)
+        return EXIT_LOST_RANKS
+    if isinstance(error, RuntimeError) and is_collective_failure(error):
+        report_collective_failure(error)  # exits
+    raise error

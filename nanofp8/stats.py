@@ -447,6 +447,15 @@ def fallback_line():
 
 
 def read_records(path):
-    """The records of an fp8_stats.jsonl file (as written by Fp8Stats)."""
+    """The records of an fp8_stats.jsonl file (as written by Fp8Stats). A damaged line (a run killed
+    while writing it) is a ValueError naming the file and the line."""
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except ValueError as e:
+                    raise ValueError(f"{path}, line {number}: not a JSON record ({e}): cut short by a crash? "
+                                     f"A resumed run drops such lines (init_from=resume)") from None
+    return records

@@ -122,6 +122,13 @@ def torchrun(nproc, *args, script="train.py", check=True, timeout=600):
     return out
 
 
+def newest_checkpoint(out_dir, name="ckpt.pt"):
+    """The path of one file (a rank's) of out_dir's newest complete checkpoint set."""
+    from nanofp8.checkpoint import find_checkpoint
+
+    return find_checkpoint(str(out_dir))[0].file(name)
+
+
 def logged_losses(stdout):
     """The training losses train.py logged ("iter N: loss L, ..."), in order."""
     return [float(line.split("loss ")[1].split(",")[0]) for line in stdout.splitlines()

@@ -32,13 +32,31 @@ NotImplementedError where it raises that, RuntimeError otherwise:
  10. cuBLASLt on SM90 multiplies row-major mat1 by column-major mat2 only, with 16-byte aligned
      data and leading dimensions.                                           RuntimeError
 
-Use: `contract = CudaScaledMM(...)`; `contract.install(monkeypatch)` replaces torch._scaled_mm and
-nanofp8.fp8.scaled_mm_support; `contract.calls` lists (mode_a, mode_b, dtype_a, dtype_b,
-out_dtype, bias dtype or None, use_fast_accum) of every accepted call; `contract.refusals` every
-refused one (which nanofp8 must never make).
+What the kernel then computes, for 128x128 scales, is modelled too: cuBLASLt reads such a grid
+row by row with the row length padded to L4 = ceil(K/128) rounded up to a multiple of 4, from the
+tensor's first element. v1 checks the unpadded grid (step 3) and passes its pointer on, so where
+ceil(K/128) % 4 != 0 the stand-in, like the GPU, multiplies by the wrong scales (and by NaN where
+the read runs past the allocation), without an error (PyTorch PR 166752); it notes each such
+call in `misreads`.
+
+torch.nn.functional.scaled_mm (the v2 API, `scaled_mm_v2` here; installed in place of
+F.scaled_mm) takes the scale kinds by name (ScalingType) and checks, for block scales, the
+layouts of aten/src/ATen/native/cuda/ScaledBlas.cpp's v2 entry points: 1x128 as (rows,
+ceil(K/128)) with strides (1, rows), for mat1 and for mat2's N rows alike; 128x128 as (L4, row
+tiles) with strides (1, L4), the padded grid that cuBLASLt reads. Its other rules are steps 1-10.
+
+Beyond what the kernel checks, the stand-in refuses two combinations that PyTorch's own tests
+never run (test_scaled_matmul_cuda.py), so that nanofp8 is held to the tested ones: block scales
+with a bias, and row-wise scales with an E5M2 mat1.                         RuntimeError
+
+Use: `contract = CudaScaledMM(...)`; `contract.install(monkeypatch)` replaces torch._scaled_mm,
+torch.nn.functional.scaled_mm and nanofp8.fp8.scaled_mm_support; `contract.calls` lists (mode_a,
+mode_b, dtype_a, dtype_b, out_dtype, bias dtype or None, use_fast_accum, api "v1"/"v2") of every
+accepted call; `contract.refusals` every refused one (which nanofp8 must never make).
 """
 
 import torch
+import torch.nn.functional as F
 
 from nanofp8 import fp8
 
@@ -77,13 +95,42 @@ PAIRS = [("tensor", "tensor"), ("row", "row"), ("128x128", "1x128"), ("1x128", "
          ("1x128", "1x128")]
 
 
+def _rows_view(s, mode, api, mat2):
+    """A scale argument seen along its operand's rows: (rows or row tiles, K tiles or 1)."""
+    if api == "v2" and mode == "128x128":
+        return s.t()  # (row tiles, L4)
+    if api == "v2" and mode == "1x128":
+        return s  # (rows, Kt), for mat2 too
+    return s.t() if mat2 else s  # v1 (and v2's tensor and row scales): mat2's scale is (.., N)
+
+
+def _as_read(sim, s, mode, shape, api):
+    """The scales the kernel uses for an operand of `shape` (rows, K) whose scale, seen along its
+    rows, is s: for 128x128, the (row tiles, Kt) grid that cuBLASLt reads from s's first element
+    with rows L4 apart. v2's s is that padded grid; v1's is unpadded, so where Kt % 4 != 0 the
+    rows are misread (NaN where the read runs past the allocation)."""
+    if mode != "128x128":
+        return s
+    rows_t, kt = _cdiv(shape[0], 128), _cdiv(shape[1], 128)
+    if api == "v2":
+        return s[:, :kt]
+    l4 = _cdiv(kt, 4) * 4
+    if l4 == kt:
+        return s
+    sim.misreads.append((rows_t, kt))
+    flat = torch.empty(0, dtype=s.dtype).set_(s.untyped_storage())[s.storage_offset():]
+    at = torch.arange(rows_t)[:, None] * l4 + torch.arange(kt)[None, :]
+    padded = torch.cat([flat, torch.full((rows_t * l4,), float("nan"))])
+    return padded[at]
+
+
 class CudaScaledMM:
     """torch._scaled_mm with the CUDA rules. sm: compute capability; cublaslt: (major, minor);
     torch_block: whether the simulated torch has native block scales (torch >= 2.11)."""
 
     def __init__(self, sm=(9, 0), cublaslt=(12, 9), torch_block=True):
         self.sm, self.cublaslt, self.torch_block = sm, cublaslt, torch_block
-        self.calls, self.refusals = [], []
+        self.calls, self.refusals, self.misreads = [], [], []
 
     def support(self, device=None):
         """What nanofp8.fp8.scaled_mm_support would report on the simulated device."""
@@ -95,6 +142,7 @@ class CudaScaledMM:
 
     def install(self, monkeypatch):
         monkeypatch.setattr(torch, "_scaled_mm", self)
+        monkeypatch.setattr(F, "scaled_mm", self.scaled_mm_v2)
         monkeypatch.setattr(fp8, "scaled_mm_support", self.support)
         return self
 
@@ -105,12 +153,64 @@ class CudaScaledMM:
         except Exception as e:
             self.refusals.append(f"{type(e).__name__}: {e}")
             raise
-        out_dtype = out_dtype or mat1.dtype
-        self.calls.append((*modes, mat1.dtype, mat2.dtype, out_dtype,
-                           None if bias is None else bias.dtype, use_fast_accum))
-        return self._compute(mat1, mat2, scale_a, scale_b, bias, out_dtype, modes)
+        return self._accepted(mat1, mat2, scale_a, scale_b, bias, out_dtype or mat1.dtype, modes,
+                              use_fast_accum, "v1")
 
-    def _check(self, mat1, mat2, scale_a, scale_b, bias, out_dtype, fast):
+    def scaled_mm_v2(self, mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b,
+                     swizzle_a=None, swizzle_b=None, bias=None, output_dtype=torch.bfloat16,
+                     contraction_dim=(), use_fast_accum=False):
+        """torch.nn.functional.scaled_mm, for the scale kinds nanofp8 can pass (tensor, row, 1x128,
+        128x128: fp32 scales, one per operand, unswizzled)."""
+        try:
+            modes = self._check_v2(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b,
+                                   swizzle_a, swizzle_b, contraction_dim)
+            self._check(mat_a, mat_b, scale_a, scale_b, bias, output_dtype, use_fast_accum, modes)
+        except Exception as e:
+            self.refusals.append(f"{type(e).__name__}: {e}")
+            raise
+        return self._accepted(mat_a, mat_b, scale_a, scale_b, bias, output_dtype or mat_a.dtype, modes,
+                              use_fast_accum, "v2")
+
+    def _accepted(self, mat1, mat2, scale_a, scale_b, bias, out_dtype, modes, fast, api):
+        self.calls.append((*modes, mat1.dtype, mat2.dtype, out_dtype,
+                           None if bias is None else bias.dtype, fast, api))
+        # what the kernel reads: v1 hands cuBLASLt a 128x128 grid unpadded, v2 padded
+        sa = _as_read(self, _rows_view(scale_a, modes[0], api, False), modes[0], mat1.shape, api)
+        sb = _as_read(self, _rows_view(scale_b, modes[1], api, True), modes[1], mat2.t().shape, api)
+        return self._compute(mat1, mat2, sa, sb.t(), bias, out_dtype, modes)
+
+    @staticmethod
+    def _check_v2(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a, swizzle_b, contraction):
+        kinds = {F.ScalingType.TensorWise: "tensor", F.ScalingType.RowWise: "row",
+                 F.ScalingType.BlockWise1x128: "1x128", F.ScalingType.BlockWise128x128: "128x128"}
+        if any(isinstance(x, (list, tuple)) for x in (scale_a, recipe_a, scale_b, recipe_b)):
+            raise ValueError("one scale per operand expected (multi-level scales are MX/NV recipes)")
+        if any(sw not in (None, F.SwizzleType.NO_SWIZZLE) for sw in (swizzle_a, swizzle_b)):
+            raise ValueError("fp32 scales take no swizzle")
+        if tuple(contraction) not in ((), (1, 0)):
+            raise ValueError(f"contraction_dim must be () or (1, 0), got {contraction}")
+        if recipe_a not in kinds or recipe_b not in kinds:
+            raise NotImplementedError(f"scale recipes {recipe_a}, {recipe_b}: not an FP8 recipe with fp32 scales")
+        modes = (kinds[recipe_a], kinds[recipe_b])
+        if modes not in PAIRS:
+            raise ValueError(f"Invalid scaling configuration: {modes} is not a supported pair")
+        (M, K), N = mat_a.shape, mat_b.shape[1]
+        kt, l4 = _cdiv(K, 128), _cdiv(_cdiv(K, 128), 4) * 4
+        for name, s, mode, rows in (("scale_a", scale_a, modes[0], M), ("scale_b", scale_b, modes[1], N)):
+            if mode == "1x128":  # (rows, Kt) with strides (1, rows): the same for mat1 and mat2
+                ok = s.dim() == 2 and _size_stride(s, 0, rows, 1) and _size_stride(s, 1, kt, rows)
+                want = f"({rows}, {kt}) with strides (1, {rows})"
+            elif mode == "128x128":  # the padded grid cuBLASLt reads, as (L4, row tiles)
+                ok = s.dim() == 2 and _size_stride(s, 0, l4, 1) and _size_stride(s, 1, _cdiv(rows, 128), l4)
+                want = f"({l4}, {_cdiv(rows, 128)}) with strides (1, {l4})"
+            else:
+                continue  # tensor and row: as v1 (checked by _check)
+            if not ok or s.dtype != torch.float32:
+                raise ValueError(f"{name} must be fp32 of shape {want}; got {tuple(s.shape)}, "
+                                 f"strides {s.stride()}, {s.dtype}")
+        return modes
+
+    def _check(self, mat1, mat2, scale_a, scale_b, bias, out_dtype, fast, modes=None):
         if self.sm < (8, 9):
             raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute "
                                "capability >= 9.0 or 8.9")
@@ -119,8 +219,8 @@ class CudaScaledMM:
         (M, K), (K2, N) = mat1.shape, mat2.shape
         if K != K2:
             raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({M}x{K} and {K2}x{N})")
-        for ma, mb in PAIRS:
-            if (_mode_of(mat1, scale_a, ma) == ma and _mode_of(mat2.t(), scale_b.t(), mb) == mb):
+        for ma, mb in [modes] if modes else PAIRS:  # (v2: the modes it was told, layouts checked)
+            if modes or (_mode_of(mat1, scale_a, ma) == ma and _mode_of(mat2.t(), scale_b.t(), mb) == mb):
                 modes = (ma, mb)
                 break
         else:
@@ -147,6 +247,10 @@ class CudaScaledMM:
                 raise RuntimeError(f"Bias must be BFloat16 to compute BFloat16 output, got {bias.dtype}")
             if out == torch.float16 and bias.dtype != torch.float16:
                 raise RuntimeError(f"Bias must be Float16 to compute Float16 output, got {bias.dtype}")
+        if bias is not None and "1x128" in modes:
+            raise RuntimeError("block scales with a bias: never run by PyTorch's tests")
+        if "row" in modes and mat1.dtype == torch.float8_e5m2:
+            raise RuntimeError("row-wise scales with an E5M2 mat1: never run by PyTorch's tests")
         cublaslt_129 = self.cublaslt >= (12, 9)
         if modes == ("row", "row") and (self.sm[0] < 9 or not cublaslt_129):
             if out not in (torch.bfloat16, torch.float16):

@@ -118,17 +118,60 @@ def test_stand_in_computes_the_scaled_product():
     h100 = CudaScaledMM()
     for gran, bb in (("tensor", (1, 128)), ("row", (1, 128)), ("block", (128, 128)), ("block", (1, 128))):
         a, b = _ops(M=130, N=96, K=400, gran=gran, bb=bb)
-        bias = torch.randn(96).to(torch.bfloat16)
-        if gran == "block":
+        bias = torch.randn(96).to(torch.bfloat16) if gran != "block" else None  # (block + bias: untested)
+        if gran == "block":  # K = 400: 4 K tiles, where the v1 and v2 layouts of 128x128 agree
             sa, sb = fp8._block_scale_arg(a, "a"), fp8._block_scale_arg(b, "b")
         else:
             sa = a.inv_scale.expand(130, 1).contiguous()
             sb = b.inv_scale.expand(96, 1).t().contiguous()
         out = h100(a.data, b.data.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=torch.bfloat16)
-        exact = dequantize(a).double() @ dequantize(b).double().t() + bias.double()
-        assert sqnr(exact, out) > 45  # bf16 output rounding (~52 dB), nothing else
+        exact = dequantize(a).double() @ dequantize(b).double().t()
+        exact_b = exact if bias is None else exact + bias.double()
+        assert sqnr(exact_b, out) > 45  # bf16 output rounding (~52 dB), nothing else
         out32 = h100(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-        assert sqnr(exact - bias.double(), out32) > 120
+        assert sqnr(exact, out32) > 120
+    assert not h100.misreads
+
+
+@pytest.mark.parametrize("k", [128 * 5, 128 * 6, 128 * 7, 128 * 8, 128 * 6 - 48])
+def test_stand_in_reads_128x128_scales_padded(k):
+    """cuBLASLt reads a 128x128 scale grid with its rows padded to a multiple of 4 K tiles. v2
+    (torch.nn.functional.scaled_mm) is given that padded grid and is right at every K; v1
+    (torch._scaled_mm) is given the unpadded grid and, like the GPU, misreads it unless
+    ceil(K/128) % 4 == 0. K = 640, 768, 896, 1024, 720: ceil(K/128) % 4 = 1, 2, 3, 0, 2."""
+    import torch.nn.functional as F
+
+    h100 = CudaScaledMM()
+    a, w = _ops(M=64, N=256, K=k, gran="block", bb=(128, 128), seed=k)
+    exact = dequantize(a).double() @ dequantize(w).double().t()
+    v2 = h100.scaled_mm_v2(a.data, w.data.t(), fp8._block_scale_arg(a, "a", padded=True),
+                           F.ScalingType.BlockWise1x128, fp8._block_scale_arg(w, "b", padded=True),
+                           F.ScalingType.BlockWise128x128, output_dtype=torch.float32)
+    assert sqnr(exact, v2) > 120 and not h100.misreads
+    v1 = h100(a.data, w.data.t(), scale_a=fp8._block_scale_arg(a, "a"),
+              scale_b=fp8._block_scale_arg(w, "b"), out_dtype=torch.float32)
+    kt = -(-k // 128)
+    if kt % 4 == 0:
+        assert sqnr(exact, v1) > 120 and not h100.misreads
+    else:  # wrong numbers, no error: what nanofp8 must never let happen
+        assert h100.misreads == [(2, kt)] and not sqnr(exact, v1) > 20
+    if kt % 4:  # and v2 refuses the unpadded grid
+        with pytest.raises(ValueError, match="strides"):
+            h100.scaled_mm_v2(a.data, w.data.t(), fp8._block_scale_arg(a, "a", padded=True),
+                              F.ScalingType.BlockWise1x128, fp8._block_scale_arg(w, "b"),
+                              F.ScalingType.BlockWise128x128, output_dtype=torch.float32)
+
+
+def test_stand_in_refuses_what_pytorch_never_tests():
+    h100 = CudaScaledMM()
+    a, w = _ops(gran="block", bb=(128, 128))
+    with pytest.raises(RuntimeError, match="block scales with a bias"):
+        h100(a.data, w.data.t(), scale_a=fp8._block_scale_arg(a, "a"), scale_b=fp8._block_scale_arg(w, "b"),
+             bias=torch.zeros(48, dtype=torch.bfloat16), out_dtype=torch.bfloat16)
+    g, w = _ops(gran="row", fa=E5M2, fb=E4M3)
+    with pytest.raises(RuntimeError, match="E5M2 mat1"):
+        h100(g.data, w.data.t(), scale_a=g.inv_scale, scale_b=w.inv_scale.t().contiguous(),
+             out_dtype=torch.float32)
 
 
 # -- nanofp8 under the stand-in ------------------------------------------------------
@@ -311,3 +354,42 @@ def test_triton_block_gemm_comes_before_the_loop(contract, monkeypatch):
     msgs = [str(m.message) for m in w]
     assert used == ["block"] and not contract.calls
     assert len(msgs) == 1 and "the Triton GEMM (kernels.py)" in msgs[0] and "block scales need" in msgs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("contract", ["h100"], indirect=True)
+@pytest.mark.parametrize("padded", [True, False], ids=["eager-v2", "compiled-v1"])
+def test_block_recipe_at_every_k_tile_count(contract, padded, monkeypatch):
+    """The block recipe of a Linear with a bias, under bf16 autocast, at K with ceil(K/128) % 4
+    = 1, 2, 3, 0 (the forward GEMM; dgrad contracts over N = 384: 3 tiles, wgrad over 192
+    tokens: 2). Eager code passes padded scales to torch.nn.functional.scaled_mm at every K;
+    compiled code (padded_block_scales() False) calls torch._scaled_mm only where ceil(K/128) %
+    4 == 0 and sends the other GEMMs elsewhere, reported. Either way the stand-in misreads no
+    scale, refuses nothing, and the results are bit-exact with the fp32 reference."""
+    monkeypatch.setattr(fp8, "padded_block_scales", lambda: padded)
+    for k in (640, 768, 896, 1024):
+        fp8._warned.clear()
+        contract.calls.clear()
+        got, want = [], []
+        for backend, out in (("torch", got), ("emulate", want)):
+            torch.manual_seed(k)
+            layer = convert_to_fp8(nn.Linear(k, 384), Recipe(granularity="block", backend=backend))
+            x = torch.randn(2, 96, k, requires_grad=True)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = layer(x)
+                y.float().square().sum().backward()
+            out += [y, x.grad, layer.weight.grad, layer.bias.grad]
+            msgs = msgs if backend == "emulate" else [str(m.message) for m in w]
+        for g_, w_ in zip(got, want):
+            assert torch.equal(g_, w_), k
+        apis = [c[7] for c in contract.calls]
+        if padded:  # all three GEMMs native, through v2
+            assert apis == ["v2"] * 3 and not msgs, (k, apis, msgs)
+        else:  # dgrad (3 tiles) never on v1's 128x128; forward only at 8 tiles
+            native = [c[:2] for c in contract.calls if c[0] == "1x128"]
+            assert native == ([("1x128", "128x128")] if k == 1024 else []) + [("1x128", "1x128")], (k, native)
+            assert msgs and all("ceil(K/128)" in m for m in msgs), msgs
+        assert all(c[5] is None for c in contract.calls)  # never a block GEMM with a bias
+    assert not contract.refusals and not contract.misreads

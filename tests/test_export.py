@@ -33,6 +33,7 @@ from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_
 from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state
 from nanofp8.optim import dequantize_stored
 
+from conftest import newest_checkpoint
 from nanofp8.run import MODEL_KEYS
 
 pytestmark = pytest.mark.usefixtures("shakespeare")
@@ -70,7 +71,7 @@ def test_o2_samples_and_resumes_at_o1_and_bf16(tmp_path, capsys):
     capsys.readouterr()
     sample_runs(out, capsys)
     state, info = read_checkpoint(out)
-    ckpt = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    ckpt = load_checkpoint(newest_checkpoint(out))
     k = "blocks.0.mlp.c_fc.weight"
     assert ckpt["model"][k].dtype == torch.float16 and state[k].dtype == torch.float32
     assert torch.equal(state[k], ckpt["model"][k].float() / ckpt["model"][k + "_scale"])
@@ -85,7 +86,7 @@ def test_o2_samples_and_resumes_at_o1_and_bf16(tmp_path, capsys):
     bf16 = train.main(TINY + ["precision=bf16", f"out_dir={out}", "init_from=resume", "max_iters=5"])
     assert "to precision=bf16" in capsys.readouterr().out
     assert [it for it, _ in bf16["losses"]] == [3, 4]
-    after = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    after = load_checkpoint(newest_checkpoint(out))
     assert after["config"]["precision"] == "bf16"
     assert after["optimizer"]["state"][0]["step"] == 5  # Adam's step count went on: 3 at O2, 2 at bf16
 
@@ -97,7 +98,7 @@ def test_bf16_and_o1_sample(tmp_path, capsys, precision):
     capsys.readouterr()
     sample_runs(out, capsys)
     model, info = load_for_inference(out)
-    ref = load_checkpoint(os.path.join(out, "ckpt.pt"))["model"]
+    ref = load_checkpoint(newest_checkpoint(out))["model"]
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
 
 
@@ -112,7 +113,7 @@ def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     torchrun(2, "precision=O3", f"out_dir={out}")
     state, info = read_checkpoint(out)
     assert info["layout"]["zero_world"] == 2
-    fp8 = load_checkpoint(os.path.join(out, "ckpt.pt"))["model"]
+    fp8 = load_checkpoint(newest_checkpoint(out))["model"]
     for k in ("blocks.0.attn.c_attn.weight", "blocks.1.mlp.c_proj.weight"):
         assert fp8[k].dtype == torch.float8_e4m3fn
         copy = fp8[k].float() / fp8[k + "_scale"]
@@ -123,7 +124,7 @@ def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     # O3 on 1 rank: the masters and moments glued from 2 shards and cut into 1
     printed = torchrun(1, "precision=O3", f"out_dir={out}", "init_from=resume", "max_iters=4")
     assert "(precision=O3 (2 ZeRO shards)) to precision=O3 (1 ZeRO shard)" in printed, printed
-    shards = load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["zero_shards"]
+    shards = load_checkpoint(newest_checkpoint(out))["optimizer"]["zero_shards"]
     assert len(shards) == 1 and shards[0]["state"][0]["step"] == 4  # Adam's count went on
     # and O2 in a plain process
     o2 = train.main(TINY + ["precision=O2", f"out_dir={out}", "init_from=resume", "max_iters=5"])
@@ -131,7 +132,7 @@ def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     assert "(precision=O3 (1 ZeRO shard)) to precision=O2" in printed, printed
     assert "Adam moments (re-stored" in printed
     assert [it for it, _ in o2["losses"]] == [4]
-    assert load_checkpoint(os.path.join(out, "ckpt.pt"))["optimizer"]["state"][0]["step"] == 5
+    assert load_checkpoint(newest_checkpoint(out))["optimizer"]["state"][0]["step"] == 5
 
 
 @pytest.mark.slow
@@ -141,7 +142,8 @@ def test_tp2_to_one_process(tmp_path, capsys):
     evaluation matches the TP run's on the same batches (bf16 GEMMs cut in two: rounding only)."""
     out = str(tmp_path / "tp2")
     tp_val = val_losses(torchrun(2, "precision=bf16", "tensor_parallel=2", f"out_dir={out}"))[-1]
-    assert sorted(os.listdir(out)) == ["ckpt-tp0-pp0.pt", "ckpt-tp1-pp0.pt"]
+    assert sorted(os.listdir(os.path.dirname(newest_checkpoint(out, "manifest.json")))) == [
+        "ckpt-tp0-pp0.pt", "ckpt-tp1-pp0.pt", "manifest.json"]
     sample_runs(out, capsys)
     one = train.main(TINY + ["precision=bf16", f"out_dir={out}", "init_from=resume", "eval_only=True"])
     printed = capsys.readouterr().out
@@ -150,7 +152,7 @@ def test_tp2_to_one_process(tmp_path, capsys):
     assert abs(one["evals"][0][2] - tp_val) / tp_val < 2e-3, (one["evals"], tp_val)
     o1 = train.main(TINY + ["precision=O1", f"out_dir={out}", "init_from=resume", "max_iters=5"])
     assert [it for it, _ in o1["losses"]] == [3, 4]
-    assert "ckpt.pt" in os.listdir(out)
+    assert os.path.isfile(newest_checkpoint(out, "ckpt.pt"))
 
 
 @pytest.mark.parametrize("v_format", ["fp16", "fp8"])

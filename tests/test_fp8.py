@@ -513,3 +513,14 @@ def test_block_gemm_odd_shapes_against_fp64():
     exact = dequantize(a).double() @ dequantize(b).double().t()
     assert sqnr(exact, y) > 120  # only fp32 summation error remains
     assert sqnr(x.double() @ w.double().t(), y) > 25
+
+
+def test_inverse_scale_follows_a_replaced_scale():
+    # clip_grad_norm divides an FP8 gradient's scale by replacing it: the inverse the GEMMs and
+    # dequantize read must be of the new scale, never a cached one of the old
+    q = quantize(torch.randn(8, 16), E5M2)
+    before = q.inv_scale
+    q.scale = q.scale / 0.5
+    assert torch.equal(q.inv_scale, q.scale.reciprocal())
+    assert torch.equal(q.inv_scale, before / 2)
+    assert torch.equal(fp8.dequantize(q, torch.float32), q.data.float() * q.scale.reciprocal())

@@ -423,3 +423,28 @@ def test_triton_backend_says_why_kernels_do_not_import(monkeypatch):
     with pytest.raises(ImportError, match="kernels.py needs the `triton` package"):
         fp8.scaled_gemm(a, a, torch.float32, backend="triton")
 
+
+
+
+def test_tma_allocator_call_traces_without_graph_break():
+    """fp8_gemm sets Triton's allocator at every call (per thread: autograd's backward thread needs
+    it too) to kernels.tma_scratch, a module-level function. torch.compile (torch >= 2.13)
+    traces that call into the graph, to run where the graph runs: a compiled model on
+    backend="triton" has no graph break per GEMM there. (torch 2.11's dynamo breaks the graph at
+    every triton.set_allocator.)"""
+    import inspect
+
+    import triton
+
+    import kernels
+
+    if not hasattr(torch._dynamo.variables.functions, "TritonSetAllocatorVariable"):
+        pytest.skip("this torch's dynamo breaks the graph at any triton.set_allocator (torch 2.11)")
+    torch._dynamo.reset()
+
+    def gemm_prologue(x):  # what fp8_gemm does before its launch, on a CUDA device
+        triton.set_allocator(kernels.tma_scratch)
+        return x * 2
+
+    assert torch._dynamo.explain(gemm_prologue)(torch.ones(4)).graph_break_count == 0
+    assert "triton.set_allocator(tma_scratch)" in inspect.getsource(kernels.fp8_gemm)

@@ -21,9 +21,10 @@ import torch
 
 import sample
 import train
-from conftest import REPO, TINY, run
+from conftest import REPO, TINY, newest_checkpoint, run
 from nanofp8.configurator import ConfigError, read_dataset_meta
 from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint
+from nanofp8.outdir import begin_set, commit_set
 
 from nanofp8.layout import is_collective_failure
 from nanofp8.run import MODEL_KEYS, TrainingStopped
@@ -42,14 +43,21 @@ def o2_run(tmp_path_factory):
 
 
 def copy_run(src, dst, edit=None):
-    """out_dir with src's checkpoint, changed by edit(ckpt) first."""
-    ckpt = load_checkpoint(str(src / "ckpt.pt"))
-    ckpt.pop("format")
+    """out_dir with (a complete checkpoint set of) src's newest checkpoint, changed by edit(ckpt) first."""
+    ckpt = load_checkpoint(newest_checkpoint(src))
     if edit:
         edit(ckpt)
-    dst.mkdir()
-    save_checkpoint(ckpt, str(dst / "ckpt.pt"))
+    write_set(dst, ckpt)
     return dst
+
+
+def write_set(out_dir, ckpt, name="ckpt.pt"):
+    """A complete one-file checkpoint set of `ckpt` in out_dir, as train.py writes one."""
+    path = begin_set(str(out_dir), ckpt["iter_num"])
+    record = save_checkpoint(ckpt, os.path.join(path, name))
+    layout = {"precision": ckpt["config"]["precision"], "tensor_parallel": 1, "pipeline_parallel": 1,
+              "zero_world": None, "world_size": 1}
+    return commit_set(path, ckpt["iter_num"], {name: record}, layout, config=ckpt["config"])
 
 
 # ---------------------------------------------------------------- 1, 4, 11: what a resume must keep
@@ -58,7 +66,7 @@ def copy_run(src, dst, edit=None):
 def test_o2_v_format_is_recorded_and_checked(o2_run):
     """1: v saved as fp16 is never read as E4M3 sqrt(v): the optimizer state says its format,
     and train.py refuses the other one naming both."""
-    state = load_checkpoint(str(o2_run / "ckpt.pt"))["optimizer"]
+    state = load_checkpoint(newest_checkpoint(o2_run))["optimizer"]
     assert state["v_format"] == "fp16"
     cfg = train.load_config(TINY + ["precision=O2", "o2_v_format=fp8"])
     from nanofp8.model import GPT, GPTConfig
@@ -124,9 +132,10 @@ def test_update_to_nonfinite_weights_stops_and_keeps_checkpoint(o2_run, tmp_path
 
     monkeypatch.setattr(train, "optimizer_step", step_then_corrupt)
     with pytest.raises(TrainingStopped, match=r"update of iteration 2 \(learning rate .*\) made weights "
-                       r"non-finite \(blocks.1.mlp.c_proj.bias\).*ckpt.pt is untouched"):
+                       r"non-finite \(blocks.1.mlp.c_proj.bias\).*the last good checkpoint is .*ckpt-00000002 "
+                       r"\(iter 2\)"):
         train.main(TINY + ["precision=O2", "max_iters=8", "eval_interval=2", "init_from=resume", f"out_dir={out}"])
-    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 2
+    assert load_checkpoint(newest_checkpoint(out))["iter_num"] == 2
 
 
 def test_skipped_steps_stop_the_run_and_never_save(tmp_path, capsys):
@@ -139,7 +148,7 @@ def test_skipped_steps_stop_the_run_and_never_save(tmp_path, capsys):
     with pytest.raises(TrainingStopped, match=r"3 steps in a row skipped .*max_skipped_steps=3"):
         train.main(common + ["max_iters=40", "init_from=resume", "learning_rate=1e30", "max_skipped_steps=3"])
     assert "not saving a checkpoint: the val loss is nan" in capsys.readouterr().out
-    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 2
+    assert load_checkpoint(newest_checkpoint(out))["iter_num"] == 2
     with pytest.raises(SystemExit) as e:  # as a command: exit status 1, one line
         train.cli(common + ["max_iters=40", "init_from=resume", "learning_rate=1e30", "max_skipped_steps=1"])
     err = capsys.readouterr().err
@@ -196,7 +205,7 @@ def test_vocab_size_against_the_dataset(tmp_path, capsys):
         train.main(TINY + ["vocab_size=50", "max_iters=2", f"out_dir={tmp_path}"])
     train.main(TINY + ["vocab_size=96", "max_iters=2", "eval_interval=2", f"out_dir={tmp_path}"])
     assert "note: vocab_size=96 (the dataset's 84 tokens, padded" in capsys.readouterr().out
-    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["model_args"]["vocab_size"] == 96
+    assert load_checkpoint(newest_checkpoint(tmp_path))["model_args"]["vocab_size"] == 96
 
 
 def test_block_size_against_the_dataset(tmp_path):
@@ -336,6 +345,7 @@ import json, os, signal, socket, sys
 from datetime import timedelta
 sys.path.insert(0, {repo!r})
 import torch, train
+from nanofp8.checkpoint import find_checkpoint
 from nanofp8.model import load_checkpoint
 
 out, tiny = {out!r}, {tiny!r}
@@ -368,8 +378,8 @@ fresh_store()
 first = train.main(common + ["max_iters=2", f"out_dir={{out}}/stopped"])
 fresh_store()
 rest = train.main(common + ["max_iters=4", f"out_dir={{out}}/stopped", "init_from=resume"])
-a = load_checkpoint(f"{{out}}/full/ckpt.pt")["model"]
-b = load_checkpoint(f"{{out}}/stopped/ckpt.pt")["model"]
+a = load_checkpoint(find_checkpoint(f"{{out}}/full")[0].file("ckpt.pt"))["model"]
+b = load_checkpoint(find_checkpoint(f"{{out}}/stopped")[0].file("ckpt.pt"))["model"]
 same = all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
 json.dump(dict(full=full["losses"], resumed=first["losses"] + rest["losses"],
                evals=[full["evals"], rest["evals"]],

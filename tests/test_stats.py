@@ -386,5 +386,5 @@ def test_clipping_is_logged_on_the_step_it_happens(tmp_path, capsys, monkeypatch
     assert n_cast == 4 * 32 * 32 and n_clipped > 0.9 * n_cast  # (batch_size 4 x block_size 32 tokens, n_embd 32)
     others = [re.search(r"c_fc x \(e4m3\) ([\d.]+)%", line) for it, line in lines.items() if it != 4]
     assert all(float(m[1]) < 1 for m in others if m), lines  # (at most the early growth of the weights)
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt = torch.load(conftest.newest_checkpoint(tmp_path), weights_only=True)
     assert ckpt["model"]["blocks.0.mlp.c_fc.clipped"][0] >= n_clipped

@@ -106,9 +106,11 @@ def _dp_worker(rank, world, level, out_dir):
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("precision", ["O1", "O2"])
+@pytest.mark.parametrize("precision", ["O1", "O2", "O3"])
 def test_one_sync_per_data_parallel_step(precision, tmp_path):
-    """Under torchrun too: Fp8DataParallel's finite verdict is read in the step's one copy."""
+    """Under torchrun too: Fp8DataParallel's finite verdict is read in the step's one copy. O3:
+    ZeroFp8AdamW's verdict (every rank's gradient shards finite, and the norm) too, from its
+    prepare_step."""
     from conftest import spawn
 
     spawn(_dp_worker, 2, precision, str(tmp_path))

@@ -15,7 +15,7 @@ import torch
 
 import conftest
 import train
-from conftest import REPO, TINY, logged_losses, run
+from conftest import REPO, TINY, logged_losses, newest_checkpoint, run
 from nanofp8.configurator import ConfigError, read_config_file, read_dataset_meta
 from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -36,7 +36,7 @@ def test_train_then_sample(tmp_path, precision):
     assert r.returncode == 0, r.stderr
     assert "iter 5: loss" in r.stdout and "step 6: train loss" in r.stdout
     assert ("FP8" in r.stdout) == (precision == "O1")
-    ckpt = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    ckpt = load_checkpoint(newest_checkpoint(out))
     assert ckpt["iter_num"] == 6 and ckpt["config"]["precision"] == precision
     has_fp8_state = any(k.endswith("amax_history") for k in ckpt["model"])
     assert has_fp8_state == (precision == "O1")
@@ -115,7 +115,7 @@ def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
     """The checkpoint's config is what was asked for; the device, the dataset's vocabulary and the
     rest of what the run derived are saved apart (model_args, derived)."""
     train.main(TINY + ["device=auto", "max_iters=1", "eval_interval=1", f"out_dir={tmp_path}"])
-    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    ckpt = load_checkpoint(newest_checkpoint(tmp_path))
     assert ckpt["config"]["device"] == "auto" and ckpt["config"]["vocab_size"] == train.DEFAULTS["vocab_size"]
     assert ckpt["derived"]["device"] == "cpu" and ckpt["derived"]["compile"] is False
     meta = read_dataset_meta(os.path.join(REPO, "data", "shakespeare_char"))
@@ -186,8 +186,8 @@ def test_resume_is_exact(tmp_path, precision):
     assert [it for it, _ in rest["losses"]] == list(range(4, 12))
     assert first["losses"] + rest["losses"] == full["losses"]  # exact float equality
     assert rest["evals"] == full["evals"][2:]  # evaluations at 8 and 12 agree too
-    a = load_checkpoint(str(tmp_path / "full" / "ckpt.pt"))["model"]
-    b = load_checkpoint(str(tmp_path / "stopped" / "ckpt.pt"))["model"]
+    a = load_checkpoint(newest_checkpoint(tmp_path / "full"))["model"]
+    b = load_checkpoint(newest_checkpoint(tmp_path / "stopped"))["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

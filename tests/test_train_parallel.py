@@ -25,13 +25,13 @@ import torch
 
 import conftest
 import train
-from conftest import spawn
+from conftest import newest_checkpoint, spawn
 from nanofp8 import parallel
 from nanofp8.configurator import ConfigError
 from nanofp8.model import GPT, GPTConfig, load_checkpoint, load_model_state
 
 from nanofp8.layout import check_layout
-from nanofp8.run import check_replicas, shard_model
+from nanofp8.run import TrainingStopped, check_replicas, shard_model
 
 pytestmark = pytest.mark.usefixtures("shakespeare")
 
@@ -111,7 +111,9 @@ def test_layout_matches_single_device(run, name):
     # one checkpoint file per (tensor, pipeline) rank, written by data-parallel rank 0
     nproc, layout = LAYOUTS[name][:2]
     tp, pp = (2 if TP2 in layout else 1), (2 if PP2 in layout else 1)
-    assert sorted(os.listdir(out_dir)) == sorted(f"ckpt-tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp))
+    newest = os.path.dirname(newest_checkpoint(out_dir, "manifest.json"))
+    assert sorted(os.listdir(newest)) == sorted([f"ckpt-tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp)]
+                                                + ["manifest.json"])
     if nproc > tp * pp:
         return  # data-parallel replicas evaluate other batches (seeded by replica): not comparable
     ref_val = [v for _, _, v in single_device_run(LAYOUTS[name][2])["evals"]]
@@ -129,9 +131,9 @@ def test_tp_checkpoints_replicate_what_is_not_sharded(run, name):
     """The two TP ranks' files: unsharded tensors bit-identical, shards of the same shape and
     different, and together a whole single-device model."""
     _, out_dir = run(name)
-    a, b = (load_checkpoint(str(out_dir / f"ckpt-tp{t}-pp0.pt"))["model"] for t in (0, 1))
+    a, b = (load_checkpoint(newest_checkpoint(out_dir, f"ckpt-tp{t}-pp0.pt"))["model"] for t in (0, 1))
     assert a.keys() == b.keys()
-    config = GPTConfig(**load_checkpoint(str(out_dir / "ckpt-tp0-pp0.pt"))["model_args"])
+    config = GPTConfig(**load_checkpoint(newest_checkpoint(out_dir, "ckpt-tp0-pp0.pt"))["model_args"])
     sharded = [k for k in a if parallel.tp_cut(k, parallel.tp_plan(config))[0] is not None]
     assert len(sharded) == 2 * 6  # per block: c_attn w+b, attn.c_proj w, c_fc w+b, mlp.c_proj w
     for k in a:
@@ -148,10 +150,28 @@ def test_pp_tied_embedding_copies_agree(run):
     """The last stage's LM head is a copy of the first stage's embedding (tie_embeddings): their
     gradients are summed, so after 8 steps they are still the same bits."""
     _, out_dir = run("pp2")
-    first, last = (load_checkpoint(str(out_dir / f"ckpt-tp0-pp{p}.pt"))["model"] for p in (0, 1))
+    first, last = (load_checkpoint(newest_checkpoint(out_dir, f"ckpt-tp0-pp{p}.pt"))["model"] for p in (0, 1))
     assert "blocks.0.attn.c_attn.weight" in first and "blocks.1.attn.c_attn.weight" in last
     assert "blocks.1.attn.c_attn.weight" not in first and "blocks.0.attn.c_attn.weight" not in last
     assert torch.equal(first["tok_emb.weight"], last["lm_head.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_later_run_of_another_layout_wins(run, tmp_path, capsys):
+    """A tensor-parallel run's sets (iterations 4 and 8) and then, with overwrite_checkpoints=True,
+    a one-process run in the same out_dir (iteration 2): readers take the set written last, not
+    the highest iteration of another layout."""
+    import shutil
+
+    from nanofp8.checkpoint import read_any
+
+    out = shutil.copytree(run("tp2")[1], tmp_path / "out")
+    train.main(TINY + ["max_iters=2", "eval_interval=2", f"out_dir={out}", "overwrite_checkpoints=True"])
+    state, info = read_any(str(out))
+    assert info["iter_num"] == 2 and info["files"] == [str(out / "ckpt-00000002" / "ckpt.pt")]
+    resumed = train.main(TINY + ["max_iters=3", "eval_interval=2", f"out_dir={out}", "init_from=resume"])
+    assert "resuming at iter 2" in capsys.readouterr().out and [it for it, _ in resumed["losses"]] == [2]
 
 
 # ---------------------------------------------------------------- train.py's replica check
@@ -169,8 +189,8 @@ def _replica_worker(rank, world, out):  # run by conftest.spawn: the process gro
     try:
         check_replicas(net, groups)
         result = "passed"
-    except RuntimeError as e:
-        result = str(e)
+    except TrainingStopped as e:  # the run stops with one line and exit status 1, not a traceback
+        result = f"stopped: {e}"
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -180,7 +200,7 @@ def test_replica_check_sees_one_ulp(tmp_path):
     spawn(_replica_worker, 2, str(tmp_path))
     for r in range(2):
         msg = torch.load(tmp_path / f"rank{r}.pt")
-        assert "data-parallel replicas hold different values of ['0.weight']" in msg, msg
+        assert msg.startswith("stopped: data-parallel replicas hold different values of ['0.weight']"), msg
 
 
 # ---------------------------------------------------------------- resume
@@ -205,7 +225,7 @@ def test_resume_at_the_same_layout_is_exact(tmp_path):
     assert evals(rest) == evals(full)[2:]  # the evaluation at 8 agrees too
     for t in range(2):
         for p in range(2):
-            a, b = (load_checkpoint(str(tmp_path / d / f"ckpt-tp{t}-pp{p}.pt")) for d in ("full", "stopped"))
+            a, b = (load_checkpoint(newest_checkpoint(tmp_path / d, f"ckpt-tp{t}-pp{p}.pt")) for d in ("full", "stopped"))
             assert a["iter_num"] == b["iter_num"] == 8
             assert a["model"].keys() == b["model"].keys()
             assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), (t, p)
