@@ -847,6 +847,9 @@ THROUGHPUT_MODELS = {
     "gpt2-124M": (MODELS["gpt2-124M"], 8, 1024),  # (config, batch, sequence)
     "gpt2-xl": (GPTConfig(arch="gpt2", n_layer=48, n_head=25, n_embd=1600, vocab_size=50304, block_size=1024), 4, 1024),
     "llama-1B": (MODELS["llama"], 4, 2048),
+    # GPT-2's layer at the width where predict.py says FP8 pays well (d=4096), 4 layers deep so
+    # that it compiles in about a minute: the second point a GPU run checks the prediction at
+    "wide-4096": (GPTConfig(arch="gpt2", n_layer=4, n_head=64, n_embd=4096, vocab_size=50304, block_size=1024), 8, 1024),
     # what a CPU can run in seconds
     "cpu-small": (GPTConfig(arch="gpt2", n_layer=4, n_head=4, n_embd=256, vocab_size=256, block_size=128), 8, 128),
     # config/shakespeare_char_fp8.py's model and batch
@@ -873,6 +876,11 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
 
     gc.collect()  # the last level's model, before this one's peak memory is measured
     model, opt, settings = build(cfg, "bf16" if level == "fp32" else level, None, device)
+    if compile_model:
+        # Each level's model is a fresh compile: past dynamo's recompile limit (8 per code object)
+        # a later model would run eagerly and be timed as if compiled. The compiled kernels stay in
+        # inductor's cache on disk, so a second round does not compile them again.
+        torch._dynamo.reset()
     fwd = torch.compile(model) if compile_model else model
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     ac = torch.autocast(device, dtype=torch.bfloat16, enabled=level != "fp32")
@@ -906,19 +914,23 @@ def cmd_throughput(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = args.models or (["gpt2-124M", "gpt2-xl", "llama-1B"] if device == "cuda" else ["shakespeare-char", "cpu-small"])
     compiles = [False, True] if (device == "cuda" and not args.no_compile) else [False]
+    if args.compiled_only:
+        compiles = [True]
+    levels = args.levels
     rows = []
     for name in names:
         cfg, batch, seq = THROUGHPUT_MODELS[name]
         for comp in compiles:
-            runs = {level: [] for level in THROUGHPUT_LEVELS}
+            runs = {level: [] for level in levels}
             for r in range(args.rounds):
-                for level in THROUGHPUT_LEVELS:
+                for level in levels:
                     runs[level].append(measure_throughput(cfg, level, batch, seq, args.steps, comp, device))
                     print(f"  {name} {level} compile={comp} round {r}: {runs[level][-1][0]:,.0f} tok/s", file=sys.stderr)
-            tps = {level: sorted(t for t, _ in runs[level])[(args.rounds - 1) // 2] for level in THROUGHPUT_LEVELS}
-            for level in THROUGHPUT_LEVELS:
+            tps = {level: sorted(t for t, _ in runs[level])[(args.rounds - 1) // 2] for level in levels}
+            for level in levels:
                 rows.append({"model": name, "level": level, "compile": comp, "tokens_per_s": tps[level],
-                             "vs_bf16": tps[level] / tps["bf16"], "vs_fp32": tps[level] / tps["fp32"],
+                             "vs_bf16": tps[level] / tps["bf16"] if "bf16" in tps else None,
+                             "vs_fp32": tps[level] / tps["fp32"] if "fp32" in tps else None,
                              "peak_GiB": runs[level][0][1], "steps": args.steps, "rounds": args.rounds,
                              "device_kind": "GPU" if device == "cuda" else "CPU (FP8 emulated: not a speed figure)"})
     env = environment()
@@ -1329,6 +1341,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per level and round")
     p.add_argument("--rounds", type=int, default=3, help="the levels take turns this many times; median")
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--compiled_only", action="store_true", help="on a GPU: the compiled runs alone")
+    p.add_argument("--levels", nargs="+", default=list(THROUGHPUT_LEVELS), choices=THROUGHPUT_LEVELS)
     sub.add_parser("gemm")
     p = sub.add_parser("predict", help="predicted H100/B200 step time of bf16, O1, O2 (predict.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="predict.py's own arguments")

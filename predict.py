@@ -40,9 +40,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # peak dense TFLOPS (bf16, FP8), HBM TB/s, and the fraction of each that this prediction assumes a
 # large GEMM / a memory-bound kernel reaches. H100: 989 / 1979 TFLOPS, 3.35 TB/s; measured large
 # GEMMs ~750-800 (bf16) and ~1280 (FP8 cuBLAS) TFLOPS, hence 0.78 and 0.65 (REFERENCE). B200:
-# 2250 / 4500 TFLOPS, 8 TB/s, with the H100's fractions (an assumption, not validated).
+# 2250 / 4500 TFLOPS, 8 TB/s, with the H100's fractions (an assumption, not validated). H200: the
+# H100's chip (same peaks) with 4.8 TB/s of HBM3e.
 HARDWARE = {
     "H100": dict(bf16=989e12, fp8=1979e12, hbm=3.35e12, eff_bf16=0.78, eff_fp8=0.65, eff_attn=0.5, eff_hbm=0.8),
+    "H200": dict(bf16=989e12, fp8=1979e12, hbm=4.8e12, eff_bf16=0.78, eff_fp8=0.65, eff_attn=0.5, eff_hbm=0.8),
     "B200": dict(bf16=2250e12, fp8=4500e12, hbm=8.0e12, eff_bf16=0.78, eff_fp8=0.65, eff_attn=0.5, eff_hbm=0.8),
 }
 KERNEL_MIN_S = 3e-6  # the shortest a kernel takes on the GPU (launch latency, tail): small kernels
