@@ -113,7 +113,7 @@ import torch.nn.functional as F
 
 from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, fp8_to_float, quantize
 from .optim import (Fp8AdamW, O2Linear, convert_to_o2, dequantize_stored_all, fp8_grad, fp8_grad_hook,
-                    holds_fp8_grad, quantize_wgrad, set_fp8_grad, state_block, stored, to_fp16_scaled,
+                    holds_fp8_grad, quantize_wgrad, set_fp8_grad, state_block, step_chunks, stored, to_fp16_scaled,
                     to_fp16_scaled_all)
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
@@ -962,17 +962,17 @@ class ZeroFp8AdamW(Fp8AdamW):
                     self._init_state(p)
             if plain:
                 self._fp32_update(plain, [p.grad for p in plain], group)
-            if not mine:
-                continue
-            sts = [self.state[p] for p in mine]
-            ts = self._count_steps(sts)
-            gs = [shards[index[p]] for p in mine]
-            noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(mine, ts, gs)]
-            ws = dequantize_stored_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
-            ws = self._decoupled_update(sts, ws, gs, group, ts, noises)
-            for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, [n[0] for n in noises])):
-                st["master"], st["master_scale"] = master, scale
-            new += list(zip(mine, ws))
+            for i, j in step_chunks([shards[index[p]] for p in mine]):  # (runs that bound the temporaries)
+                part = mine[i:j]
+                sts = [self.state[p] for p in part]
+                ts = self._count_steps(sts)
+                gs = [shards[index[p]] for p in part]
+                noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(part, ts, gs)]
+                ws = dequantize_stored_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
+                ws = self._decoupled_update(sts, ws, gs, group, ts, noises)
+                for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, [n[0] for n in noises])):
+                    st["master"], st["master_scale"] = master, scale
+                new += list(zip(part, ws))
         # 3. all-gather the new weights in FP8, under one scale per weight
         layouts = [self.o2[p].weight_layout() for p, _ in new]
         gathered = gather_shared_scale([w for _, w in new], self.group, layouts=layouts)

@@ -114,8 +114,11 @@ update is ~140 operator calls whatever the model's depth, plus five per O2 weigh
 draws of its seeded rounding noise and the block amaxes of m and v (tests/test_optim.py counts
 them; each weight's FP8 cast for the next forward, which the step also makes, is per tensor: see
 O2Linear.refresh_fp8_weight). The price is transient memory: the fp32 copies of w, m, v and g,
-and the temporaries of the update, exist for all O2 weights of a group at once during the step,
-where a tensor-by-tensor step needs them for one tensor at a time.
+the int32 rounding noise of three tensors and the update's intermediates come to several dozen
+bytes per value while a foreach call runs, ten times the state O2 keeps. So the step takes the O2
+weights of a group in runs of at most STEP_CHUNK = 2^25 values (a larger weight alone), which
+changes no bit (tests/test_optim.py): the step's temporaries stay a few GB whatever the model's
+size, at the price of ~140 more operator calls per run.
 """
 
 import math
@@ -207,6 +210,19 @@ GRAD_ACCUM = ("fp16", "fp8")
 # Stored state with one scale per block of values (see (7) above)
 
 STATE_BLOCK = 128  # values per scale of the FP8 weight gradient, Adam m and Adam v
+STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls (see the top)
+
+
+def step_chunks(tensors):
+    """The step's runs: consecutive slices [i, j) of `tensors` holding at most STEP_CHUNK values
+    each (a tensor larger than that alone)."""
+    runs, start, n = [], 0, 0
+    for i, t in enumerate(tensors):
+        if i > start and n + t.numel() > STEP_CHUNK:
+            runs.append((start, i))
+            start, n = i, 0
+        n += t.numel()
+    return runs + ([(start, len(tensors))] if start < len(tensors) else [])
 
 
 def state_block(numel):
@@ -673,9 +689,9 @@ class Fp8AdamW(torch.optim.Optimizer):
                     grads.append(q)
             if plain:
                 self._fp32_update(plain, [p.grad for p in plain], group)
-            if o2:  # the FP8 gradients, dequantized (dequantize's operations, foreach)
-                gs = dequantize_stored_all([q.data for q in grads], [q.scale for q in grads])
-                self._o2_update(o2, [g.view(p.shape) for g, p in zip(gs, o2)], group, number)
+            for i, j in step_chunks(o2):  # the FP8 gradients, dequantized (foreach), run by run
+                gs = dequantize_stored_all([q.data for q in grads[i:j]], [q.scale for q in grads[i:j]])
+                self._o2_update(o2[i:j], [g.view(p.shape) for g, p in zip(gs, o2[i:j])], group, number)
         return True
 
 

@@ -308,6 +308,46 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
     assert small < 190
 
 
+def test_step_bounds_its_temporaries_by_running_in_chunks(monkeypatch):
+    """The fp32 temporaries of the foreach update (about 60 B per value: the copies of w, m, v, g,
+    the rounding noise, the update's intermediates) exist for one run of at most STEP_CHUNK values
+    of O2 weights at a time, not for every O2 weight of a group at once: no foreach call of the
+    step takes more values than that (a larger weight alone). The runs change no bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanofp8 import optim
+
+    class Widest(TorchDispatchMode):
+        widest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__.startswith("_foreach") and isinstance(args[0], (list, tuple)):
+                Widest.widest = max(Widest.widest, sum(t.numel() for t in args[0]))
+            return func(*args, **(kwargs or {}))
+
+    def run(chunk):
+        monkeypatch.setattr(optim, "STEP_CHUNK", chunk, raising=False)
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 6 O2 weights of 4,096 values
+        o2, opt = o2_twin(model)
+        x = torch.randn(8, 64)
+        for _ in range(3):
+            o2(x).square().mean().backward()
+            for p in o2.parameters():
+                fp8_grad(p)  # (the cast to FP8 ends the backward's work, outside the count)
+            Widest.widest = 0
+            with Widest():
+                assert opt.step()
+            opt.zero_grad()
+        return Widest.widest, [t.clone() for t in o2.state_dict().values()], opt.state_dict()
+
+    (wide, ref, ref_opt), (narrow, got, got_opt) = run(2**25), run(2 * 4096)
+    assert wide == 6 * 4096 and narrow == 2 * 4096  # (the old step: 6 x 4,096 in either case)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    for i, st in ref_opt["state"].items():
+        assert all(torch.equal(v, got_opt["state"][i][k]) for k, v in st.items())
+
+
 def _tensors_in(obj, depth=0):
     """Every tensor reachable from obj through dicts, lists, tuples and Fp8Tensor fields."""
     if torch.is_tensor(obj):
