@@ -40,6 +40,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -1216,6 +1217,39 @@ def report_parity(d):
     return out + ["![parity](results/parity.png)", ""]
 
 
+def report_gpu(folder):
+    """The GPU figures: each kernels_*.json (python kernels.py --json) and throughput_*.json (the
+    figures of first_gpu_run.sh, transcribed from its log, which lies beside them) in folder."""
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if not names:
+        return ["### GPU figures", "No GPU figures are published yet. `bash first_gpu_run.sh` produces them.", ""]
+    out = []
+    for name in (n for n in names if n.startswith("kernels_") and n.endswith(".json")):
+        d = json.load(open(os.path.join(folder, name)))
+        cols = [c for c in d["gemm"][0] if c not in ("M", "N", "K")]
+        out += [f"### GEMM TFLOPS on an {d['device']} (`python kernels.py`, [`results/gpu/{name}`](results/gpu/{name}))",
+                f"torch {d['torch']}, triton {d['triton']}, {d['date'][:10]}; bf16 output; 'fast' = Hopper's fast "
+                "accumulation; 'block' = 1x128 by 128x128 scales (torch's through the v2 API, padded scales).", "",
+                _md_table(d["gemm"], cols, {c: lambda v: "n/a" if v is None else f"{v:.0f}" for c in cols[1:]}), ""]
+    for name in (n for n in names if n.startswith("throughput_") and n.endswith(".json")):
+        d = json.load(open(os.path.join(folder, name)))
+        runs = {}
+        for r in d["throughput"]:
+            runs.setdefault((r["model"], r["compile"], r["level"]), []).append(r["tokens_per_s"])
+        rows = []
+        for (model, comp, level), tps in runs.items():
+            best = statistics.median(tps)
+            bf16 = runs.get((model, comp, "bf16"))
+            rows.append({"model": model, "compile": comp, "level": level, "rounds": len(tps), "tokens_per_s": best,
+                         "vs_bf16": best / statistics.median(bf16) if bf16 else None})
+        out += [f"### Training throughput on an {d['device']} ([`results/gpu/{name}`](results/gpu/{name}))",
+                f"torch {d['torch']}, triton {d['triton']}, {d['date']}, commit {d['commit']}: `{d['command']}`. "
+                + d["throughput_note"], "",
+                _md_table(rows, ["model", "compile", "level", "rounds", "tokens_per_s", "vs_bf16"],
+                          {"tokens_per_s": lambda v: f"{v:,.0f}", "vs_bf16": lambda v: "" if v is None else f"{v:.3f}x"}), ""]
+    return out
+
+
 def report_throughput(d):
     """The README's throughput section, with what the ratios mean on the machine that made them."""
     rows = d["throughput"]
@@ -1289,11 +1323,7 @@ def cmd_report(args):
                   _md_table(d["stats_cost"], ["model", "stats", "steps", "ms_per_step", "vs_off"]), "",
                   "Eager mode; on a CPU the FP8 GEMMs are emulated, so the step itself is slow and the "
                   "ratio is the CPU's, not a GPU's.", ""]
-    gpu = [f for f in sorted(os.listdir(res)) if f.startswith(("kernels_", "throughput_gpu", "parity_gpu"))] if os.path.isdir(res) else []
-    if not gpu:
-        parts += ["### GPU figures", "No GPU figures are published yet: none has been measured on a Hopper GPU "
-                  "for this repository. `python bench.py gemm --json results/kernels_h100.json` and "
-                  "`python bench.py throughput --json results/throughput_gpu.json` produce them.", ""]
+    parts += report_gpu(os.path.join(res, "gpu"))
     readme = args.readme
     text = open(readme).read()
     a, b = text.index("<!-- results:start -->"), text.index("<!-- results:end -->")

@@ -69,6 +69,7 @@ with nanofp8.fp8.quantize.
 
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -404,10 +405,7 @@ def tma_scratch(size, align, stream):
 
 
 # Triton keeps its allocator in a context variable: per thread, and autograd runs the backward
-# GEMMs in a thread of its own. So fp8_gemm sets it at every call, to this module-level function:
-# a constant, which torch.compile (torch >= 2.13) traces into the graph as a call made at run
-# time, in whichever thread runs the graph, with no graph break. (torch 2.11's dynamo breaks the
-# graph at any triton.set_allocator: one break per GEMM there.)
+# GEMMs in a thread of its own. So fp8_gemm sets it at every call, to this module-level function.
 
 
 def _check_device(*tensors):
@@ -471,6 +469,13 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
         raise ValueError(f"M, N, K = {M}, {N}, {K}: operands or output of 2^31 or more elements "
                          "are not supported (int32 offsets)")
     _check_device(a, b, *([bias] if bias is not None else []))
+    if torch.compiler.is_compiling():  # one opaque op in the graph (why: above fp8_gemm_op)
+        return fp8_gemm_op(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, bool(fast_accum), use_tma)
+    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma)
+
+
+def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma):
+    (M, K), N = a.shape, b.shape[0]
     a, b = a.contiguous(), b.contiguous()
     sa, a_rows, sam, sak, a_per_k = _scale_layout(a_inv_scale, M, K, "a_inv_scale")
     sb, b_rows, sbn, sbk, b_per_k = _scale_layout(b_inv_scale, N, K, "b_inv_scale")
@@ -498,6 +503,24 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
         HAS_BIAS=bias is not None, ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16,
         NUM_SMS=num_sms)
     return c
+
+
+# Under torch.compile the GEMM is one custom op: dynamo sees its output's shape (the fake below)
+# and never traces the launch. Traced, it fails on torch 2.11: its dynamo cannot trace an
+# autotuned kernel with a config-pruning function ("Can't construct an AttrSource without a valid
+# base source", pytorch#178179, fixed in later versions; seen on an H200), and it breaks the graph
+# at every triton.set_allocator. The op runs the launch at run time, in whichever thread runs the
+# graph, so the allocator is set there too.
+@torch.library.custom_op("nanofp8::fp8_gemm", mutates_args=())
+def fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor, b_inv_scale: torch.Tensor,
+                out_dtype: torch.dtype, bias: Optional[torch.Tensor], fast_accum: bool,
+                use_tma: Optional[bool]) -> torch.Tensor:
+    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma)
+
+
+@fp8_gemm_op.register_fake
+def _(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def _check_quantize_args(x, fmt_dtype, granularity, block):
@@ -688,7 +711,9 @@ def _self_check(device):
             ref = reference_gemm(a, b, sa.reciprocal(), sb.reciprocal(), bias)
             out = fp8_gemm(a, b, sa.reciprocal(), sb.reciprocal(), torch.float32, bias)
             rel = ((out - ref).abs().max() / ref.abs().max()).item()
-            ok &= rel < 1e-5
+            # The interpreter sums in fp32 as the reference does. Hopper's FP8 MMA sums in its own
+            # order and precision: 1.4e-4 to 2.0e-4 on an H200 (78 dB). A misread scale is < 0 dB.
+            ok &= rel < (1e-5 if device == "cpu" else 1e-3)
             print(f"fp8_gemm {name[fa]}x{name[fb]} {gran:6s} M,N,K={M},{N},{K}: max rel err {rel:.2e}, "
                   f"SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
                   f"{sqnr(x @ w.t() + bias, out):.1f} dB")
@@ -703,8 +728,8 @@ def _self_check(device):
                 db = sqnr(ref, out)
             except (RuntimeError, ValueError) as e:
                 db = f"refused ({str(e).splitlines()[0][:80]})"
-            if padded:
-                ok &= not isinstance(db, str) and db > 100
+            if padded:  # cuBLAS sums as the Triton GEMM does (78 dB on an H200); v1 gave -127 dB
+                ok &= not isinstance(db, str) and db > 60
             print(f"torch native block GEMM, K=768, {'F.scaled_mm, padded scales' if padded else 'torch._scaled_mm, unpadded (expected wrong)'}: "
                   f"SQNR vs reference {db if isinstance(db, str) else f'{db:.1f} dB'}")
     print("correctness:", "OK" if ok else "FAILED")

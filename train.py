@@ -228,8 +228,9 @@ def build_optimizer(model, cfg, device_type):
     return torch.optim.AdamW(groups, **kw, **extra)
 
 
-def optimizer_step(model, optimizer, cfg, layout=Layout(), clips=None):
+def optimizer_step(model, optimizer, cfg, layout=None, clips=None):
     """Sum gradients over ranks, clip, step, clear. Returns (norm, stepped, weights were finite).
+    layout: this rank's (default: one process, on the device of the model's parameters).
 
     A non-finite gradient norm (an overflow, or a NaN that FP8 casts let through on purpose): skip
     the step rather than write NaN into every weight. Deciding that is the step's one device sync
@@ -237,9 +238,10 @@ def optimizer_step(model, optimizer, cfg, layout=Layout(), clips=None):
     check of the weights that the last update left, and the flag of clips (a stats.ClipLog:
     whether delayed scaling clipped values in this step), kept in clips.clipped_now."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+    layout = layout or Layout(device=str(next(model.parameters()).device))  # the flags live there
     finite = sync_gradients(model, layout)  # the same verdict on every rank
     weights_ok = weights_finite_flag(model, layout)
-    clipped = [] if clips is None else [clips.flag()]
+    clipped = [] if clips is None else [clips.flag().to(weights_ok.device)]
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
         go = optimizer.prepare_step(grads_finite=finite, max_norm=max_norm, shards=shards)

@@ -414,16 +414,28 @@ def _warn_once(key, msg):
 
 
 # What really ran in FP8 (reported by nanofp8/stats.py): GEMMs that fell back to a high-precision
-# GEMM at run time, per layer. strict = True (train.py's fp8_strict) makes a fallback an error.
+# GEMM at run time, per layer. strict = True (train.py's fp8_strict) makes such a fallback an error.
 fallbacks = {}
 strict = False
+HIGH_PRECISION = "a high-precision GEMM of the FP8 values"
 
 
-def _fell_back(name, reason, alt="a high-precision GEMM of the FP8 values"):
-    if strict:
+def _fell_back(name, reason, alt=HIGH_PRECISION):
+    """A GEMM that torch._scaled_mm cannot run goes to `alt`, reported once per layer and reason.
+    Only a high-precision GEMM is a fallback: counted per call, and an error under strict. The
+    Triton GEMM or the row-wise loop still multiply in FP8: reported, not counted.
+    Under torch.compile nothing is counted or reported: the choice was made while tracing and holds
+    for every call of the graph, and a counter read and written there is a value dynamo guards on,
+    so it recompiled at every step, and past its limit of 8 ran the model eagerly (seen on an H200
+    with block scales at K = 128). Eager runs of the same shapes report it."""
+    high = alt == HIGH_PRECISION
+    if strict and high:
         raise RuntimeError(f"nanofp8: layer {name}: torch._scaled_mm cannot run this GEMM ({reason}), "
                            "and strict mode (fp8_strict=True) forbids a high-precision fallback")
-    fallbacks[name] = fallbacks.get(name, 0) + 1
+    if torch.compiler.is_compiling():
+        return
+    if high:
+        fallbacks[name] = fallbacks.get(name, 0) + 1
     _warn_once((name, reason), f"nanofp8: layer {name}: torch._scaled_mm cannot run this GEMM "
                f"({reason}); falling back to {alt}")
 
@@ -621,6 +633,14 @@ def one_pass_cast(x):
     return x.is_cuda and not torch.compiler.is_compiling() and _triton_available(x.device)
 
 
+def triton_cast(recipe, x):
+    """Does this cast run on kernels.py's Triton quantizers? backend="triton" asks for them, and
+    eager CUDA casts take them (one_pass_cast). Under torch.compile a cast stays torch operations
+    for inductor to fuse, whichever the backend: dynamo then traces no Triton launch (torch 2.11's
+    cannot trace every one: kernels.fp8_gemm_op)."""
+    return (recipe.backend == "triton" and not torch.compiler.is_compiling()) or one_pass_cast(x)
+
+
 def _quantize_triton(x2, fmt, granularity, block, margin, power_of_two):
     """quantize() on kernels.py's Triton quantizers (bit-exact with it: tests/test_kernels.py),
     for backend="triton". A tensor-scaled cast also writes its transpose in the same pass
@@ -722,9 +742,9 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
                f"{kt}x the launches and {kt} x M x N x 8 bytes of extra traffic")
         fn = lambda: _gemm_block_loop(a, b, out_dtype, bias)
     else:
-        alt, fn = "a high-precision GEMM of the FP8 values", lambda: _gemm_emulate(a, b, out_dtype, bias)
+        alt, fn = HIGH_PRECISION, lambda: _gemm_emulate(a, b, out_dtype, bias)
     if sup.device == "cuda" or refused:  # a CPU's choices are all emulations: nothing is lost
-        _fell_back(name, reason, alt)  # counted for the statistics; an error under fp8_strict
+        _fell_back(name, reason, alt)  # a high-precision one: counted, an error under fp8_strict
     return fn()
 
 
@@ -790,7 +810,7 @@ def _requantize_t(mod, x2, fmt, q, block):
     r = mod.recipe
     if r.granularity == "tensor" or (r.granularity == "block" and q.block[0] > 1):
         return q.t()
-    if r.backend == "triton" or one_pass_cast(x2):
+    if triton_cast(r, x2):
         return _quantize_triton(x2.t(), fmt, r.granularity, block, r.margin, r.power_of_two)
     return quantize(x2.t(), fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 
@@ -947,7 +967,7 @@ class Fp8Linear(nn.Linear):
         if r.scaling == "delayed":
             return self.delayed_quantize(role, x2, fmt)
         block = (BLOCK, BLOCK) if role == WEIGHT else ACT_BLOCK
-        if r.backend == "triton" or one_pass_cast(x2):
+        if triton_cast(r, x2):
             return _quantize_triton(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
         return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two)
 

@@ -279,3 +279,20 @@ def test_throughput_report_states_the_step_target():
     assert "fp32's step takes 1.25x bf16's here, and the casts and decodes add 1.60x" in missed
     assert "needs them to add at most 1.20x" in missed
     assert "met on this CPU, O1's step takes 1.11x bf16's" in met
+
+
+def test_gpu_report_takes_the_median_round_and_the_ratio_to_bf16(tmp_path):
+    """report_gpu renders results/gpu/: a level's figure is the median of its rounds, its ratio is to
+    bf16 of the same model and compile setting, and a level with no bf16 beside it gets no ratio
+    (known answers)."""
+    rows = [{"model": "m", "level": lv, "compile": c, "round": r, "tokens_per_s": t}
+            for lv, c, r, t in (("bf16", False, 0, 100), ("bf16", False, 1, 120), ("O1", False, 0, 90),
+                                ("O1", False, 1, 150), ("O1", False, 2, 60), ("O1", True, 0, 200))]
+    d = {"device": "GPU", "torch": "t", "triton": "tr", "date": "d", "commit": "c", "command": "cmd",
+         "throughput_note": "note", "throughput": rows}
+    (tmp_path / "throughput_x.json").write_text(json.dumps(d))
+    text = "\n".join(bench.report_gpu(str(tmp_path)))
+    assert "| m | False | bf16 | 2 | 110 | 1.000x |" in text
+    assert "| m | False | O1 | 3 | 90 | 0.818x |" in text
+    assert "| m | True | O1 | 1 | 200 |  |" in text
+    assert bench.report_gpu(str(tmp_path / "none"))[1].startswith("No GPU figures")

@@ -243,3 +243,66 @@ def test_train_compiled_o3_matches_eager(tmp_path):
     for rank in range(2):
         losses = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(abs(e - c) < 1e-5 for e, c in losses), losses
+
+
+@pytest.mark.slow
+def test_triton_backend_compiles_to_one_opaque_gemm():
+    """backend="triton" under torch.compile (autocast on): one graph, no break, and each GEMM is the
+    custom op nanofp8::fp8_gemm, so dynamo traces no Triton launch. Traced, the autotuned GEMM
+    crashed torch 2.11's dynamo on an H200 ("Can't construct an AttrSource without a valid base
+    source", pytorch#178179): every compiled GEMM of backend=triton, and the block recipe's GEMMs
+    routed to Triton. The casts stay torch operations for inductor (fp8.triton_cast). Outputs and
+    gradients are bit-identical to eager's (the same kernels run)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(256, 128))
+    convert_to_fp8(eager, Recipe(backend="triton"))
+    model = copy.deepcopy(eager)
+    x = torch.randn(16, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)(x.clone().requires_grad_())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    graphs = [str(m.graph) for g in explained.graphs for m in g.modules() if hasattr(m, "graph")]
+    assert sum(s.count("nanofp8.fp8_gemm") for s in graphs) == 3, "forward, dgrad and wgrad GEMMs"
+    assert not any("triton_kernel_wrapper" in s for s in graphs)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ye, yc = eager(xe), compiled(xc)
+    ye.float().square().sum().backward()
+    yc.float().square().sum().backward()
+    assert counter.frame_count == 1
+    assert torch.equal(yc, ye)
+    assert torch.equal(xc.grad, xe.grad) and torch.equal(model[0].weight.grad, eager[0].weight.grad)
+
+
+def test_a_gemm_routed_while_tracing_does_not_recompile(monkeypatch):
+    """A GEMM that torch._scaled_mm cannot run is routed while dynamo traces, and that choice holds
+    for every call of the graph. Counted there (a Python counter read and written in the compiled
+    region), it made dynamo recompile at every step: on an H200, O2 with block scales hit the
+    recompile limit (8) at step 8 and ran eagerly from then on. Twelve calls: one compile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from nanofp8 import fp8
+
+    monkeypatch.setattr(fp8, "fallbacks", {})
+    torch._dynamo.reset()
+
+    def step(x):
+        fp8._fell_back("layer", "a rule of torch._scaled_mm")  # to a high-precision GEMM
+        fp8._fell_back("layer", "a rule of torch._scaled_mm", "the Triton GEMM (kernels.py)")
+        return x + 1
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(step, backend=counter)
+    for _ in range(12):
+        compiled(torch.ones(2))
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles"
+    with pytest.warns(UserWarning, match="falling back to a high-precision GEMM"):
+        step(torch.ones(2))  # eager: counted and reported
+    assert fp8.fallbacks == {"layer": 1}, "only the high-precision GEMM is a fallback"

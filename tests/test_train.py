@@ -228,6 +228,26 @@ def test_optimizer_step_refreshes_fp8_weights():
     assert err_new < err_old / 4, "Fp8Linear computed with the weights from before the step"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "O1"])
+def test_optimizer_step_makes_its_flags_on_the_model_device(precision):
+    """Called without a layout (bench.py throughput, a user's own loop), optimizer_step makes the
+    flags of its one sync on the device of the model's parameters. Made on the CPU beside a CUDA
+    norm, they crashed the first step on an H200 (torch.stack across devices). The meta device
+    stands in for a device that is not the CPU: with every flag made there, the one copy to the
+    host is what fails (meta tensors have no data), not the stack before it."""
+    from nanofp8.model import GPT, GPTConfig
+
+    cfg = train.load_config(TINY + [f"precision={precision}"])
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}))
+    train.setup_precision(model, cfg, "cpu")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(NotImplementedError, match="meta"):
+        train.optimizer_step(model, opt, cfg)
+
+
 # ---------------------------------------------------------------- torchrun (gloo, 2 ranks)
 
 
