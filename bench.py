@@ -501,8 +501,8 @@ OWN_BATCHES = {"O3-dp2"}
 NOTES = {
     "O2-fp8v": "It differs from O2 only in how Adam's second moment is stored: sqrt(v) in E4M3 instead of v "
                "in fp16 (1 byte per parameter less). FP8-LM keeps v in fp16 because in FP8 it underflows and it "
-               "sits in the update's denominator; this variant is there to measure that cost, and the default "
-               "(o2_v_format=fp16) does not pay it.",
+               "sits in the update's denominator; here sqrt(v) has a scale per 128 values and is rounded "
+               "stochastically (nanofp8/optim.py, (5) and (7)), and its gap lies within O2's uncertainty.",
 }
 TARGET, BLOCK_TARGET = 0.01, 0.0025  # the largest relative gap in final val loss a variant may have
 MIN_SEEDS = 3  # fewer pairs than this: no verdict
