@@ -6,6 +6,10 @@ the same figures (plus machine, date and versions) as JSON.
                                 per token, for bf16 / O1 / O2 (with FP8 v, with FP8 gradient
                                 accumulation), measured by walking the real tensors
                                 (nanofp8/optim.py: training_state_bytes)
+    python bench.py state       how fine the scales of O2's stored state (FP8 gradient, Adam m and
+                                v) must be: the fraction of values each granularity flushes to zero,
+                                on the README model's real gradients and moments and on adversarial
+                                ones (nanofp8/optim.py, (7))
     python bench.py comm        bytes each rank puts on the wire per parameter per step, for the
                                 bf16 baseline (fp32 gradient all-reduce, as nanoGPT's DDP), O1,
                                 O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/dist.py),
@@ -221,6 +225,92 @@ def cmd_memory_frozen(args):
 
 
 # -----------------------------------------------------------------------------
+# state: how fine the scales of O2's stored state must be (nanofp8/optim.py, (7))
+
+STATE_GRANULARITIES = ("tensor", "row", 2048, 1024, 512, 256, 128, 64, 32)
+
+
+def _flushed(x, gran, fmt):
+    """The fraction of x's non-zero values that its stored copy flushes to zero: fmt "e4m3" (a
+    scale that maps each group's amax to 448) or "fp16" (a power-of-two scale that maps it near
+    2^14, as nanofp8/optim.py stores v), one scale per `gran` ("tensor", "row", or that many
+    consecutive values of the flattened tensor)."""
+    from nanofp8.fp8 import E4M3, compute_scale
+
+    xs = x.reshape(1, -1) if gran == "tensor" else x.reshape(x.shape[0], -1) if gran == "row" else x.reshape(-1, gran)
+    amax = xs.abs().amax(1, keepdim=True)
+    if fmt == "e4m3":
+        back = (xs * compute_scale(amax, E4M3)).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
+    else:
+        back = (xs * torch.exp2(torch.floor(torch.log2(2.0**14 / amax.clamp(min=1e-38))).clamp(-126, 126))).half()
+    nonzero = xs != 0
+    return ((back == 0) & nonzero).sum().item() / max(nonzero.sum().item(), 1)
+
+
+def _state_of_training(steps, keep):
+    """The README model (config/shakespeare_char.py's sizes and AdamW settings) trained in fp32
+    with torch.optim.AdamW: {step: [(weight gradient, m, v) of every block Linear]}."""
+    from nanofp8.configurator import read_dataset_meta
+    from nanofp8.data import batch_generator, data_dir, get_batch, open_splits
+    from nanofp8.layout import Layout
+
+    import train
+
+    cfg = train.load_config([os.path.join(REPO, "config", "shakespeare_char.py"), "device=cpu"])
+    data = open_splits(cfg["dataset"], cfg["block_size"], Layout())
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"], block_size=cfg["block_size"],
+                          bias=cfg["bias"], vocab_size=read_dataset_meta(data_dir(cfg["dataset"]))["vocab_size"]))
+    lins = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and fp8_module_filter()(n, m)]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                            weight_decay=cfg["weight_decay"])
+    out = {}
+    for it in range(1, steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = train.lr_at(it - 1, {**cfg, "lr_decay_iters": steps})
+        x, y = get_batch(data["train"], cfg["batch_size"], cfg["block_size"], batch_generator(0, 0, it, 0, 0), "cpu")
+        model(x, y)[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        grads = [m.weight.grad.clone() for m in lins]
+        opt.step()
+        opt.zero_grad()
+        if it in keep:
+            out[it] = [(g, opt.state[m.weight]["exp_avg"].clone(), opt.state[m.weight]["exp_avg_sq"].clone())
+                       for g, m in zip(grads, lins)]
+    return out, sorted({m.in_features for m in lins})
+
+
+def cmd_state(args):
+    """Fractions of values that each granularity of scales flushes to zero in O2's stored state:
+    on the README model's real gradients and moments, and on adversarial gradients."""
+    keep = sorted({1, 10, 100, args.steps})
+    snaps, widths = _state_of_training(args.steps, keep)
+    gen = torch.Generator().manual_seed(0)
+    synthetic = {}
+    for k in (128, 768):
+        for span in (24, 35):  # tests/test_o2_numerics.py's first steps: log2 |g| with a std of span / 7.2
+            synthetic[f"lognormal_2^{span}_k{k}"] = torch.exp2(torch.randn(768, k, generator=gen) * span / 7.2)
+        x = torch.randn(768, k, generator=gen)
+        x[1::2] *= 1e-6
+        synthetic[f"rows_1e6_k{k}"] = x
+    rows = []
+    for gran in STATE_GRANULARITIES:
+        row = {"granularity": gran, "scale_B_per_value": 0.0 if gran == "tensor" else None if gran == "row" else 4 / gran,
+               "whole_rows": gran in ("tensor", "row") or all(w % gran == 0 for w in widths)}
+        for name, idx, fmt in (("g", 0, "e4m3"), ("m", 1, "e4m3"), ("v_fp16", 2, "fp16"), ("sqrt_v_e4m3", 2, "e4m3")):
+            row[f"model_{name}_flushed_max"] = max(
+                _flushed(t[idx].sqrt() if name.startswith("sqrt") else t[idx], gran, fmt) for s in keep for t in snaps[s])
+        for name, x in synthetic.items():
+            row[f"{name}_flushed"] = _flushed(x, gran, "e4m3")
+        rows.append(row)
+    print(f"Fraction of non-zero values flushed to zero by each granularity of scales (nanofp8/optim.py, (7)): "
+          f"the README model (block Linear widths {widths}) trained {args.steps} steps in fp32, worst over steps "
+          f"{keep} and layers; then, in E4M3, 768 rows of k values: lognormal magnitudes (log2 |g| with a std of "
+          f"span / 7.2, as tests/test_o2_numerics.py's first steps over 2^span) and rows 1e6 apart")
+    emit("state", rows, list(rows[0]), args, {"steps": keep, "widths": widths})
+
+
+# -----------------------------------------------------------------------------
 # comm
 
 COMM_CFG = GPTConfig(arch="gpt2", n_layer=2, n_head=4, n_embd=128, vocab_size=256, block_size=64)
@@ -411,8 +501,8 @@ OWN_BATCHES = {"O3-dp2"}
 NOTES = {
     "O2-fp8v": "It differs from O2 only in how Adam's second moment is stored: sqrt(v) in E4M3 instead of v "
                "in fp16 (1 byte per parameter less). FP8-LM keeps v in fp16 because in FP8 it underflows and it "
-               "sits in the update's denominator; this variant is there to measure that cost, and the default "
-               "(o2_v_format=fp16) does not pay it.",
+               "sits in the update's denominator; here sqrt(v) has a scale per 128 values and is rounded "
+               "stochastically (nanofp8/optim.py, (5) and (7)), and its gap lies within O2's uncertainty.",
 }
 TARGET, BLOCK_TARGET = 0.01, 0.0025  # the largest relative gap in final val loss a variant may have
 MIN_SEEDS = 3  # fewer pairs than this: no verdict
@@ -423,8 +513,10 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 METHOD = {
     "final_val_loss": "val loss at the last step (eval_iters batches, the same text for bf16 and the variant "
                       "at one seed); mean and std (n - 1) over seeds",
-    "gap": "paired: mean over seeds of (variant - bf16) / bf16 at the same seed; gap_se = std of those "
-           "per-seed gaps / sqrt(n); gap_ci95 = gap +- t(0.975, n - 1) * gap_se",
+    "gap": "paired: mean over seeds of (variant - bf16) / bf16 at the same seed, bf16 run on the same machine "
+           "where it ran there too (a twin: bf16_on_two_machines shows how far one seed lands on two machines), "
+           "else on another (pairs_across_machines counts those); gap_se = std of those per-seed gaps / sqrt(n); "
+           "gap_ci95 = gap +- t(0.975, n - 1) * gap_se",
     "gap_unpaired": "(mean of the variant - mean of bf16) / mean of bf16, with the standard error of a "
                     "difference of two independent means, sqrt(s_v^2 / n_v + s_bf16^2 / n_bf16) / mean of bf16",
     "noise_floor": "bf16's seed-to-seed std of the final val loss / its mean: how far two bf16 runs "
@@ -442,8 +534,15 @@ def target(variant):
     return BLOCK_TARGET if "block" in variant else TARGET
 
 
-def run_path(runs_dir, name, seed, iters):
-    return os.path.join(runs_dir, f"{name}-seed{seed}-{iters}.json")
+def run_path(runs_dir, name, seed, iters, tag=None):
+    """The record of a run; tag: a machine's, for a twin (the same run again on another machine)."""
+    return os.path.join(runs_dir, f"{name}-seed{seed}-{iters}{'' if tag is None else '-' + tag}.json")
+
+
+def machine_tag(env):
+    """A short name for a run's machine (_machine): 'avx2', 'avx512-avx512-bf16', ..."""
+    bf16 = env.get("cpu_bf16_instructions", "none")
+    return "-".join([env.get("cpu_capability", "unknown")] + ([] if bf16 == "none" else bf16.split())).lower()
 
 
 def start_run(name, seed, iters, config, threads, set_=()):
@@ -480,12 +579,23 @@ def cmd_train(args):
             json.dump({"losses": h["losses"], "evals": h["evals"]}, f)
 
 
-def run_all(todo, config, runs_dir, jobs, threads, set_=()):
+def run_all(todo, config, runs_dir, jobs, threads, set_=(), twins=False):
     """Run (variant, seed, iters) triples not yet in runs_dir, `jobs` at a time, and write each as
     runs_dir/<variant>-seed<seed>-<iters>.json with its CPU seconds (os.wait4: the child and the
-    ranks it waited for), so that runs sharing the machine still report their own cost."""
+    ranks it waited for), so that runs sharing the machine still report their own cost.
+    twins=True: a triple whose run was made on another machine is run again on this one, and kept
+    beside it as <variant>-seed<seed>-<iters>-<machine tag>.json (a twin: summarize pairs a run
+    with the bf16 run of its own machine where one exists)."""
     os.makedirs(runs_dir, exist_ok=True)
-    todo = [t for t in todo if not os.path.exists(run_path(runs_dir, *t))]
+    here = machine_tag(environment())
+
+    def done(t):
+        path = run_path(runs_dir, *t)
+        if not os.path.exists(path) or not twins:
+            return os.path.exists(path)
+        return machine_tag(json.load(open(path)).get("env", {})) == here or os.path.exists(run_path(runs_dir, *t, here))
+
+    todo = [t for t in todo if not done(t)]
     running = {}
     try:
         while todo or running:
@@ -503,7 +613,9 @@ def run_all(todo, config, runs_dir, jobs, threads, set_=()):
                 raise RuntimeError(f"{rec['variant']} seed {rec['seed']} failed (exit {p.returncode}); "
                                    f"log: {os.path.join(tmp, 'log.txt')}")
             rec.update(json.load(open(out)), cpu_seconds=ru.ru_utime + ru.ru_stime, wall_seconds=time.time() - t0)
-            with open(run_path(runs_dir, rec["variant"], rec["seed"], rec["iters"]), "w") as f:
+            path = run_path(runs_dir, rec["variant"], rec["seed"], rec["iters"])
+            with open(path if not os.path.exists(path) else run_path(runs_dir, rec["variant"], rec["seed"],
+                                                                     rec["iters"], here), "w") as f:
                 json.dump(rec, f)
             shutil.rmtree(tmp)
             print(f"== done {rec['variant']} seed {rec['seed']}: val {rec['evals'][-1][2]:.4f}, "
@@ -515,14 +627,19 @@ def run_all(todo, config, runs_dir, jobs, threads, set_=()):
         raise
 
 
-def load_runs(runs_dir):
-    """{(variant, seed, iters): record} of the finished runs in runs_dir."""
+def load_runs(runs_dir, twins=False):
+    """{(variant, seed, iters): record} of the finished runs in runs_dir; twins=True: the twins
+    instead (run_all), {(variant, seed, iters, machine): record}."""
     runs = {}
     for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
         if name.endswith(".json"):
             with open(os.path.join(runs_dir, name)) as f:
                 r = json.load(f)
-            runs[r["variant"], r["seed"], r["iters"]] = r
+            twin = name != os.path.basename(run_path(runs_dir, r["variant"], r["seed"], r["iters"]))
+            if twin and twins:
+                runs[r["variant"], r["seed"], r["iters"], _machine(r)] = r
+            elif not twin and not twins:
+                runs[r["variant"], r["seed"], r["iters"]] = r
     return runs
 
 
@@ -551,16 +668,23 @@ def _machine(run):
             f"bf16 matrix instructions: {e.get('cpu_bf16_instructions', 'not recorded')}")
 
 
-def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
+def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0, twins=None):
     """The parity table from finished runs: per variant the final val loss over seeds, its paired
     and unpaired gap to bf16 with their uncertainties, and the verdict against its target
-    (METHOD says how each is computed); then the long runs (one seed each, LONG_SEED)."""
+    (METHOD says how each is computed); then the long runs (one seed each, LONG_SEED). twins
+    (load_runs(twins=True)): bf16 runs made again on another machine; a run is paired with the
+    bf16 run of its own machine where there is one (the same seed lands apart on two machines)."""
     final = {k: r["evals"][-1][2] for k, r in runs.items() if r["evals"][-1][0] == r["iters"]}
     base = {s: final[("bf16", s, iters)] for s in seeds if ("bf16", s, iters) in final}
     b_mean, b_std = _mean_std(list(base.values())) if base else (None, None)
     # CPU time is a property of the machine (bf16 GEMMs: 16x apart between AVX2 and AVX512-BF16),
     # so it is averaged per machine, never across machines
     mach = {k: _machine(r) for k, r in runs.items()}
+    base_on = {(s, mach["bf16", s, iters]): b for s, b in base.items()}  # bf16 by (seed, machine)
+    base_on.update({(s, m): r["evals"][-1][2] for (v, s, n, m), r in (twins or {}).items()
+                    if v == "bf16" and n == iters and s in base and r["evals"][-1][0] == n})
+    machine_effect = [{"seed": s, "final_val_loss": {m: b for (s2, m), b in base_on.items() if s2 == s}}
+                      for s in base if sum(s2 == s for s2, _ in base_on) > 1]
     machines = sorted(set(mach.values()), key=lambda m: min(runs[k]["env"].get("date", "") for k in runs
                                                              if mach[k] == m))
 
@@ -575,10 +699,12 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
         pairs = [s for s in done if s in base]
         row = {"variant": v, "processes": VARIANTS[v][1], "seeds": done, "n": len(done), "verdict": "baseline"}
         if v != "bf16":
-            verd, gap, se, ci = verdict([(final[v, s, iters] - base[s]) / base[s] for s in pairs], target(v))
+            paired = [base_on.get((s, mach[v, s, iters]), base[s]) for s in pairs]
+            verd, gap, se, ci = verdict([(final[v, s, iters] - b) / b for s, b in zip(pairs, paired)], target(v))
             row.update(target=target(v), verdict=verd, gap=gap, gap_se=se, gap_ci95=ci, pairing=(
                 "same initial weights; batches partly shared (each rank draws its own)" if v in OWN_BATCHES
-                else "same initial weights, batches and evaluation text"))
+                else "same initial weights, batches and evaluation text"),
+                pairs_across_machines=sum((s, mach[v, s, iters]) not in base_on for s in pairs))
             if len(pairs) < len(seeds):
                 row["note"] = f"{len(pairs)} of {len(seeds)} seeds done (with bf16 at the same seed)"
         if done:
@@ -598,10 +724,12 @@ def summarize(runs, variants, seeds, iters, long_variants=(), long_iters=0):
             long_rows.append({"variant": v, "seed": LONG_SEED, "iters": long_iters, "final_val_loss": val,
                               "gap": None if b is None else (val - b) / b,
                               "cpu_seconds": runs[v, LONG_SEED, long_iters]["cpu_seconds"],
-                              "machine": mach[v, LONG_SEED, long_iters]})
+                              "machine": mach[v, LONG_SEED, long_iters],
+                              "commit": runs[v, LONG_SEED, long_iters].get("commit", "")})
     run_envs = [r.get("env", {}) for r in runs.values()]
     return {"env": environment(), "iters": iters, "seeds": list(seeds), "method": METHOD,
             "noise_floor": None if b_std is None else b_std / b_mean, "bf16_seeds": len(base),
+            "bf16_on_two_machines": machine_effect,
             "parity": rows, "long": long_rows, "long_note": "one seed each: no uncertainty of their own",
             "machines": [{"machine": m, "dates": sorted({runs[k]["env"].get("date", "?")[:10] for k in runs
                                                          if mach[k] == m}),
@@ -617,9 +745,10 @@ def cmd_parity(args):
     todo = [(v, s, args.iters) for v in args.variants for s in args.seeds]
     todo += [(v, LONG_SEED, args.long_iters) for v in args.long_variants if args.long_iters]
     if not args.no_run:
-        run_all(todo, args.config, args.runs, args.jobs, args.threads, args.set)
+        run_all(todo, args.config, args.runs, args.jobs, args.threads, args.set, args.twins)
     runs = {k: r for k, r in load_runs(args.runs).items() if k in set(todo)}
-    d = summarize(runs, args.variants, args.seeds, args.iters, args.long_variants, args.long_iters)
+    twins = {k: r for k, r in load_runs(args.runs, twins=True).items() if k[:3] in set(todo)}
+    d = summarize(runs, args.variants, args.seeds, args.iters, args.long_variants, args.long_iters, twins)
     d["config"] = os.path.relpath(args.config, REPO)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "parity.csv"), "w") as f:
@@ -1023,6 +1152,19 @@ def _cpu_cell(cpu, vs_bf16, letters):
                       for m, t in cpu.items())
 
 
+def _pairing_sentence(d, letters):
+    """Which pairs were made on one machine, and how far bf16 at one seed lands on two machines."""
+    two = d.get("bf16_on_two_machines") or []
+    across = [f"{r['variant']} ({r['pairs_across_machines']} of {len(r['seeds'])})" for r in d["parity"]
+              if r.get("pairs_across_machines")]
+    if not two:
+        return "Pairs across machines: " + (", ".join(across) if across else "none") + "."
+    apart = "; ".join(f"seed {e['seed']}: " + ", ".join(f"{letters.get(m, '?')} {b:.4f}" for m, b in e["final_val_loss"].items())
+                      for e in two)
+    return ("bf16 at one seed lands apart on two machines (" + apart + "), so a run is paired with the bf16 run "
+            "of its own machine where bf16 ran there; pairs across machines: " + (", ".join(across) if across else "none") + ".")
+
+
 def report_parity(d):
     """The README's parity section from parity_cpu.json (bench.py parity)."""
     if "method" not in d:
@@ -1055,7 +1197,7 @@ def report_parity(d):
            "batches and evaluation text too, except for "
            + (", ".join(r["variant"] for r in d["parity"] if r.get("pairing", "").startswith("same initial weights;"))
               or "none") + ", whose ranks draw their own), which takes out what the seed does to both runs (compare the "
-           "paired and unpaired standard errors). The verdicts use "
+           "paired and unpaired standard errors). " + _pairing_sentence(d, letters) + " The verdicts use "
            "it: met when the whole 95% interval (Student's t) lies below the target, missed when it lies "
            "above, unresolvable when it contains the target. The unpaired gap (difference of the means over "
            "seeds) is shown for comparison. Final val loss: mean +- std over seeds. CPU s/run: CPU time (user "
@@ -1068,10 +1210,10 @@ def report_parity(d):
             for r in d["parity"] if r["variant"] != "bf16"] + [""]
     if d.get("long"):
         out += ["Long runs (one seed each, no uncertainty of their own: read their gaps against the noise "
-                "floor above):", "",
+                "floor above; the commit each ran, as a run is kept until it is run again):", "",
                 _md_table([{**r, "final val loss": f"{r['final_val_loss']:.4f}", "gap to bf16": _pct(r["gap"]),
                             "CPU s": f"{letters.get(r.get('machine'), '?')}: {r['cpu_seconds']:,.0f}"} for r in d["long"]],
-                          ["variant", "iters", "seed", "final val loss", "gap to bf16", "CPU s"]), ""]
+                          ["variant", "iters", "seed", "final val loss", "gap to bf16", "CPU s", "commit"]), ""]
     return out + ["![parity](results/parity.png)", ""]
 
 
@@ -1157,7 +1299,8 @@ def cmd_report(args):
                   _md_table(d["memory"], ["model", "level", "linear_B_per_param", "linear_B_per_param_at_step",
                                           "model_B_per_param", "gemm_weight_B_per_param", "activation_B_per_token"],
                             {"activation_B_per_token": lambda v: f"{v:,.0f}"}),
-                  "", "`linear` = the block Linears, measured after a backward (as between micro-steps); "
+                  "", "`linear` = the block Linears, measured after a backward (as between micro-steps), every "
+                  "scale counted (O2's FP8 gradient, m and v carry one fp32 scale per 128 values: 1/32 B each); "
                   "`at_step` = once the step has cast O2's summed gradient to FP8; `-fp8v` = sqrt(v) in E4M3; "
                   "`-fp8acc` = micro-steps summed in FP8 instead of fp16; `gemm_weight` = FP8 copies held "
                   "from forward to the optimizer step (not in the total); activation bytes per token saved "
@@ -1202,6 +1345,8 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=["gpt2-124M", "llama"], choices=list(MODELS))
     p = sub.add_parser("comm")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p = sub.add_parser("state", help="flushed fractions of O2's stored state per granularity of scales")
+    p.add_argument("--steps", type=int, default=300, help="steps of the README model trained in fp32")
     p = sub.add_parser("parity", help="every variant at several seeds (resumable), then the summary")
     p.add_argument("--config", default=os.path.join(REPO, "config", "shakespeare_char.py"))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -1214,6 +1359,8 @@ def main(argv=None):
     p.add_argument("--runs", default=os.path.join(REPO, "results", "parity_runs"),
                    help="one JSON per finished run; a run found there is not run again")
     p.add_argument("--no_run", action="store_true", help="start no run: summarize those in --runs")
+    p.add_argument("--twins", action="store_true", help="run again on this machine what another machine ran, "
+                   "kept beside it (the summary pairs each run with the bf16 run of its own machine)")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
     p = sub.add_parser("train", help="(internal) one run of bench.py parity")
@@ -1241,9 +1388,9 @@ def main(argv=None):
     p.add_argument("--results", default=os.path.join(REPO, "results"))
     p.add_argument("--readme", default=os.path.join(REPO, "README.md"))
     args = ap.parse_args(argv)
-    {"memory": cmd_memory, "comm": cmd_comm, "parity": cmd_parity, "throughput": cmd_throughput,
-     "gemm": cmd_gemm, "predict": cmd_predict, "train": cmd_train, "stats": cmd_stats,
-     "report": cmd_report}[args.cmd](args)
+    {"memory": cmd_memory, "comm": cmd_comm, "state": cmd_state, "parity": cmd_parity,
+     "throughput": cmd_throughput, "gemm": cmd_gemm, "predict": cmd_predict, "train": cmd_train,
+     "stats": cmd_stats, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

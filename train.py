@@ -13,8 +13,9 @@ Precision levels (`precision=...`):
           dgrad, wgrad) in FP8 and keep FP8 copies of their input and weight for the backward
           pass (nanofp8/fp8.py). Embeddings, norms, attention and the LM head stay bf16/fp32.
     O2    as O1, plus precision decoupling for those Linears (nanofp8/optim.py): fp16 master
-          weights with a scale, FP8 weight gradients, FP8 Adam m, fp16 Adam v: 6 instead of 16
-          bytes per parameter (o2_v_format='fp8': 5).
+          weights with a scale, FP8 weight gradients, FP8 Adam m, fp16 Adam v (a scale per 128
+          values of each of the last three): 6.09 instead of 16 bytes per parameter
+          (o2_v_format='fp8': 5.09).
     O3    as O2, with the master weights and moments sharded over the data-parallel ranks
           (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
 
@@ -72,7 +73,7 @@ from nanofp8.run import (Clock, TrainingStopped, check_replicas, check_room, che
                          optimizer_state, peak_flops_for, pipeline_formats, prepare_out_dir, read_losses,
                          restore_state, resume_point, rng_state, save_checkpoint_set, shard_model, show_fp8_layers,
                          sync_gradients, weights_finite_flag)
-from nanofp8.stats import Fp8Stats, fallback_line
+from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
 
 # -----------------------------------------------------------------------------
 # Defaults: GPT-2 small (124M) on OpenWebText. Config files and key=value override them.
@@ -144,6 +145,7 @@ fp8_alarm_underflow = 0.05  # ... fraction of its non-zero values flushed to zer
 fp8_alarm_sqnr_db = 15.0  # ... SQNR of its FP8 copy below this ...
 fp8_alarm_intervals = 3  # ... for this many statistics steps in a row
 fp8_alarm_amax_growth = 10.0  # alarm: an activation's or weight's amax grew this many times
+fp8_alarm_saturation_severe = 0.01  # alarm at once: this fraction of an operand clipped in one step
 # model parallelism (torchrun; see nanofp8/parallel.py). Processes = data x tensor x pipeline.
 tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, MLP units)
 sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
@@ -226,32 +228,38 @@ def build_optimizer(model, cfg, device_type):
     return torch.optim.AdamW(groups, **kw, **extra)
 
 
-def optimizer_step(model, optimizer, cfg, layout=None):
+def optimizer_step(model, optimizer, cfg, layout=None, clips=None):
     """Sum gradients over ranks, clip, step, clear. Returns (norm, stepped, weights were finite).
     layout: this rank's (default: one process, on the device of the model's parameters).
 
     A non-finite gradient norm (an overflow, or a NaN that FP8 casts let through on purpose): skip
     the step rather than write NaN into every weight. Deciding that is the step's one device sync
     (a copy to the host, also on CPU where tests/test_syncs.py counts it), which also reads the
-    check of the weights that the last update left."""
+    check of the weights that the last update left, and the flag of clips (a stats.ClipLog:
+    whether delayed scaling clipped values in this step), kept in clips.clipped_now."""
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     layout = layout or Layout(device=str(next(model.parameters()).device))  # the flags live there
     finite = sync_gradients(model, layout)  # the same verdict on every rank
     weights_ok = weights_finite_flag(model, layout)
+    clipped = [] if clips is None else [clips.flag().to(weights_ok.device)]
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
         go = optimizer.prepare_step(grads_finite=finite, max_norm=max_norm, shards=shards)
-        norm, weights_ok, go = torch.stack([optimizer.grad_norm.float(), weights_ok, go]).to("cpu", copy=True).tolist()
+        norm, weights_ok, go, *clipped = torch.stack([optimizer.grad_norm.float(), weights_ok, go, *clipped]).to(
+            "cpu", copy=True).tolist()
         stepped = optimizer.step(verdict=go == 1)
     else:
         norm = clip(model, max_norm, layout)  # the whole model's norm, the same on every rank
-        norm, weights_ok, finite = torch.stack([norm.float(), weights_ok, finite]).to("cpu", copy=True).tolist()
+        norm, weights_ok, finite, *clipped = torch.stack([norm.float(), weights_ok, finite, *clipped]).to(
+            "cpu", copy=True).tolist()
         stepped = finite == 1 and math.isfinite(norm)
         if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
             optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
             if optimizer.defaults.get("fused"):  # it wrote the weights without telling autograd
                 torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
     optimizer.zero_grad(set_to_none=True)
+    if clips is not None:
+        clips.clipped_now = clipped[0] == 1
     return norm, stepped, weights_ok == 1
 
 
@@ -412,6 +420,8 @@ def main(argv=None):
         log(f"note: {note}")
     stats = (Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"], stats_alarms(cfg), append=start_iter > 0)
              if keep_stats else None)
+    # Delayed scaling can clip: each rank logs what its own casts clipped, on the step it happens
+    clips = ClipLog(raw_model) if cfg["precision"] != "bf16" and cfg["fp8_scaling"] == "delayed" else None
     if compile_model:
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
@@ -461,10 +471,12 @@ def main(argv=None):
         # sync (in optimizer_step) waits for the backward to finish, and from then on the GPU
         # waits for the host only until the optimizer's first kernel is launched.
         batches, batches_of = train_batches(iter_num + 1), iter_num + 1
-        grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg, layout)
+        grad_norm, stepped, weights_ok = optimizer_step(model, optimizer, cfg, layout, clips)
         skipped_in_a_row = check_step(raw_model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok,
                                       lr_at(iter_num - 1, cfg), cfg, layout, log)
         history["losses"].append((iter_num, loss))  # a device tensor until a log line reads it
+        for line in clips.lines(iter_num, clips.clipped_now) if clips is not None else ():
+            print(line if layout.world == 1 else f"rank {layout.rank}: {line}")
         for line in stats.finish(iter_num, optimizer) if stats is not None else ():
             log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
         clock.tick()

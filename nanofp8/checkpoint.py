@@ -127,6 +127,8 @@ def fp32_moments(ckpt):
     """{parameter name: {step, exp_avg, exp_avg_sq}} in fp32, from the optimizer state of a
     single-device checkpoint of any level: torch AdamW's fp32 moments, O2's E4M3 m and fp16 (or
     E4M3 sqrt) v with their scales, O3's shards of those glued back. None if there is none."""
+    from nanofp8.optim import dequantize_stored
+
     opt = ckpt.get("optimizer")
     if not isinstance(opt, dict) or "param_groups" not in opt and "zero_shards" not in opt:
         return None
@@ -137,9 +139,8 @@ def fp32_moments(ckpt):
         return None
     sqrt_v = ckpt["config"].get("o2_v_format") == "fp8"  # O2/O3 weights then store sqrt(v)
 
-    def load(st, key):
-        x = st[key].float()
-        return x * st[key + "_scale"].reciprocal() if key + "_scale" in st else x
+    def load(st, key):  # (a scale per block of values, or one per tensor: optim.dequantize_stored)
+        return dequantize_stored(st[key], st[key + "_scale"]) if key + "_scale" in st else st[key].float()
 
     out = {}
     for i, name in zip(index, names):
@@ -163,7 +164,7 @@ def load_moments(optimizer, model, moments):
     """Put fp32 moments (from fp32_moments) into a freshly built optimizer of any level, in its own
     formats: fp32 for torch AdamW, E4M3 m and fp16 (or E4M3 sqrt) v for O2 weights, this rank's
     shard of those for O3. Parameters are matched by name; a shape mismatch is an error."""
-    from nanofp8.dist import ZeroFp8AdamW, shard_len
+    from nanofp8.dist import ZeroFp8AdamW, held_shard_len
     from nanofp8.optim import Fp8AdamW, stored
 
     trained = {p for g in optimizer.param_groups for p in g["params"]}
@@ -178,7 +179,7 @@ def load_moments(optimizer, model, moments):
         st = optimizer.state[p]
         if isinstance(optimizer, Fp8AdamW) and p in optimizer.o2:
             if isinstance(optimizer, ZeroFp8AdamW):  # this rank's shard (the master is already there)
-                c, r = shard_len(p.numel(), optimizer.world), optimizer.rank
+                c, r = held_shard_len(p, optimizer.world), optimizer.rank
                 m, v = (F.pad(t.reshape(-1), (0, optimizer.world * c - p.numel()))[r * c : (r + 1) * c]
                         for t in (m, v))
             st["exp_avg"], st["exp_avg_scale"] = stored(m, "fp8")

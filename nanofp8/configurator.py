@@ -196,7 +196,7 @@ def check_stats(cfg):
 def stats_alarms(cfg):
     return Alarms(saturation=cfg["fp8_alarm_saturation"], underflow=cfg["fp8_alarm_underflow"],
                   sqnr_db=cfg["fp8_alarm_sqnr_db"], intervals=cfg["fp8_alarm_intervals"],
-                  amax_growth=cfg["fp8_alarm_amax_growth"])
+                  amax_growth=cfg["fp8_alarm_amax_growth"], saturation_severe=cfg["fp8_alarm_saturation_severe"])
 
 
 # The largest fp8_margin allowed. A margin m maps the amax to fp8_max / 2^m, so the top m binades of

@@ -83,11 +83,13 @@ O2 and O3 keep the FP8 layers' weight gradients outside .grad, on the weight (op
 where autograd's hooks never see them. With wgrads="all_reduce" (O2) or "reduce_scatter" (O3) the
 wrapper buckets them too, and each weight's "weight gradient ready" hook (optim.fp8_grad_hook,
 called by O2Linear.take_wgrad) marks its gradient final: a full bucket's reduce-scatter (the FP8
-bytes as they are, one all_to_all per bucket) leaves while backward goes on. Only the last
-micro-step's backward launches (no_sync() before it), so reading fp8_grad there ends the fp16 sum
-of the micro-steps with the very E4M3 cast a read after backward would make. sync_gradients() then
-finishes: O2 all-gathers the averages under shared scales (the gradient is FP8 again, the same on
-every rank, and its finiteness is in the verdict); O3 leaves each rank its fp32 shards
+bytes as they are, with their scales, one per 128 values: optim.quantize_wgrad; one all_to_all
+per bucket) leaves while backward goes on. Only the last micro-step's backward launches
+(no_sync() before it), so reading fp8_grad there ends the fp16 sum of the micro-steps with the
+very E4M3 cast a read after backward would make. sync_gradients() then finishes: O2 all-gathers
+the averages, each rank's shard cast with its own block scales (the gradient is FP8 again, the
+same on every rank, and its finiteness is in the verdict; shards hold whole blocks,
+held_shard_len, so no scale spans two ranks); O3 leaves each rank its fp32 shards
 (take_wgrad_shards()) for ZeroFp8AdamW.step, which clips by the global norm and agrees on
 finiteness with one flag. Every chunk is summed as if it travelled alone, so the result is
 bit-identical to reducing after backward (sync_fp8_wgrads, or the optimizer's own reduce-scatter).
@@ -109,9 +111,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, quantize
+from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, fp8_to_float, quantize
 from .optim import (Fp8AdamW, O2Linear, convert_to_o2, dequantize_stored_all, fp8_grad, fp8_grad_hook,
-                    holds_fp8_grad, set_fp8_grad, stored, to_fp16_scaled, to_fp16_scaled_all)
+                    holds_fp8_grad, quantize_wgrad, set_fp8_grad, state_block, step_chunks, stored, to_fp16_scaled,
+                    to_fp16_scaled_all)
 
 # torch renamed the tensor-in/tensor-out collectives (2.13 warns on the old names, older
 # versions lack the new ones). Same semantics.
@@ -741,23 +744,26 @@ class Fp8DataParallel(nn.Module):
 #   weight gradient, summed in fp16 (+ scale) 2        full, until the step casts it to FP8 (1 B,
 #                                                      or 1 B throughout with grad_accum="fp8")
 #   fp16 master weight (+ scale)              2 / N    sharded: only the update reads it
-#   Adam m (E4M3 + scale)                     1 / N    sharded
-#   Adam v (fp16 + scale)                     2 / N    sharded
-#                                    total:   3 + 5/N between backward and step (2 + 5/N)
+#   Adam m (E4M3 + a scale per 128 values)    1 / N    sharded
+#   Adam v (fp16 + a scale per 128 values)    2 / N    sharded
+#                                    total:   3 + 5/N between backward and step (2 + 5/N), plus
+#                                             the scales of the FP8 gradient, m and v (1/32 B each)
 #
 # The update is O2's (nanofp8/optim.py): the same bound on m, and stochastic rounding into the
-# fp16 master shard, seeded by (step, parameter, rank).
+# fp16 master shard and the moments, seeded by (step, parameter, rank).
 #
-# One step: reduce-scatter the FP8 gradients (their bytes go out as they are: 1 B per parameter
-# on the wire, and the receiver sums in fp32), run AdamW on the local shard in fp32, then
-# all-gather the updated shards in FP8 (1 B per parameter). For the gathered bytes to form one
-# valid per-tensor FP8 weight, every rank must quantize its shard with the same scale: the ranks
-# agree on it with one small MAX all-reduce of the shard amaxes (4 bytes per weight tensor).
+# One step: reduce-scatter the FP8 gradients (their bytes go out as they are, with their block
+# scales: 1 + 1/32 B per parameter on the wire, and the receiver sums in fp32), run AdamW on the
+# local shard in fp32, then all-gather the updated shards in FP8 (1 B per parameter). For the
+# gathered bytes to form one valid per-tensor FP8 weight, every rank must quantize its shard with
+# the same scale: the ranks agree on it with one small MAX all-reduce of the shard amaxes (4
+# bytes per weight tensor).
 #
 # Shards are cut from each weight flattened: rank r owns values [r*C, (r+1)*C) with
-# C = shard_len(numel, N), the tail zero-padded. Checkpoints hold each rank's own shard, so a run
-# resumes at the same world size; at another size the shards do not line up and loading stops
-# with an error (re-shard by gathering the fp16 masters, which is not done here).
+# C = held_shard_len(p, N) (whole blocks of 128 values), the tail zero-padded. Checkpoints hold
+# each rank's own shard, so a run resumes at the same world size; at another size the shards do
+# not line up and loading stops with an error (re-shard by gathering the fp16 masters, which is
+# not done here).
 
 
 class O3Linear(O2Linear):
@@ -816,12 +822,25 @@ def convert_to_o3(model):
     return convert_to_o2(model, O3Linear)
 
 
+def held_shard_len(p, world):
+    """Values per rank of the shards of weight p's held FP8 gradient and of its O3 state: the
+    shard length (shard_len) rounded up to whole blocks of the gradient's scales (optim.state_block),
+    so that every block, and its scale, lies in one rank's shard."""
+    return shard_len(p.numel(), world, state_block(p.numel()))
+
+
 def _fp8_rows(q, world, c):
-    """An FP8 gradient (one tensor scale) as Fp8Rows with one row of C values per rank, without
-    re-quantizing: its bytes, zero-padded, and its scale repeated per row."""
+    """An FP8 gradient (optim.quantize_wgrad's: one scale per block; or one tensor scale) as
+    Fp8Rows with one row of c values per rank (c a multiple of the block), without re-quantizing:
+    its bytes, zero-padded, and its block scales (padded with ones), or its scale per row."""
     flat = q.data.reshape(-1).view(torch.uint8)
-    flat = F.pad(flat, (0, world * c - flat.numel())).view(q.data.dtype)
-    return Fp8Rows(flat.view(world, c), q.scale.reshape(1, 1).expand(world, 1).contiguous(), c)
+    n = flat.numel()
+    flat = F.pad(flat, (0, world * c - n)).view(q.data.dtype)
+    if q.scale.numel() == 1:
+        return Fp8Rows(flat.view(world, c), q.scale.reshape(1, 1).expand(world, 1).contiguous(), c)
+    b = n // q.scale.numel()
+    scale = F.pad(q.scale.reshape(-1), (0, world * c // b - q.scale.numel()), value=1.0)
+    return Fp8Rows(flat.view(world, c), scale.view(world, c // b), c)
 
 
 class ZeroFp8AdamW(Fp8AdamW):
@@ -846,7 +865,7 @@ class ZeroFp8AdamW(Fp8AdamW):
         super().__init__(params, model, v_format=v_format, **kw)
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O3Linear)}
         for p, m in self.o2.items():  # each rank builds its master shard from the fp32 weight
-            c = shard_len(p.numel(), self.world)
+            c = held_shard_len(p, self.world)
             full = F.pad(m.__dict__.pop("init_master").to(p.device).reshape(-1), (0, self.world * c - p.numel()))
             st = self.state[p]
             st["step"] = torch.zeros((), dtype=torch.float32)
@@ -866,6 +885,14 @@ class ZeroFp8AdamW(Fp8AdamW):
             raise ValueError(f"this optimizer state is the shard of rank {zero.get('rank')} of "
                              f"{zero.get('world_size')}; this is rank {self.rank} of {self.world}. "
                              "O3 state resumes only at the world size it was saved with.")
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, st in state_dict["state"].items():
+            p = params[i]
+            if p in self.o2 and "master" in st and st["master"].numel() != held_shard_len(p, self.world):
+                raise ValueError(f"this O3 state holds shards of {st['master'].numel()} values of a weight "
+                                 f"of {p.numel()}; this version cuts it into shards of whole blocks of "
+                                 f"{state_block(p.numel())} values ({held_shard_len(p, self.world)}); its "
+                                 "weights still load (train.py init_from=<its out_dir> gathers the masters)")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
 
     @torch.no_grad()
@@ -935,16 +962,17 @@ class ZeroFp8AdamW(Fp8AdamW):
                     self._init_state(p)
             if plain:
                 self._fp32_update(plain, [p.grad for p in plain], group)
-            if not mine:
-                continue
-            sts = [self.state[p] for p in mine]
-            ts = self._count_steps(sts)
-            ws = dequantize_stored_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
-            ws = self._decoupled_update(sts, ws, [shards[index[p]] for p in mine], group, ts)
-            gens = [self.rounding_generator(number[p], t, w.device) for p, t, w in zip(mine, ts, ws)]
-            for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, gens)):
-                st["master"], st["master_scale"] = master, scale
-            new += list(zip(mine, ws))
+            for i, j in step_chunks([shards[index[p]] for p in mine]):  # (runs that bound the temporaries)
+                part = mine[i:j]
+                sts = [self.state[p] for p in part]
+                ts = self._count_steps(sts)
+                gs = [shards[index[p]] for p in part]
+                noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(part, ts, gs)]
+                ws = dequantize_stored_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
+                ws = self._decoupled_update(sts, ws, gs, group, ts, noises)
+                for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, [n[0] for n in noises])):
+                    st["master"], st["master_scale"] = master, scale
+                new += list(zip(part, ws))
         # 3. all-gather the new weights in FP8, under one scale per weight
         layouts = [self.o2[p].weight_layout() for p, _ in new]
         gathered = gather_shared_scale([w for _, w in new], self.group, layouts=layouts)
@@ -1011,17 +1039,23 @@ def _held_rows(p, world):
     the same bytes count) as Fp8Rows of one shard per rank, for reduce_scatter_fp8."""
     q = fp8_grad(p)
     if q is None:
-        q = quantize(torch.zeros(p.shape, device=p.device), E4M3)
-    return _fp8_rows(q, world, shard_len(p.numel(), world))
+        q = quantize_wgrad(torch.zeros(p.shape, device=p.device))
+    return _fp8_rows(q, world, held_shard_len(p, world))
 
 
 def _gather_wgrads(params, shards, group):
-    """O2's second half: all-gather the averaged fp32 shards in FP8 under one shared scale per
-    weight; each weight's fp8_grad becomes the same FP8 tensor on every rank."""
-    for p, (data, s) in zip(params, gather_shared_scale(shards, group)):
-        data = data[: p.numel()].view(p.shape)
-        amax = data.float().abs().amax() / s  # NaN exactly when a NaN came through
-        set_fp8_grad(p, Fp8Tensor(data, s, E4M3, "tensor", (1, data.shape[1]), data.shape, torch.float32, amax))
+    """O2's second half: each rank casts its averaged fp32 shard to E4M3 with one scale per
+    block (blocks lie within shards: held_shard_len), and the bytes and scales are all-gathered;
+    each weight's fp8_grad becomes the same FP8 tensor on every rank, the very one quantize_wgrad
+    makes of the whole average."""
+    pending = [all_gather_fp8(quantize_rows(s.view(1, -1), E4M3, state_block(p.numel())), group,
+                              keep_fp8=True, async_op=True) for p, s in zip(params, shards)]
+    for p, pd in zip(params, pending):
+        got, b = pd.wait(), state_block(p.numel())
+        data = got.data.reshape(-1)[: p.numel()].view(-1, b)
+        scale = got.scale.reshape(-1)[: len(data)].reshape(-1, 1)
+        amax = fp8_to_float(data).abs().amax(1, keepdim=True) / scale  # NaN where a NaN came through
+        set_fp8_grad(p, Fp8Tensor(data, scale, E4M3, "row", (1, b), p.shape, torch.float32, amax))
 
 
 @torch.no_grad()
@@ -1029,9 +1063,10 @@ def sync_fp8_wgrads(params, group=None):
     """Data parallelism for O2, after backward: average the FP8 weight gradients that the O2
     weights among `params` hold outside autograd (fp8_grad; Fp8DataParallel(params=...) handles the rest;
     Fp8DataParallel(wgrads="all_reduce") does this too, overlapped with backward, to the same
-    bits). Reduce-scatter the FP8 bytes as they are (1 B per parameter out), sum in fp32,
-    all-gather the averaged shards in FP8 under a shared scale (1 B per parameter back): each
-    weight's fp8_grad becomes the same FP8 tensor on every rank. A NaN anywhere reaches every rank
+    bits). Reduce-scatter the FP8 bytes as they are (1 B per parameter out, and a scale per 128
+    values), sum in fp32, all-gather the averaged shards in FP8 with a scale per 128 values (1 B
+    per parameter back, and the scales): each weight's fp8_grad becomes the same FP8 tensor on
+    every rank. A NaN anywhere reaches every rank
     through the sum and the gather. A weight without a gradient on some rank counts as zero there
     (and gets the average everywhere)."""
     world = _world(group)

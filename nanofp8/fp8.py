@@ -55,7 +55,10 @@ Where the amax comes from:
   * delayed scaling: the amax of the last H steps (the history), as Transformer Engine does.
     The scale used at step t comes only from steps before t; the amax of step t is recorded
     afterwards, by the same pass that casts. Values can outgrow a stale scale, and then they
-    saturate. The first step has no history and uses the stored scale (1.0), as TE does.
+    saturate: every layer counts the values it clipped, per tensor role, and train.py logs them
+    on the step it happens. The first cast of a role has no history: it measures the tensor
+    itself (Transformer Engine starts from a scale of 1.0, which flushes a gradient of 1e-6 to
+    zero), so the history starts from a true value.
 
 How many scales:
   * "tensor": one scale for the whole tensor.
@@ -107,6 +110,7 @@ tensor scale would have needed. Every Linear's FP8 status is listed at start-up,
 that falls back to high precision at run time is counted (fallbacks), or refused (strict).
 """
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field, fields, replace
@@ -129,6 +133,14 @@ class Fp8Format:
 
 E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, 2.0**-6)
 E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-14)
+
+
+def clip_edge(fmt):
+    """The rounding boundary above the format's max (max + half a step of its top binade: 464 for
+    E4M3, 61440 for E5M2). A scaled value beyond it was clipped: the cast changed it by more than
+    rounding to nearest would have."""
+    mantissa_bits = round(-math.log2(torch.finfo(fmt.dtype).eps))
+    return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - mantissa_bits) / 2
 
 # (format of weights and activations, format of gradients)
 FORMAT_CONVENTIONS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
@@ -313,18 +325,20 @@ GRANULARITIES = ("tensor", "row", "block")
 
 
 def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=0,
-             power_of_two=False):
+             power_of_two=False, amax=None):
     """Quantize x to FP8 along its last dim (the GEMM contraction dim). Returns an Fp8Tensor.
 
     scale: use this scale instead of measuring one (delayed scaling). Its shape must match
-    the granularity; the amax is still measured and returned in the container."""
+    the granularity; the amax is still measured and returned in the container, unless `amax`
+    gives it (x's, measured already)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
     if x.dim() < 1 or x.numel() == 0:
         raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}")
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     block = tuple(block) if granularity == "block" else (1, x2.shape[1])
-    amax = _amax(x2.detach(), granularity, block)
+    if amax is None:
+        amax = _amax(x2.detach(), granularity, block)
     if scale is None:
         scale = compute_scale(amax, fmt, margin, power_of_two)
     # Not a bare scale.float(): on an fp32 tensor that returns the tensor itself, a second name for
@@ -882,6 +896,12 @@ def fp8_linear(x, layer, bias):
     return _Fp8LinearFunction.apply(x, layer.weight, bias, layer, out_dtype)
 
 
+def _count_clips_from_zero(module, state_dict, prefix, *args):
+    """A state_dict saved before Fp8Linear counted clipped values has no `clipped`: start at 0."""
+    if prefix + "amax_history" in state_dict and prefix + "clipped" not in state_dict:
+        state_dict[prefix + "clipped"] = torch.zeros_like(module.clipped)
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8. Same parameters, same state_dict keys, plus
     the scaling state of its three tensor roles (input, weight, grad-output) as buffers:
@@ -890,6 +910,11 @@ class Fp8Linear(nn.Linear):
         history_count (3,)   how many entries are valid (0: the stored scale is used)
         scale        (3,)    the scale last used (what a NaN amax falls back to)
         nonfinite    (3,)    how many non-finite amaxes were seen and kept out of the history
+        clipped      (3,)    how many values a delayed-scaling cast clipped at the FP8 max
+
+    and, not saved, cast_values (3,): how many values delayed scaling cast, the denominator of
+    `clipped` (train.py's log reports the fraction clipped on the step it happens). A state_dict
+    saved before `clipped` existed loads with the count at 0.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
@@ -898,6 +923,7 @@ class Fp8Linear(nn.Linear):
         self.recipe = recipe or Recipe()
         self.fqn = fqn or "Fp8Linear"
         self._init_scaling_state(self.weight.device)
+        self.register_load_state_dict_pre_hook(_count_clips_from_zero)
 
     # Two extension points, used by precision decoupling (level O2, nanofp8/optim.py), which
     # keeps the master weight in fp16 and the weight gradient in FP8:
@@ -985,6 +1011,8 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("history_count", torch.zeros(3, dtype=torch.long, device=device))
         self.register_buffer("scale", torch.ones(3, device=device))
         self.register_buffer("nonfinite", torch.zeros(3, dtype=torch.long, device=device))
+        self.register_buffer("clipped", torch.zeros(3, dtype=torch.long, device=device))
+        self.register_buffer("cast_values", torch.zeros(3, dtype=torch.long, device=device), persistent=False)
 
     @classmethod
     def from_linear(cls, lin, recipe, fqn=""):
@@ -998,24 +1026,30 @@ class Fp8Linear(nn.Linear):
 
     @torch.no_grad()
     def delayed_quantize(self, role, x2, fmt):
-        """Delayed scaling in one pass: the scale comes from the amax history of earlier steps
-        only, so it is known before the cast, and the amax of this step is measured by the same
-        pass that casts (quantize measures it anyway) and recorded afterwards. Before any finite
-        amax is in the history, the stored scale is used (1.0 at initialisation, as in
-        Transformer Engine); the first step's amax then fills the history. Nothing here reads the
-        current tensor to choose its scale, so one fused read-cast-reduce kernel can do it all."""
+        """Delayed scaling: the scale comes from the amax history of earlier steps only, so it is
+        known before the cast, and the amax of this step is measured by the same read of the
+        tensor that casts it (one fused read-cast-reduce kernel can do it all) and recorded
+        afterwards, with the count of values the cast clipped. Before any finite amax is in the
+        history (the first cast of the role), the scale is made from this tensor's own amax
+        (where that is not finite: the stored scale); its amax then starts the history."""
         r, hist, n = self.recipe, self.amax_history[role], self.history_count[role]
+        amax = _amax(x2.detach(), "tensor", None)
         past = hist.max() if r.amax_algo == "max" else hist[0]
         prev = self.scale[role]
-        scale = torch.where(n > 0, compute_scale(past, fmt, r.margin, r.power_of_two, fallback=prev), prev)
-        q = quantize(x2, fmt, "tensor", scale=scale)
+        own = compute_scale(amax, fmt, r.margin, r.power_of_two, fallback=prev)  # no history yet
+        scale = torch.where(n > 0, compute_scale(past, fmt, r.margin, r.power_of_two, fallback=prev), own)
+        q = quantize(x2, fmt, "tensor", scale=scale, amax=amax)
         if self.training:  # evaluation reads the state but never writes it
-            amax = q.amax
             finite = torch.isfinite(amax)
             hist.copy_(torch.where(finite, torch.cat([amax.reshape(1).float(), hist[:-1]]), hist))
             n.copy_(torch.where(finite, (n + 1).clamp(max=hist.numel()), n))
             self.nonfinite[role] += (~finite).long()
             self.scale[role] = scale
+            # values beyond the rounding boundary above the max (a non-finite tensor is counted
+            # as such, above, and its step skipped)
+            over = torch.count_nonzero((x2.detach().float() * scale).abs_() > clip_edge(fmt))
+            self.clipped[role] += torch.where(finite, over, 0)
+            self.cast_values[role] += x2.numel()
         return q
 
     def forward(self, x):

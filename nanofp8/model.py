@@ -370,7 +370,7 @@ def apply_fp8(model, recipe, fp8_lm_head=False):
 
 # The buffers Fp8Linear adds to a Linear: FP8 scaling state, not weights. A bf16 model can ignore
 # them in an FP8 checkpoint, and an FP8 model starts them fresh when loading a bf16 checkpoint.
-FP8_STATE_KEYS = ("amax_history", "history_count", "scale", "nonfinite")
+FP8_STATE_KEYS = ("amax_history", "history_count", "scale", "nonfinite", "clipped")
 
 
 def load_model_state(model, state, source="checkpoint"):

@@ -2,19 +2,19 @@
 Precision decoupling (level O2): give every tensor of the training state the lowest precision
 it tolerates, as FP8-LM (MS-AMP) does. For the Linear weights of the transformer blocks:
 
-    state                 | bf16 baseline | O2 here                       | why this precision is enough
-    ----------------------+---------------+-------------------------------+------------------------------
-    master weight         | fp32  4 B     | fp16 + per-tensor scale  2 B  | see (1), (5)
-    weight for the GEMMs  | bf16 (cast)   | E4M3, cast once per step      | fp8.py: the GEMM inputs
-    weight gradient       | fp32  4 B     | E4M3 + per-tensor scale  1 B  | see (2), (6)
-      ... while summing micro-steps       | fp16 + per-tensor scale  2 B  | see (6)
-    Adam first moment m   | fp32  4 B     | E4M3 + per-tensor scale  1 B  | see (3)
-    Adam second moment v  | fp32  4 B     | fp16 + per-tensor scale  2 B  | see (4)
-                                    total:  16 B  ->  7 B per parameter between backward and step,
-                                                      6 B once the step has read the gradient
+    state                 | bf16 baseline | O2 here                                | why this precision is enough
+    ----------------------+---------------+----------------------------------------+-----------------------------
+    master weight         | fp32  4 B     | fp16 + per-tensor scale         2 B    | see (1), (5)
+    weight for the GEMMs  | bf16 (cast)   | E4M3, cast once per step               | fp8.py: the GEMM inputs
+    weight gradient       | fp32  4 B     | E4M3 + a scale per 128 values   1.03 B | see (2), (6), (7)
+      ... while summing micro-steps       | fp16 + per-tensor scale         2 B    | see (6)
+    Adam first moment m   | fp32  4 B     | E4M3 + a scale per 128 values   1.03 B | see (3), (5), (7)
+    Adam second moment v  | fp32  4 B     | fp16 + a scale per 128 values   2.03 B | see (4), (5), (7)
+                                    total:  16 B  ->  7.06 B per parameter between backward and step,
+                                                      6.09 B once the step has read the gradient
 
 `v_format="fp8"` takes 1 B off v, `grad_accum="fp8"` 1 B off the gradient sum (at a price in
-accuracy, (6)): 5 B with both. `bench.py memory` measures every combination.
+accuracy, (6)): 5.09 B with both. `bench.py memory` measures every combination.
 
 Embeddings, norms, biases and the LM head are few parameters and numerically touchy; they keep
 fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to torch.optim.AdamW.
@@ -25,35 +25,54 @@ fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to tor
     exactly.
 (2) The weight gradient only feeds Adam, which normalizes it: the update is m / sqrt(v), so a
     relative error in g of a few percent moves the update by a few percent, the order of the
-    noise of a mini-batch gradient. E4M3 with a per-tensor scale (about 31.5 dB) is enough:
-    tests/test_optim.py measures the summed update of 30 steps at more than 22 dB SQNR against
-    fp32 AdamW's.
-(3) m is a running average of gradients and enters the update only through m / sqrt(v): E4M3
-    with a per-tensor scale, as for the gradient. But m and v round independently, each under
-    its own scale, and after a spike they disagree: v's scale follows the spike for ~1/(1-b2)
-    steps, m's for ~1/(1-b1), so an entry can hold a stored m != 0 next to a stored v of 0. If
-    its next gradient is 0 (an E4M3 gradient flushes small entries beside a spike), the update
-    is lr * m_hat / eps: hundreds of thousands of times AdamW's. The guard costs no byte: after
-    the moment updates (in fp32), m is clamped to +-adam_ratio_bound(t) * sqrt(v), the largest
-    ratio |m| / sqrt(v) that Adam's recursions can reach from any gradient sequence (a
-    Cauchy-Schwarz bound, below). An update is then never larger than one fp32 AdamW can make,
-    and where v is 0, m is 0. fp32 moments obey the bound (a gradient growing by b2/b1 per step
-    meets it), so the clamp only moves moments that disagree. tests/test_o2_numerics.py checks
-    the bound and replays the spike, and 20 seeded adversarial sequences, against fp32 AdamW.
+    noise of a mini-batch gradient. E4M3 (about 31.5 dB) is enough, with scales fine enough for
+    its range (7): tests/test_optim.py measures the summed update of 30 steps at more than 22 dB
+    SQNR against fp32 AdamW's.
+(3) m is a running average of gradients and enters the update only through m / sqrt(v): E4M3,
+    as for the gradient. But m and v round independently, each under its own scales, and after a
+    spike they disagree: v's scale follows the spike for ~1/(1-b2) steps, m's for ~1/(1-b1), so
+    an entry can hold a stored m != 0 next to a stored v of 0. If its next gradient is 0 (an
+    E4M3 gradient flushes small entries beside a spike), the update is lr * m_hat / eps:
+    hundreds of thousands of times AdamW's. The guard costs no byte: after the moment updates
+    (in fp32), m is clamped to +-adam_ratio_bound(t) * sqrt(v), the largest ratio |m| / sqrt(v)
+    that Adam's recursions can reach from any gradient sequence (a Cauchy-Schwarz bound, below).
+    An update is then never larger than one fp32 AdamW can make, and where v is 0, m is 0. fp32
+    moments obey the bound (a gradient growing by b2/b1 per step meets it), so the clamp only
+    moves moments that disagree. tests/test_o2_numerics.py checks the bound and replays the
+    spike, and 20 seeded adversarial sequences, against fp32 AdamW.
 (4) v is a running average of g^2, twice the dynamic range of g in binades, and it sits in a
     denominator. fp16 (40 binades with subnormals) with a scale holds it. Option v_format="fp8"
     (beyond FP8-LM) stores sqrt(v) in E4M3 instead: the square root halves the dynamic range back
     to that of g, and the update needs only sqrt(v). What underflows either format is covered by
     the bound of (3).
-(5) Rounding to nearest into fp16 drops every change below half a spacing (2^-11 to 2^-12 of
-    the weight): an update of 1e-4 of the weight, and every step of weight decay at GPT-2's
-    lr * wd = 6e-6, would vanish (FP8-LM's fp16 master has this flaw). So the new master is
-    rounded stochastically: up with probability equal to its distance from the lower fp16
-    neighbour, in spacings. The expected stored weight is then the fp32 one, and small updates
-    and decay add up on average (tests: 1e-4 relative updates kept to within 10%, 1000 steps of
-    decay within 5% of fp32's shrink). The random numbers come from a generator seeded by
-    (seed, step, parameter number, rank), never the global one, so a resumed run draws the same
-    numbers and is bit-identical to one that never stopped. No byte is stored for it.
+(5) Rounding to nearest drops every change below half a spacing, and a stored tensor that is
+    updated a little at a time then stops following its fp32 value:
+      * the fp16 master: its spacing is 2^-11 to 2^-12 of the weight, so an update of 1e-4 of
+        the weight, and every step of weight decay at GPT-2's lr * wd = 6e-6, would vanish
+        (FP8-LM's fp16 master has this flaw);
+      * the moments: once a gradient stops (a dead unit, an input feature that no longer
+        occurs), m decays by b1 = 0.9 per step until it reaches E4M3's smallest codes, where
+        0.9 * k rounds back to k (k <= 4, in units of 2^-9), and v by b2 until fp16's, where
+        0.95 * k rounds back to k (k <= 10, in units of 2^-24). sqrt(v) in E4M3 sticks at any
+        size: when its gradient stops (and its block's largest value does not) it changes by
+        1 - sqrt(b2) per step (2.5% at b2 = 0.95), less while gradients shrink slowly, and half a
+        spacing is 3-6% there. With m stuck and v decaying, |m| / sqrt(v) climbs to the bound of
+        (3), and the weight goes on moving where AdamW's update has decayed to nothing: 43x
+        AdamW's movement over the 1000 steps after an input feature stopped (tests/
+        test_o2_numerics.py, section 6, rounding to nearest). A v stuck above its fp32 value
+        does the opposite: with sqrt(v) in E4M3, columns whose gradient shrank 100x moved 0.17x
+        as far as AdamW's.
+    So the master, m and v are rounded stochastically: to one of the two neighbours, the upper
+    one with probability equal to the distance from the lower one, in spacings. Every stored
+    value is then its fp32 value on average: small updates and decay add up, a decaying moment
+    decays at AdamW's rate in expectation, and reaches 0 (which rounds to 0) as AdamW's does.
+    round_stochastic_all does it with a dither: half a spacing of uniform noise, added through
+    the fp32 bit pattern, then the cast's round-to-nearest (subnormals included). Tests: 1e-4
+    relative updates kept to within 10%, 1000 steps of decay within 5% of fp32's shrink, and
+    every movement of section 6 within 2x of fp32 AdamW's. The random numbers come from a
+    generator seeded by (seed, step, parameter number, rank), never the global one, one draw per
+    rounded tensor (master, m, v), so a resumed run draws the same numbers and is bit-identical
+    to one that never stopped. No byte is stored for it.
 (6) Gradient accumulation. Re-quantizing an FP8 running sum after every micro-step adds one
     rounding error per micro-step, of the size of the partial sum: over 16 equal micro-steps
     the sum comes out about 9 dB worse than one E4M3 cast of the fp32 sum. By default
@@ -63,6 +82,24 @@ fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to tor
     steps, also with rows 1e6 apart. The buffer costs 1 B per parameter while micro-steps
     accumulate. grad_accum="fp8" keeps the gradient at 1 B throughout, and its error compounds
     as above.
+(7) Scales for the range of rows. One scale per tensor lets E4M3 cover about 2^18 below the
+    tensor's largest value, and rows of a layer's gradient can lie further apart (output units
+    that learn at different rates, a unit that is almost dead). Rows 1e6 apart: the smaller
+    rows' gradient, m and v flush to zero, and those rows get no update at all (0x AdamW's
+    movement, tests/test_o2_numerics.py, section 6). So the FP8 gradient, m and v carry one fp32
+    scale per block of 128 consecutive values of the flattened tensor (state_block; v in fp16
+    too). The block size comes from `bench.py state` (results/o2_state_cpu.json), which measures
+    the fraction of values each granularity flushes to zero. On the README model's real
+    gradients and moments it is small at any granularity (one scale per tensor: at most 0.4% of
+    a gradient, finer scales 0.0%); the adversaries decide. Blocks must not span two rows: 128
+    divides every block Linear's width in config/ (128 for shakespeare_char, 768, 2048), while
+    256-value blocks span two rows of the README model's 128-wide layers and flush all of the
+    smaller rows 1e6 apart there. Within a row, finer blocks flush less of a gradient whose
+    magnitudes are lognormal (log2 |g| with a std of 4.9: section 6's first step over 2^35):
+    83% of it with one scale per tensor, 12% with 128 values per scale, 8% with 64 (at twice the
+    bytes). The scales cost 4/128 = 1/32 B per value of each of the three tensors. A block still
+    holds only E4M3's range: a value 1e7 above its 127 neighbours (a spike) freezes them for
+    tens of steps, as one scale per tensor froze the whole tensor.
 
 Non-finite gradients: before any state is touched, one check over every gradient (a single
 device-to-host sync per step, or the caller's verdict: train.py has one from its own single sync)
@@ -73,14 +110,19 @@ amax stays a finite power of two (at most 2^126).
 The optimizer math itself runs in fp32 on dequantized copies, with the same betas, lr, weight
 decay and schedule as torch.optim.AdamW, for all tensors of a param group at once: each
 operation is one torch._foreach_* call over every O2 weight (or every fp32 parameter), so the
-update is ~130 operator calls whatever the model's depth, plus two per O2 weight for its own
-seeded rounding noise (tests/test_optim.py counts them; each weight's FP8 cast for the next
-forward, which the step also makes, is per tensor: see O2Linear.refresh_fp8_weight). The price is transient memory: the fp32
-copies of w, m, v and g, and the temporaries of the update, exist for all O2 weights of a group
-at once during the step, where a tensor-by-tensor step needs them for one tensor at a time.
+update is ~140 operator calls whatever the model's depth, plus five per O2 weight: the three
+draws of its seeded rounding noise and the block amaxes of m and v (tests/test_optim.py counts
+them; each weight's FP8 cast for the next forward, which the step also makes, is per tensor: see
+O2Linear.refresh_fp8_weight). The price is transient memory: the fp32 copies of w, m, v and g,
+the int32 rounding noise of three tensors and the update's intermediates come to several dozen
+bytes per value while a foreach call runs, ten times the state O2 keeps. So the step takes the O2
+weights of a group in runs of at most STEP_CHUNK = 2^25 values (a larger weight alone), which
+changes no bit (tests/test_optim.py): the step's temporaries stay a few GB whatever the model's
+size, at the price of ~140 more operator calls per run.
 """
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -109,28 +151,113 @@ def to_fp16_scaled(x, target=MASTER_HEADROOM, generator=None):
     s = _fp16_scale(x.abs().amax(), target)
     y = x.float() * s
     if generator is not None:
-        y = round_stochastic_fp16(y, generator)
+        return round_stochastic(y, rounding_noise(y, torch.float16, generator), torch.float16), s
     return y.half(), s
 
 
-def round_stochastic_fp16(y, generator):
-    """fp32 y -> fp32 values that fp16 holds exactly, rounded up or down with probabilities that
-    make the result unbiased. An fp32 significand has 13 bits more than an fp16 one: add a random
-    integer below 2^13 to the bit pattern (sign-magnitude, so this adds to the magnitude; a carry
-    moves to the next binade, as it should) and clear those 13 bits. The value goes up one fp16
-    spacing with probability (dropped bits) / 2^13, which is its distance to the lower neighbour
-    in spacings. This holds in fp16's normal range, which the scale gives every weight within
-    2^26 of the tensor's amax; smaller ones (fp16 subnormals) are rounded to nearest by .half()."""
-    bits = y.contiguous().view(torch.int32)
-    return ((bits + _rounding_noise(y, generator)) & ~((1 << 13) - 1)).view(torch.float32)
+# -----------------------------------------------------------------------------
+# Stochastic rounding (see (5) above), for the fp16 master and the stored moments alike
+
+MANTISSA_BITS = {torch.float16: 10, E4M3.dtype: 3}
+SMALLEST_NORMAL = {torch.float16: 2.0**-14, E4M3.dtype: E4M3.min_normal}
 
 
-def _rounding_noise(y, generator):
-    """Integers in [0, 2^13), one per element of y: the noise of round_stochastic_fp16."""
-    return torch.randint(0, 1 << 13, y.shape, generator=generator, device=y.device, dtype=torch.int32)
+def rounding_noise(like, dtype, generator):
+    """One integer per element of `like`, uniform in [-2^(d-1), 2^(d-1)), where d = 23 - the
+    mantissa bits of `dtype` is how many more significand bits fp32 has: half a spacing of
+    `dtype`, counted in units of fp32's last bit (see round_stochastic)."""
+    half = 1 << (22 - MANTISSA_BITS[dtype])
+    return torch.randint(-half, half, like.shape, generator=generator, device=like.device, dtype=torch.int32)
+
+
+def round_stochastic_all(ys, noises, dtype, out=None):
+    """fp32 tensors ys -> tensors of `dtype` (fp16 or E4M3, values in its range), each value
+    rounded to one of its two neighbours there, the upper one with probability equal to the
+    value's distance from the lower one, in spacings: the stored value is unbiased.
+
+    How: add to |y| a dither uniform in [-1/2, 1/2) of a spacing, then round to nearest (the
+    cast). The value lands above the midpoint between its neighbours exactly as often as it should
+    land on the upper one. The dither is made without knowing the spacing: the noise (rounding_noise)
+    is added to the fp32 bit pattern of |y|, whose last d bits are what `dtype` does not keep, so
+    it moves |y| by up to half a spacing at |y|'s own exponent. Below the format's smallest normal
+    the spacing stops shrinking (subnormals are evenly spaced), so there the dither is taken at
+    1.5 times the smallest normal, whose spacing that is. A value of 0 stays 0; a value far below
+    a spacing becomes 0 or the smallest subnormal, unbiased. noises: from rounding_noise. out:
+    tensors of `dtype` to write into (else new ones)."""
+    mag = torch._foreach_abs(ys)
+    at = torch._foreach_clamp_min(mag, 1.5 * SMALLEST_NORMAL[dtype])  # where the dither is measured
+    moved = torch._foreach_add([a.view(torch.int32) for a in at], noises)
+    dither = torch._foreach_sub([m.view(torch.float32) for m in moved], at)
+    torch._foreach_add_(mag, dither)
+    torch._foreach_mul_(mag, torch._foreach_sign(ys))
+    if dtype == E4M3.dtype:  # |y| <= 448 plus a dither: above 448 it rounds to 448 anyway
+        torch._foreach_clamp_min_(mag, -E4M3.max)
+        torch._foreach_clamp_max_(mag, E4M3.max)
+    out = out if out is not None else [torch.empty(y.shape, dtype=dtype, device=y.device) for y in ys]
+    torch._foreach_copy_(out, mag)  # the cast rounds to nearest
+    return out
+
+
+def round_stochastic(y, noise, dtype):
+    """round_stochastic_all for one tensor."""
+    return round_stochastic_all([y], [noise], dtype)[0]
 
 
 GRAD_ACCUM = ("fp16", "fp8")
+
+
+# -----------------------------------------------------------------------------
+# Stored state with one scale per block of values (see (7) above)
+
+STATE_BLOCK = 128  # values per scale of the FP8 weight gradient, Adam m and Adam v
+STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls (see the top)
+
+
+def step_chunks(tensors):
+    """The step's runs: consecutive slices [i, j) of `tensors` holding at most STEP_CHUNK values
+    each (a tensor larger than that alone)."""
+    runs, start, n = [], 0, 0
+    for i, t in enumerate(tensors):
+        if i > start and n + t.numel() > STEP_CHUNK:
+            runs.append((start, i))
+            start, n = i, 0
+        n += t.numel()
+    return runs + ([(start, len(tensors))] if start < len(tensors) else [])
+
+
+def state_block(numel):
+    """Values per scale of a stored tensor of numel values: STATE_BLOCK, or the largest power of
+    two below it that divides numel (an FP8 layer's numel is a multiple of 256: 128 there). The
+    blocks are runs of consecutive values of the flattened tensor (row-major): a row of a matrix
+    whose width is a multiple of the block holds whole blocks, and no block spans two rows."""
+    return math.gcd(numel, STATE_BLOCK)
+
+
+def _blocks(t, scale):
+    """t as (blocks, values per block) for its scale: one row per scale (shape (blocks, 1)), or
+    one row for a single scale (shape (), as the masters and older checkpoints' moments have)."""
+    return t.reshape(scale.shape[0] if scale.dim() else 1, -1)
+
+
+def quantize_wgrad(x):
+    """The FP8 form of a weight gradient: E4M3, one scale per block of state_block values, as an
+    Fp8Tensor of "row" granularity over the (blocks, values per block) view (dequantize gives
+    back x's shape)."""
+    b = state_block(x.numel())
+    return replace(quantize(x.reshape(-1, b), E4M3, "row"), shape=x.shape, dtype=torch.float32)
+
+
+def stored(t, fmt, noise=None):
+    """(data, scale) of one moment tensor in its storage format, "fp8" (E4M3) or "fp16", with one
+    scale per block (scale shape (blocks, 1)): rounded to nearest, or stochastically with `noise`
+    (rounding_noise for the format's dtype)."""
+    return stored_all([t], fmt, None if noise is None else [noise])[0]
+
+
+def dequantize_stored(data, scale):
+    """The fp32 values of a stored tensor (a moment, the master, the fp16 gradient sum) in data's
+    shape, whether its scale is per block or one for the tensor."""
+    return (fp8_to_float(_blocks(data, scale)) * scale.reciprocal()).view(data.shape)
 
 
 # -----------------------------------------------------------------------------
@@ -159,14 +286,14 @@ def holds_fp8_grad(p):
 
 
 def fp8_grad(p):
-    """The FP8 gradient of parameter p: an Fp8Tensor (E4M3, one tensor scale), or None (p keeps
+    """The FP8 gradient of parameter p: an Fp8Tensor (quantize_wgrad's form), or None (p keeps
     its gradient in .grad, or has none yet). Reading it ends an fp16 accumulation (see (6) above):
     the sum is cast to E4M3 once, and the buffer is freed."""
     h = getattr(p, "_held_grad", None)
     if h is None:
         return None
     if h.acc is not None:
-        h.q, h.acc = quantize(dequantize_stored(*h.acc), E4M3), None
+        h.q, h.acc = quantize_wgrad(dequantize_stored(*h.acc)), None
     return h.q
 
 
@@ -239,11 +366,16 @@ class O2Linear(Fp8Linear):
     def refresh_fp8_weight(self, record=True):
         """Cast the weight to FP8 now and keep W and W^T in buffers. record=False (a weight that
         was loaded or moved, not stepped): under delayed scaling, cast with the scale the weight
-        last had and record no amax, as the step that made this weight already did."""
-        if record or self.recipe.scaling == "current":
+        last had and record no amax, as the step that made this weight already did (a weight
+        never cast in training has no such scale: its own amax makes it, as for a first cast)."""
+        r = self.recipe
+        if record or r.scaling == "current":
             qw, qwt = self.cast_weight()
         else:
-            qw = quantize(self.hp_weight().detach(), self.recipe.fwd_fmt, "tensor", scale=self.scale[WEIGHT])
+            w = self.hp_weight().detach()
+            own = compute_scale(w.abs().amax(), r.fwd_fmt, r.margin, r.power_of_two)
+            scale = torch.where(self.history_count[WEIGHT] > 0, self.scale[WEIGHT], own)
+            qw = quantize(w, r.fwd_fmt, "tensor", scale=scale)
             qwt = qw.t()
         meta = []
         for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
@@ -301,7 +433,7 @@ class O2Linear(Fp8Linear):
         if self.grad_accum == "fp8":  # dequantize the FP8 sum, add, re-quantize: 1 B, compounds
             if h.q is not None:
                 dw = dw + dequantize(h.q, torch.float32)
-            h.q = quantize(dw, E4M3)
+            h.q = quantize_wgrad(dw)
             if self.observer is not None:  # a statistics step (nanofp8/stats.py)
                 self.observer.observe_wgrad(self, dw, h.q)
         else:
@@ -311,7 +443,7 @@ class O2Linear(Fp8Linear):
                 dw = dw + dequantize(h.q, torch.float32)
             h.q, h.acc = None, to_fp16_scaled(dw, FP16_MAX / 4)
             if self.observer is not None:  # a statistics step: the sum so far and its E4M3 cast
-                self.observer.observe_wgrad(self, dw, quantize(dw, E4M3))
+                self.observer.observe_wgrad(self, dw, quantize_wgrad(dw))
         # "Weight gradient ready" (fp8_grad_hook); not while torch.compile traces the backward: a
         # traced launch would not run at the step's time, and whatever a hook did not launch,
         # Fp8DataParallel.sync_gradients() launches after backward.
@@ -376,18 +508,6 @@ def convert_to_o2(model, cls=None, grad_accum="fp16"):
 # The optimizer
 
 
-def stored(t, fmt):
-    """(data, scale) of one moment tensor in its storage format: "fp8" (E4M3) or "fp16"."""
-    if fmt == "fp8":
-        q = quantize(t, E4M3)
-        return q.data, q.scale
-    return to_fp16_scaled(t, FP16_MAX / 4)
-
-
-def dequantize_stored(data, scale):
-    return fp8_to_float(data) * scale.reciprocal()  # (data.float(), without a CPU's scalar loop)
-
-
 class Fp8AdamW(torch.optim.Optimizer):
     """AdamW over a model converted with convert_to_o2: O2Linear weights get the decoupled
     state of the table above, every other parameter plain fp32 AdamW (the same math).
@@ -410,15 +530,18 @@ class Fp8AdamW(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._generators = {}  # device -> the generator re-seeded for every rounding
 
-    def rounding_generator(self, index, step, device):
-        """The generator for the stochastic rounding of parameter number `index` (counted over
-        the param groups) at `step`: seeded from (seed, step, index, rank) alone, so the same
-        step draws the same numbers in a resumed run, whatever else used the global generator."""
-        gen = self._generators.get(device)
+    def rounding_noise(self, index, step, like):
+        """The noise of the three stochastic roundings of parameter number `index` (counted over
+        the param groups) at `step`: for its master, its m and its v, each shaped as `like` (see
+        round_stochastic_all), drawn right after seeding a generator with (seed, step, index, rank)
+        alone: a resumed run draws the same numbers, whatever else used the global generator."""
+        gen = self._generators.get(like.device)
         if gen is None:
-            gen = self._generators[device] = torch.Generator(device=device)
+            gen = self._generators[like.device] = torch.Generator(device=like.device)
         key = ((self.seed * 1_000_003 + int(step)) * 1_000_003 + index) * 1_000_003 + self.rank
-        return gen.manual_seed(key % 2**63)
+        gen.manual_seed(key % 2**63)
+        v_dtype = E4M3.dtype if self.v_format == "fp8" else torch.float16
+        return [rounding_noise(like, dtype, gen) for dtype in (torch.float16, E4M3.dtype, v_dtype)]
 
     def state_dict(self):
         return {**super().state_dict(), "v_format": self.v_format}  # how exp_avg_sq is stored
@@ -462,7 +585,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             for p in g["params"]:
                 q = fp8_grad(p)
                 if q is not None:
-                    amaxes.append(q.amax.reshape(()).float())
+                    amaxes.append(q.amax.float().amax())  # (a NaN among the block amaxes stays)
                 elif p.grad is not None:
                     plain.append(p.grad)
         amaxes += [a.float() for a in amax_each(plain)]
@@ -491,15 +614,16 @@ class Fp8AdamW(torch.optim.Optimizer):
         torch._foreach_add_(steps, 1)
         return torch.stack(steps).tolist()
 
-    def _decoupled_update(self, sts, ws, gs, group, ts):
+    def _decoupled_update(self, sts, ws, gs, group, ts, noises):
         """One AdamW step of fp32 weights ws from FP8 m and fp16 (or FP8 sqrt) v held in the
         states sts, each at its step count in ts, for all of them at once (foreach): stores the
-        new moments into the states and returns the new weights (fp32, not yet rounded)."""
+        new moments into the states, rounded stochastically with noises[i][1] (m) and
+        noises[i][2] (v) (rounding_noise), and returns the new weights (fp32, not yet rounded)."""
         # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
         ms = dequantize_stored_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
-                         [st["exp_avg_scale"] for st in sts])
+                                   [st["exp_avg_scale"] for st in sts])
         vs = dequantize_stored_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
-                         [st["exp_avg_sq_scale"] for st in sts])
+                                   [st["exp_avg_sq_scale"] for st in sts])
         ws = [w.view(g.shape) for w, g in zip(ws, gs)]
         if self.v_format == "fp8":
             vs = torch._foreach_pow(vs, 2)  # stored as sqrt(v)
@@ -511,11 +635,11 @@ class Fp8AdamW(torch.optim.Optimizer):
         torch._foreach_neg_(lim)
         torch._foreach_maximum_(ms, lim)
         ws = adamw_apply(ws, ms, vs, ts, group)
-        for st, (data, scale) in zip(sts, stored_all(ms, "fp8")):
+        for st, (data, scale) in zip(sts, stored_all(ms, "fp8", [n[1] for n in noises])):
             st["exp_avg"], st["exp_avg_scale"] = data, scale
         if self.v_format == "fp8":
             vs = torch._foreach_sqrt(vs)
-        for st, (data, scale) in zip(sts, stored_all(vs, self.v_format)):
+        for st, (data, scale) in zip(sts, stored_all(vs, self.v_format, [n[2] for n in noises])):
             st["exp_avg_sq"], st["exp_avg_sq_scale"] = data, scale
         return ws
 
@@ -528,19 +652,20 @@ class Fp8AdamW(torch.optim.Optimizer):
         torch._foreach_copy_(ps, ws)
 
     def _o2_update(self, ps, gs, group, number):
-        """The O2 weights ps of one param group: AdamW on dequantized copies, then each new weight
-        rounded stochastically into its fp16 master, with its own generator (see (5) above)."""
+        """The O2 weights ps of one param group: AdamW on dequantized copies, the new moments and
+        each new weight (its fp16 master) rounded stochastically with its own noise (see (5))."""
         mods, sts = [self.o2[p] for p in ps], [self.state[p] for p in ps]
         ts = self._count_steps(sts)
+        noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(ps, ts, gs)]
         ws = dequantize_stored_all([m.weight for m in mods], [m.weight_scale for m in mods])
-        ws = self._decoupled_update(sts, ws, gs, group, ts)
-        gens = [self.rounding_generator(number[p], t, p.device) for p, t in zip(ps, ts)]
-        set_weights(mods, ws, gens)
+        ws = self._decoupled_update(sts, ws, gs, group, ts, noises)
+        set_weights(mods, ws, [n[0] for n in noises])
 
     @torch.no_grad()
     def step(self, closure=None, grads_finite=None):
         """One AdamW step over every parameter with a gradient, in a handful of foreach kernels
-        per param group (plus, per O2 weight, the draw of its rounding noise). Returns whether it
+        per param group (plus, per O2 weight, the draws of its rounding noise and the block amaxes
+        of its moments). Returns whether it
         was taken. grads_finite: the caller's verdict on the gradients (train.py has one from its
         own single sync); None: check them here (one sync)."""
         if grads_finite is None:
@@ -564,9 +689,9 @@ class Fp8AdamW(torch.optim.Optimizer):
                     grads.append(q)
             if plain:
                 self._fp32_update(plain, [p.grad for p in plain], group)
-            if o2:  # the FP8 gradients, dequantized (dequantize's operations, foreach)
-                gs = dequantize_stored_all([q.data for q in grads], [q.scale for q in grads])
-                self._o2_update(o2, [g.view(p.shape) for g, p in zip(gs, o2)], group, number)
+            for i, j in step_chunks(o2):  # the FP8 gradients, dequantized (foreach), run by run
+                gs = dequantize_stored_all([q.data for q in grads[i:j]], [q.scale for q in grads[i:j]])
+                self._o2_update(o2[i:j], [g.view(p.shape) for g, p in zip(gs, o2[i:j])], group, number)
         return True
 
 
@@ -578,12 +703,12 @@ class Fp8AdamW(torch.optim.Optimizer):
 
 
 def dequantize_stored_all(datas, scales):
-    """[data.float() * scale.reciprocal()] for stored tensors of one dtype: a foreach cast (copy
-    into fp32) and a foreach multiply by the per-tensor reciprocal scales."""
-    out = [torch.empty(d.shape, dtype=torch.float32, device=d.device) for d in datas]
-    torch._foreach_copy_(out, datas)
+    """[dequantize_stored(data, scale)] for stored tensors of one dtype: a foreach cast (copy into
+    fp32) and a foreach multiply by the reciprocal scales, per block or per tensor."""
+    out = [torch.empty(_blocks(d, s).shape, dtype=torch.float32, device=d.device) for d, s in zip(datas, scales)]
+    torch._foreach_copy_(out, [_blocks(d, s) for d, s in zip(datas, scales)])
     torch._foreach_mul_(out, torch._foreach_reciprocal(scales))
-    return out
+    return [o.view(d.shape) for o, d in zip(out, datas)]
 
 
 def _amaxes(xs):
@@ -591,50 +716,51 @@ def _amaxes(xs):
     return torch.stack([a.float() for a in amax_each(xs)])
 
 
-def stored_all(xs, fmt):
-    """stored for a list of fp32 tensors: [(data, scale)], the scales computed for all tensors
-    at once from their stacked amaxes. The values are finite (the step checked the gradients,
-    and m and v are made from them), so the E4M3 cast needs no NaN guard (quantize has one)."""
-    amax = _amaxes(xs)
+def stored_all(xs, fmt, noises=None):
+    """stored for a list of fp32 tensors: [(data, scale)], one scale per block (state_block),
+    computed for all blocks of all tensors at once. Rounded to nearest, or stochastically with
+    `noises`. The values are finite (the step checked the gradients, and m and v are made from
+    them), so the E4M3 cast needs no NaN guard (quantize has one)."""
+    views = [x.reshape(-1, state_block(x.numel())) for x in xs]
+    amax = [a.amax(1, keepdim=True) for a in torch._foreach_abs(views)]  # one reduction per tensor
+    every = torch.cat(amax)
     if fmt == "fp8":
-        scales, dtype = compute_scale(amax, E4M3).unbind(), E4M3.dtype
+        every, dtype = compute_scale(every, E4M3), E4M3.dtype
     else:
-        scales, dtype = _fp16_scale(amax, FP16_MAX / 4).unbind(), torch.float16
-    ys = torch._foreach_mul(xs, list(scales))
-    if fmt == "fp8":
-        torch._foreach_clamp_min_(ys, -E4M3.max)
-        torch._foreach_clamp_max_(ys, E4M3.max)
-    datas = [torch.empty(y.shape, dtype=dtype, device=y.device) for y in ys]
-    torch._foreach_copy_(datas, ys)
-    return list(zip(datas, scales))
+        every, dtype = _fp16_scale(every, FP16_MAX / 4), torch.float16
+    scales = list(every.split([len(a) for a in amax]))
+    ys = torch._foreach_mul(views, scales)
+    if noises is not None:
+        datas = round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], dtype)
+    else:
+        if fmt == "fp8":
+            torch._foreach_clamp_min_(ys, -E4M3.max)
+            torch._foreach_clamp_max_(ys, E4M3.max)
+        datas = [torch.empty(y.shape, dtype=dtype, device=y.device) for y in ys]
+        torch._foreach_copy_(datas, ys)
+    return [(d.view(x.shape), s) for d, x, s in zip(datas, xs, scales)]
 
 
-def _scaled_rounded(xs, generators, target):
-    """to_fp16_scaled for many tensors, stopping short of the cast: (fp32 tensors whose values
-    fp16 holds exactly, their scales). One draw of noise per tensor, the rest foreach."""
+def _scaled_all(xs, target):
+    """The power-of-two fp16 scale of every tensor (to_fp16_scaled's) and the tensors times it."""
     scales = list(_fp16_scale(_amaxes(xs), target).unbind())
-    ys = torch._foreach_mul(xs, scales)
-    bits = [y.view(torch.int32) for y in ys]
-    torch._foreach_add_(bits, [_rounding_noise(y, gen) for y, gen in zip(ys, generators)])
-    for b in bits:  # clear the 13 bits fp16 does not hold (see round_stochastic_fp16)
-        b.bitwise_and_(~((1 << 13) - 1))
-    return ys, scales
+    return torch._foreach_mul(xs, scales), scales
 
 
-def to_fp16_scaled_all(xs, generators, target=MASTER_HEADROOM):
-    """[to_fp16_scaled(x, target, generator)] for lists of tensors and generators."""
-    ys, scales = _scaled_rounded(xs, generators, target)
-    halves = [torch.empty(y.shape, dtype=torch.float16, device=y.device) for y in ys]
-    torch._foreach_copy_(halves, ys)
-    return list(zip(halves, scales))
+def to_fp16_scaled_all(xs, noises, target=MASTER_HEADROOM):
+    """[to_fp16_scaled(x, target, rounded stochastically)] for lists of tensors and their noises
+    (rounding_noise for fp16)."""
+    ys, scales = _scaled_all(xs, target)
+    return list(zip(round_stochastic_all(ys, noises, torch.float16), scales))
 
 
 @torch.no_grad()
-def set_weights(mods, ws, generators):
+def set_weights(mods, ws, noises):
     """O2Linear.set_weight for many modules: each new fp32 weight stored as its scaled fp16
-    master, rounded stochastically with its own generator."""
-    ys, scales = _scaled_rounded(ws, generators, MASTER_HEADROOM)
-    torch._foreach_copy_([m.weight for m in mods], ys)
+    master, rounded stochastically with its own noise."""
+    ys, scales = _scaled_all(ws, MASTER_HEADROOM)
+    round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], torch.float16,
+                         out=[m.weight for m in mods])
     torch._foreach_copy_([m.weight_scale for m in mods], scales)
     for m in mods:
         m.free_weight_cache()

@@ -60,13 +60,25 @@ computed in eager mode (train.py turns compile off for them).
 3. Alarms
 ---------
 A threshold crossed once is noise; crossed for `intervals` statistics steps in a row by the same
-operand, it is a trend: saturation or underflow above its threshold, SQNR below its own. The
+operand, it is a trend: saturation or underflow above its threshold, SQNR below its own. One
+exception: more than `saturation_severe` (1%) of an operand's values clipped on a single step is
+damage already done (a 100x jump of an activation under delayed scaling clips nearly all of it),
+so it raises the alarm at once. The
 amax-growth alarm follows the slow drift that Fishman et al. (Smooth-SwiGLU, 2024) traced late
 FP8 divergence to: the input of an MLP's down projection growing outliers over a long run, until
 it outgrows the format. It fires when an activation's or weight's amax has grown `amax_growth`
 times over its first recorded value, and again at every further factor.
 
-4. What ran in FP8
+4. Clipping, seen without the statistics
+----------------------------------------
+Only delayed scaling clips (section 1), and a clipped step is applied like any other. So every
+Fp8Linear counts what its delayed-scaling casts clip, per tensor role, always (fp8.py's `clipped`
+buffer, saved with the model), and ClipLog turns a change of those counts into a line of the
+training log on the step it happens: the layer, the role and the fraction of its values clipped.
+Checking costs nothing extra: a flag rides in the training step's one device-to-host copy
+(train.py's optimizer_step), and the counts are read only on a step that clipped.
+
+5. What ran in FP8
 ------------------
 linear_table(model) lists every Linear: whether it is FP8, why not (the module filter, or a shape
 FP8 tensor cores cannot take), and its recipe and backend. fp8.py counts the GEMMs that fell back
@@ -83,20 +95,13 @@ import torch
 import torch.nn as nn
 
 from . import fp8
-from .fp8 import E4M3, Fp8Format, Fp8Linear, dequantize
+from .fp8 import E4M3, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, clip_edge, dequantize
 
 FP16 = Fp8Format("fp16", torch.float16, 65504.0, 2.0**-14)  # O2's v: fp16 with a scale
 
 # The additive statistics of a cast, in this order, then the ones that combine by max.
 SUMS = ("n", "nonfinite", "nonzero", "underflow", "subnormal", "saturated", "signal", "noise")
 MAXES = ("amax", "neg_scale_min", "scale_max")
-
-
-def _half_step_above_max(fmt):
-    """max + half a step of the top binade: the rounding boundary a saturating cast clamps at.
-    E4M3: 448 + 16 = 464; E5M2: 57344 + 4096 = 61440."""
-    mantissa_bits = round(-math.log2(torch.finfo(fmt.dtype).eps))
-    return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - mantissa_bits) / 2
 
 
 def cast_stats(src, q):
@@ -111,7 +116,7 @@ def cast_stats(src, q):
     nonzero = s != 0
     # Saturated: the code is the format's max and s lay beyond the rounding boundary above it,
     # i.e. |s| > |deq| * boundary / max, with |deq| = max / scale (no per-element scale needed).
-    edge = _half_step_above_max(q.fmt) / q.fmt.max
+    edge = clip_edge(q.fmt) / q.fmt.max
     saturated = (codes == q.fmt.max) & (s.abs() > deq.abs() * edge)
     f64 = torch.float64
     sums = torch.stack([
@@ -147,12 +152,16 @@ def summarize(sums, maxes):
 
 def stored_stats(data, scale, fmt):
     """Statistics of a tensor held only in its low-precision form (O2's Adam moments: the fp32
-    value they were cast from is gone). amax, scale, subnormal fraction, and the fraction of
+    value they were cast from is gone), with one scale or one per block (optim.state_block):
+    amax, the scales (and their spread in binades), subnormal fraction, and the fraction of
     exact zeros (zeros of the source and underflows cannot be told apart any more)."""
-    codes = data.float().abs()
+    codes = data.float().reshape(scale.shape[0] if scale.dim() else 1, -1).abs()
     n = codes.numel()
-    deq_amax = float(codes.amax()) / float(scale)
-    return {"n": n, "amax": deq_amax, "scale": float(scale), "zeros": float((codes == 0).sum()) / n,
+    s = scale.double().reshape(-1, 1)
+    smin, smax = float(s.min()), float(s.max())
+    return {"n": n, "amax": float((codes / s).amax()), "scale": smax if smin == smax else None,
+            "scale_min": smin, "scale_max": smax, "scale_spread": math.log2(smax / smin) if smin > 0 else None,
+            "zeros": float((codes == 0).sum()) / n,
             "subnormal": float(((codes > 0) & (codes < fmt.min_normal)).sum()) / n}
 
 
@@ -167,10 +176,11 @@ class Alarms:
     sqnr_db: float = 15.0  # below this (E4M3 casts give ~31 dB, E5M2 ~25 dB when well scaled)
     intervals: int = 3  # consecutive statistics steps before an alarm
     amax_growth: float = 10.0  # activation/weight amax grown this many times since first seen
+    saturation_severe: float = 0.01  # this fraction clipped on one statistics step: an alarm at once
 
     def __post_init__(self):
         if self.intervals < 1 or self.amax_growth <= 1 or not 0 <= self.saturation <= 1 \
-                or not 0 <= self.underflow <= 1:
+                or not 0 <= self.underflow <= 1 or not 0 <= self.saturation_severe <= 1:
             raise ValueError(f"bad alarm thresholds {self}: need intervals >= 1, amax_growth > 1, "
                              "fractions in [0, 1]")
 
@@ -292,7 +302,11 @@ class Fp8Stats:
             for kind, bad in checks.items():
                 n = self.streak.get(key + (kind,), 0) + 1 if bad else 0
                 self.streak[key + (kind,)] = n
-                if n == a.intervals:  # once per streak
+                if kind == "saturation" and r.get("saturation", 0) > a.saturation_severe:  # no waiting
+                    lines.append(f"ALARM fp8 saturation: {key[0]} {key[1]} ({r['format']}) "
+                                 f"{_show(kind, r[kind])} of its values clipped at the FP8 max on this "
+                                 f"statistics step (severe: above {_show(kind, a.saturation_severe)})")
+                elif n == a.intervals:  # once per streak
                     value = r["sqnr_db"] if kind == "sqnr" else r[kind]
                     lines.append(f"ALARM fp8 {kind}: {key[0]} {key[1]} ({r['format']}) "
                                  f"{'below' if kind == 'sqnr' else 'above'} threshold for {n} "
@@ -328,6 +342,56 @@ def summary_line(it, records):
          if worst else "every cast exact")
     return (f"fp8 stats iter {it}: {w}, saturated {sat} of {n:,} values ({100 * sat / n:.4f}%), "
             f"underflowed {und} ({100 * und / n:.4f}%)")
+
+
+# -----------------------------------------------------------------------------
+# Clipping, seen without the statistics (section 4)
+
+ROLES = {INPUT: "x", WEIGHT: "w", GRAD_OUTPUT: "dy"}  # fp8.py's tensor roles, as operands are named here
+
+
+class ClipLog:
+    """The values that the delayed-scaling casts of `model`'s Fp8Linears clipped at the FP8 max,
+    reported on the step it happens. After each step: flag() (a device scalar, 1.0 when a count
+    moved during the step), read by the caller with its other values and handed to lines()."""
+
+    def __init__(self, model):
+        self.mods = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.scaling == "delayed"]
+        if self.mods:
+            self.clipped, self.cast = self._counts()  # at the end of the last step (device)
+            self.before = self.cast  # values cast before the step now ending
+
+    def _counts(self):
+        return (torch.stack([m.clipped for m in self.mods]).clone(),
+                torch.stack([m.cast_values for m in self.mods]).clone())
+
+    def flag(self):
+        if not self.mods:
+            return torch.zeros(())
+        clipped, cast = self._counts()
+        moved = (clipped != self.clipped).any().float()
+        self.before, self.clipped_before = self.cast, self.clipped
+        self.clipped, self.cast = clipped, cast
+        return moved
+
+    def lines(self, it, flag, most=5):
+        """The log line of step `it` (none unless `flag`, flag()'s value, is set): every layer and
+        role that clipped during the step, the largest fraction of the values it cast first (the
+        `most` largest named, the others counted)."""
+        if not flag:
+            return []
+        clipped, cast = (torch.stack([self.clipped - self.clipped_before, self.cast - self.before])
+                         .cpu().tolist())  # (one read, on a step that clipped)
+        hits = []
+        for m, c, n in zip(self.mods, clipped, cast):
+            for role, name in ROLES.items():
+                if c[role]:
+                    fmt = m.recipe.bwd_fmt if role == GRAD_OUTPUT else m.recipe.fwd_fmt
+                    hits.append((c[role] / max(n[role], 1), f"{m.fqn} {name} ({fmt.name})", c[role], n[role]))
+        hits.sort(key=lambda h: -h[0])
+        named = ", ".join(f"{what} {_show('saturation', frac)} ({c:,} of {n:,})" for frac, what, c, n in hits[:most])
+        more = f", and {len(hits) - most} more" if len(hits) > most else ""
+        return [f"iter {it}: FP8 clipping (delayed scaling), values clipped at the format's max: {named}{more}"]
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """bench.py subcommands end to end on tiny models, and the keys of their JSON."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -22,9 +23,12 @@ def test_memory_tiny(tmp_path):
     assert set(rows) == {"bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc"}
     assert all(LEVEL_KEYS <= set(r) for r in rows.values())
     # the precision table, measured: 16 -> 7 bytes per block-Linear parameter between backward and
-    # step (6 at the step), 1 B less with FP8 v, 1 B less with FP8 gradient accumulation
+    # step (6 at the step), 1 B less with FP8 v, 1 B less with FP8 gradient accumulation; plus the
+    # scales of the FP8 gradient, m and v, one fp32 per 128 values: 1/32 B each
+    s = 1 / 32
     assert 16.0 <= rows["bf16"]["linear_B_per_param"] < 16.01
-    for level, between, at_step in (("O2", 7, 6), ("O2-fp8v", 6, 5), ("O2-fp8acc", 6, 6), ("O2-fp8v-fp8acc", 5, 5)):
+    for level, between, at_step in (("O2", 7 + 2 * s, 6 + 3 * s), ("O2-fp8v", 6 + 2 * s, 5 + 3 * s),
+                                    ("O2-fp8acc", 6 + 3 * s, 6 + 3 * s), ("O2-fp8v-fp8acc", 5 + 3 * s, 5 + 3 * s)):
         assert between <= rows[level]["linear_B_per_param"] < between + 0.01, level
         assert at_step <= rows[level]["linear_B_per_param_at_step"] < at_step + 0.01, level
     assert rows["O1"]["activation_B_per_token"] < rows["bf16"]["activation_B_per_token"]
@@ -119,6 +123,58 @@ def test_parity_summary_known_answers():
     assert bench.verdict([0.0, 0.0, 0.0], 0.01)[0] == "met"
     assert bench.verdict([0.01, 0.01, 0.01], 0.01)[0] == "unresolvable"
     assert bench.verdict([0.02] * 2, 0.01)[0] == "incomplete"
+
+
+def test_parity_pairs_each_run_with_the_bf16_run_of_its_machine(tmp_path, monkeypatch):
+    """bf16 at one seed lands apart on two machines (different CPU kernels), so a run is paired
+    with a bf16 run of its own machine where there is one: a twin, run with --twins and kept
+    beside the first run of that seed. Pairs made across machines are counted and reported."""
+    runs = {("bf16", s, 1000): fake_run("bf16", s, v) for s, v in enumerate(BF16)}
+    runs["bf16", 2, 1000] = fake_run("bf16", 2, BF16[2], env=MACHINE_B)  # seed 2 ran on B first ...
+    twin = fake_run("bf16", 2, 1.95)  # ... and again on A
+    runs.update({("O2", s, 1000): fake_run("O2", s, b * 1.01) for s, b in enumerate(BF16[:2] + [1.95])})
+    runs["O1", 2, 1000] = fake_run("O1", 2, BF16[2] * 1.002, env=MACHINE_B)
+    for s in (0, 1):
+        runs["O1", s, 1000] = fake_run("O1", s, BF16[s] * 1.002, env={**MACHINE_A, "cpu_capability": "AVX512"})
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    for (v, s, n), r in runs.items():
+        (runs_dir / f"{v}-seed{s}-{n}.json").write_text(json.dumps(r))
+    (runs_dir / "bf16-seed2-1000-avx2.json").write_text(json.dumps(twin))
+    assert bench.load_runs(str(runs_dir)) == runs
+    twins = bench.load_runs(str(runs_dir), twins=True)
+    assert list(twins) == [("bf16", 2, 1000, bench._machine(twin))]
+    d = bench.summarize(runs, ["bf16", "O1", "O2"], [0, 1, 2], 1000, twins=twins)
+    rows = {r["variant"]: r for r in d["parity"]}
+    assert rows["O2"]["gap"] == pytest.approx(0.01) and rows["O2"]["pairs_across_machines"] == 0
+    assert rows["O1"]["gap"] == pytest.approx(0.002) and rows["O1"]["pairs_across_machines"] == 2
+    assert d["noise_floor"] == pytest.approx(0.1 / 2.0)  # (the first run of each seed)
+    assert d["bf16_on_two_machines"] == [{"seed": 2, "final_val_loss": {bench._machine(runs["bf16", 2, 1000]): 1.9,
+                                                                         bench._machine(twin): 1.95}}]
+    text = "\n".join(bench.report_parity({**d, "config": "c"}))
+    letters = bench._letters(d)
+    b, a = letters[bench._machine(runs["bf16", 2, 1000])], letters[bench._machine(twin)]
+    assert f"(seed 2: {b} 1.9000, {a} 1.9500)" in text and "pairs across machines: O1 (2 of 3)." in text
+    # run_all --twins runs again on this machine (A) what ran on another (B), beside it
+    started = []
+
+    def fake(name, seed, iters, config, threads, set_=()):
+        started.append((name, seed))
+        out = tmp_path / f"h{len(started)}.json"
+        out.write_text(json.dumps({"losses": [], "evals": [[iters, 1.0, 1.0]]}))
+        return (subprocess.Popen(["true"]), str(out), {"variant": name, "seed": seed, "iters": iters,
+                                                         "command": name, "env": MACHINE_A}, str(tmp_path / "x"))
+
+    monkeypatch.setattr(bench, "start_run", fake)
+    monkeypatch.setattr(bench, "environment", lambda: MACHINE_A)
+    monkeypatch.setattr(bench.shutil, "rmtree", lambda path: None)
+    todo = [("bf16", s, 1000) for s in (0, 1, 2)]
+    bench.run_all(todo, "config", str(runs_dir), jobs=1, threads=1)
+    assert started == []
+    (runs_dir / "bf16-seed2-1000-avx2.json").unlink()
+    bench.run_all(todo, "config", str(runs_dir), jobs=1, threads=1, twins=True)
+    assert started == [("bf16", 2)] and (runs_dir / "bf16-seed2-1000-avx2.json").exists()
+    assert json.loads((runs_dir / "bf16-seed2-1000.json").read_text())["env"] == MACHINE_B  # kept
 
 
 def test_parity_outputs_and_report(tmp_path):

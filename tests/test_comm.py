@@ -36,7 +36,7 @@ from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize
 from nanofp8.layout import make_layout
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.optim import (Fp8AdamW, clip_grad_norm, convert_to_o2, fp8_grad, fp8_grad_hook, holds_fp8_grad,
-                           set_fp8_grad)
+                           quantize_wgrad, set_fp8_grad)
 from nanofp8.run import check_replicas, grad_comm_format, pipeline_formats, shard_model
 
 CFG = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0)
@@ -547,17 +547,18 @@ def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
 def test_data_parallel_averages_the_gradient_the_parameter_holds(ranks):
     """What Fp8DataParallel(wgrads=...) averages is the FP8 gradient each weight holds (fp8_grad),
     here put there after backward by set_fp8_grad in place of the backward's: O2 gets the average
-    back on the parameter, bit-identical on both ranks and to one E4M3 cast of the exact average;
-    O3 each rank gets its fp32 shard of the exact average."""
+    back on the parameter, bit-identical on both ranks and to one E4M3 cast of the exact average
+    with a scale per 128 values (quantize_wgrad); O3 each rank gets its fp32 shard of the exact
+    average, cut at whole blocks (held_shard_len)."""
     o2 = ranks[0]["from_param"]["O2"]
     assert sorted(o2) == ["fc1.weight", "fc2.weight"]
     for name, (data, scale) in o2.items():
         shape = data.shape
         want = (dequantize(base_grad(shape, 0)) + dequantize(base_grad(shape, 1))) / 2
-        q = quantize(want, E4M3)
+        q = quantize_wgrad(want)
         assert torch.equal(data, q.data.view(torch.uint8)) and torch.equal(scale, q.scale), name
         assert torch.equal(data, ranks[1]["from_param"]["O2"][name][0])
-        c = D.shard_len(want.numel(), 2)
+        c = D.held_shard_len(want, 2)
         flat = F.pad(want.reshape(-1), (0, 2 * c - want.numel()))
         for r in range(2):
             assert torch.equal(ranks[r]["from_param"]["O3"][name], flat[r * c : (r + 1) * c]), (name, r)

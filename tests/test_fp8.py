@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8 import fp8
-from nanofp8.fp8 import (E4M3, E5M2, INPUT, Fp8Linear, Recipe, convert_to_fp8,
+from nanofp8.fp8 import (E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, Recipe, convert_to_fp8,
                          dequantize, quantize, scaled_gemm, sqnr)
 
 ML = {E4M3.name: ml_dtypes.float8_e4m3fn, E5M2.name: ml_dtypes.float8_e5m2}
@@ -149,7 +149,7 @@ def test_delayed_scaling_window_max():
     layer = _delayed_layer(history_len=3)
     amaxes = [1, 2, 4, 0.5, 0.25, 0.25, float("nan"), 8, 1]
     s = lambda a: np.float32(448.0 / a).item()
-    expected = [1.0,  # step 0, history {}: no history yet -> the stored scale (1.0)
+    expected = [s(1),  # step 0, history {}: no history yet -> this tensor's own amax
                 s(1),  # step 1, {1}: this step's amax 2 saturates, as it does with delayed scaling
                 s(2),  # step 2, {2, 1}
                 s(4),  # step 3, {4, 2, 1}
@@ -167,14 +167,33 @@ def test_delayed_scaling_window_max():
 def test_delayed_scaling_most_recent_and_margin():
     layer = _delayed_layer(history_len=4, amax_algo="most_recent", margin=1)
     s = lambda a: np.float32(448.0 / a / 2).item()
-    assert _scales_used(layer, [1, 4, 2, 8]) == [1.0, s(1), s(4), s(2)]
+    assert _scales_used(layer, [1, 4, 2, 8]) == [s(1), s(1), s(4), s(2)]
 
 
 def test_delayed_scaling_nan_first_step_keeps_old_scale():
     layer = _delayed_layer()
-    # a NaN amax is not recorded, so step 1 still has no history and keeps the stored scale
-    assert _scales_used(layer, [float("nan"), 2, 3]) == [1.0, 1.0, np.float32(224.0).item()]
+    # a NaN amax never becomes a scale (the stored one is kept) and is not recorded, so step 1
+    # still has no history and measures its own tensor
+    assert _scales_used(layer, [float("nan"), 2, 3]) == [1.0, np.float32(224.0).item(), np.float32(224.0).item()]
     assert layer.history_count[INPUT].item() == 2
+
+
+def test_delayed_first_cast_measures_the_tensor():
+    """The first cast of each role has no history: its scale comes from the tensor itself, not
+    from the stored 1.0 (Transformer Engine's start), which would flush a gradient of 1e-6 to zero
+    in E5M2 (smallest subnormal 2^-16) and make that step's dx and dW exactly 0. Through the layer:
+    forward and backward, every role, and the history starts from the true amaxes."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 32, recipe=Recipe(scaling="delayed", backend="emulate")).train()
+    x = torch.randn(16, 64, requires_grad=True)
+    dy = torch.randn(16, 32) * 1e-6
+    layer(x).backward(dy)
+    ref_dx, ref_dw = dy @ layer.weight.detach(), dy.t() @ x.detach()
+    assert sqnr(ref_dw, layer.weight.grad) > 20 and sqnr(ref_dx, x.grad) > 20  # (main: both exactly 0)
+    amax = torch.stack([x.detach().abs().amax(), layer.weight.detach().abs().amax(), dy.abs().amax()])
+    assert torch.equal(layer.amax_history[:, 0], amax) and (layer.history_count == 1).all()
+    want = torch.stack([fp8.compute_scale(a, f) for a, f in zip(amax, (E4M3, E4M3, E5M2))])
+    assert torch.equal(layer.scale, want)
 
 
 def test_delayed_scaling_is_one_pass_and_scale_ignores_the_current_tensor():
@@ -398,7 +417,8 @@ def test_state_dict_round_trip_of_scaling_state():
         a(torch.randn(16, 32)).sum().backward()
         opt.step()
     sd = a.state_dict()
-    assert {"0.amax_history", "0.history_count", "0.scale", "0.nonfinite"} <= set(sd)
+    assert {"0.amax_history", "0.history_count", "0.scale", "0.nonfinite", "0.clipped"} <= set(sd)
+    assert "0.cast_values" not in sd  # (the log's denominator, not state)
     b = make()
     b.load_state_dict(sd)
     for k, v in b.state_dict().items():
@@ -406,6 +426,38 @@ def test_state_dict_round_trip_of_scaling_state():
     x = torch.randn(16, 32)
     assert torch.equal(a(x), b(x))
     assert torch.equal(a[0].amax_history, b[0].amax_history)
+    # a state_dict written before layers counted clipped values loads, strictly, counting from 0
+    old = {k: v for k, v in sd.items() if not k.endswith(".clipped")}
+    c = make()
+    c[0].clipped.fill_(5)
+    c.load_state_dict(old)
+    assert (c[0].clipped == 0).all() and torch.equal(c[0].amax_history, a[0].amax_history)
+
+
+def test_delayed_scaling_counts_what_it_clips():
+    """Every delayed-scaling cast counts the values it clipped (beyond the rounding boundary above
+    the max, as the statistics define saturation) per role, also with the statistics off; current
+    scaling never clips and counts nothing."""
+    from nanofp8.stats import Fp8Stats
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 32, recipe=Recipe(scaling="delayed", backend="emulate")).train()
+    x = torch.randn(128, 64)
+    for _ in range(3):
+        layer(x).square().mean().backward()
+    assert (layer.clipped == 0).all() and layer.cast_values[INPUT].item() == 3 * x.numel()
+    big = x * torch.where(torch.arange(64) < 8, 100.0, 1.0)  # 8 channels jump 100x in one step
+    scale = layer.scale[INPUT].clone()
+    want = int(((big * scale).abs() > 464).sum())
+    st = Fp8Stats(layer, 1)
+    st.start()
+    layer(big).square().mean().backward()
+    recs = {r["operand"]: r for r in st.records} if st.finish(3) else {}
+    assert want > 0 and layer.clipped[INPUT].item() == want == recs["x"]["saturated_count"]
+    assert layer.clipped[WEIGHT] == 0 and layer.clipped[GRAD_OUTPUT] == recs["dy"]["saturated_count"] > 0
+    cur = Fp8Linear(64, 32, recipe=Recipe(backend="emulate")).train()
+    cur(big).square().mean().backward()
+    assert (cur.clipped == 0).all() and (cur.cast_values == 0).all()
 
 
 def test_convert_to_fp8_filters_shares_and_trains():

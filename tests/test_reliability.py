@@ -124,8 +124,8 @@ def test_update_to_nonfinite_weights_stops_and_keeps_checkpoint(o2_run, tmp_path
     out = copy_run(o2_run, tmp_path / "bad")
     real_step = train.optimizer_step
 
-    def step_then_corrupt(model, optimizer, cfg, layout):
-        result = real_step(model, optimizer, cfg, layout)
+    def step_then_corrupt(model, optimizer, cfg, layout, *rest):
+        result = real_step(model, optimizer, cfg, layout, *rest)
         with torch.no_grad():
             model.blocks[1].mlp.c_proj.bias[7] = float("nan")
         return result

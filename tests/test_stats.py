@@ -4,6 +4,7 @@ collecting statistics leaves training bit-identical."""
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -313,7 +314,9 @@ def test_statistics_leave_training_bit_identical(tmp_path, capsys, monkeypatch, 
 
 
 def test_alarms_need_a_streak_and_amax_growth_fires_per_factor():
-    st = stats.Fp8Stats(nn.Linear(2, 2), 1, alarms=stats.Alarms(saturation=0.01, intervals=3, amax_growth=10))
+    # (saturation_severe above the 10% below: the streak rule alone)
+    st = stats.Fp8Stats(nn.Linear(2, 2), 1, alarms=stats.Alarms(saturation=0.01, intervals=3, amax_growth=10,
+                                                                saturation_severe=0.5))
 
     def rec(sat, amax, sqnr=30.0):
         return {"layer": "l", "operand": "x", "format": "e4m3", "saturation": sat, "underflow": 0.0,
@@ -332,3 +335,56 @@ def test_bench_stats_cost_runs(capsys):
     bench.main(["stats", "--cost", "--model", "tiny", "--steps", "2"])
     out = capsys.readouterr().out
     assert "every 100" in out and "every 1" in out and "ms_per_step" in out
+
+
+def test_one_severe_saturation_alarms_at_once():
+    """More than saturation_severe (1% by default) of an operand clipped on a single statistics
+    step raises the alarm on that step, with no streak; below it, the streak rule applies."""
+    st = stats.Fp8Stats(nn.Linear(2, 2), 1)
+
+    def rec(sat):
+        return {"layer": "blocks.0.mlp.c_fc", "operand": "x", "format": "e4m3", "saturation": sat,
+                "underflow": 0.0, "sqnr_db": 30.0, "amax": 1.0}
+
+    lines = [st._check_alarms(i, [rec(s)]) for i, s in enumerate([0.0, 0.005, 0.0, 0.96, 0.0])]
+    assert [len(ls) for ls in lines] == [0, 0, 0, 1, 0]
+    assert lines[3][0] == ("ALARM fp8 saturation: blocks.0.mlp.c_fc x (e4m3) 96.000% of its values clipped at "
+                           "the FP8 max on this statistics step (severe: above 1.000%)")
+    with pytest.raises(ValueError, match="bad alarm thresholds"):
+        stats.Alarms(saturation_severe=2.0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_clipping_is_logged_on_the_step_it_happens(tmp_path, capsys, monkeypatch, level):
+    """Delayed scaling, statistics off: the input of one layer jumps 100x at iteration 4. The log
+    names that layer, its role and the fraction clipped, on iteration 4; the counts are the layer's
+    own `clipped` buffer, which the checkpoint keeps."""
+    real = train.setup_precision
+    jumps = {"calls": 0}
+
+    def setup(model, cfg, device_type):
+        desc = real(model, cfg, device_type)
+
+        def jump(mod, args):
+            if mod.training:  # (evaluation passes are not training steps)
+                jumps["calls"] += 1
+                if jumps["calls"] == 5:  # iteration 4: one micro-batch per iteration
+                    return (args[0] * 100,)
+
+        model.blocks[0].mlp.c_fc.register_forward_pre_hook(jump)
+        return desc
+
+    monkeypatch.setattr(train, "setup_precision", setup)
+    train.main(conftest.TINY + [f"precision={level}", "fp8_scaling=delayed", "max_iters=6", "eval_interval=6",
+                                "always_save_checkpoint=True", f"out_dir={tmp_path}"])
+    log = capsys.readouterr().out
+    lines = {int(line.split(":")[0][5:]): line for line in log.splitlines() if "FP8 clipping" in line}
+    print("\n".join(lines.values()))
+    # the largest fraction first: that layer's input, nearly all of it
+    n_clipped, n_cast = (int(v.replace(",", "")) for v in
+                         re.search(r"max: blocks.0.mlp.c_fc x \(e4m3\) [\d.]+% \(([\d,]+) of ([\d,]+)\)", lines[4]).groups())
+    assert n_cast == 4 * 32 * 32 and n_clipped > 0.9 * n_cast  # (batch_size 4 x block_size 32 tokens, n_embd 32)
+    others = [re.search(r"c_fc x \(e4m3\) ([\d.]+)%", line) for it, line in lines.items() if it != 4]
+    assert all(float(m[1]) < 1 for m in others if m), lines  # (at most the early growth of the weights)
+    ckpt = torch.load(conftest.newest_checkpoint(tmp_path), weights_only=True)
+    assert ckpt["model"]["blocks.0.mlp.c_fc.clipped"][0] >= n_clipped
