@@ -80,7 +80,8 @@ for backend in ("torch", "triton"):
                     why = torch._dynamo.explain(model)(x.clone().requires_grad_()).break_reasons
                 print("   breaks:", "; ".join(str(b.reason)[:300] for b in why))
         except Exception as e:
-            print(f"{backend:6s} {gran:6s}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            import traceback  # the whole trace: a first line can be empty (an AssertionError)
+            print(f"{backend:6s} {gran:6s}: FAILED {type(e).__name__}\n" + traceback.format_exc()[-3000:])
 EOF
 job graph-breaks 300 env PYTHONPATH="$PWD" python "$tmp/graph_breaks.py"
 bench=(python bench.py throughput --models gpt2-124M wide-4096 --compiled_only --rounds 1 --steps 1)
