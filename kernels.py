@@ -405,7 +405,7 @@ def tma_scratch(size, align, stream):
 
 
 # Triton keeps its allocator in a context variable: per thread, and autograd runs the backward
-# GEMMs in a thread of its own. So fp8_gemm sets it at every call, to this module-level function.
+# GEMMs in a thread of its own. So _launch_fp8_gemm sets it at every launch, to this function.
 
 
 def _check_device(*tensors):
@@ -506,11 +506,10 @@ def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum
 
 
 # Under torch.compile the GEMM is one custom op: dynamo sees its output's shape (the fake below)
-# and never traces the launch. Traced, it fails on torch 2.11: its dynamo cannot trace an
-# autotuned kernel with a config-pruning function ("Can't construct an AttrSource without a valid
-# base source", pytorch#178179, fixed in later versions; seen on an H200), and it breaks the graph
-# at every triton.set_allocator. The op runs the launch at run time, in whichever thread runs the
-# graph, so the allocator is set there too.
+# and never traces the launch. torch 2.11's dynamo cannot trace an autotuned kernel with a
+# config-pruning function ("Can't construct an AttrSource without a valid base source",
+# pytorch#178179), and breaks the graph at every triton.set_allocator. The op runs the launch at
+# run time, in whichever thread runs the graph, so the allocator is set there too.
 @torch.library.custom_op("nanofp8::fp8_gemm", mutates_args=())
 def fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor, b_inv_scale: torch.Tensor,
                 out_dtype: torch.dtype, bias: Optional[torch.Tensor], fast_accum: bool,
@@ -728,7 +727,7 @@ def _self_check(device):
                 db = sqnr(ref, out)
             except (RuntimeError, ValueError) as e:
                 db = f"refused ({str(e).splitlines()[0][:80]})"
-            if padded:  # cuBLAS sums as the Triton GEMM does (78 dB on an H200); v1 gave -127 dB
+            if padded:  # right: about 78 dB, as the Triton GEMM; a misread scale: below 0 dB
                 ok &= not isinstance(db, str) and db > 60
             print(f"torch native block GEMM, K=768, {'F.scaled_mm, padded scales' if padded else 'torch._scaled_mm, unpadded (expected wrong)'}: "
                   f"SQNR vs reference {db if isinstance(db, str) else f'{db:.1f} dB'}")

@@ -427,10 +427,10 @@ def _fell_back(name, reason, alt=HIGH_PRECISION):
     """A GEMM that torch._scaled_mm cannot run goes to `alt`, reported once per layer and reason.
     Only a high-precision GEMM is a fallback: counted per call, and an error under strict. The
     Triton GEMM or the row-wise loop still multiply in FP8: reported, not counted.
-    Under torch.compile nothing is counted or reported: the choice was made while tracing and holds
-    for every call of the graph, and a counter read and written there is a value dynamo guards on,
-    so it recompiled at every step, and past its limit of 8 ran the model eagerly (seen on an H200
-    with block scales at K = 128). Eager runs of the same shapes report it."""
+    Under torch.compile nothing is counted or reported: the choice is made while tracing and holds
+    for every call of the graph, and a counter read and written there is a value dynamo guards on:
+    it would recompile at every step, and past its limit of 8 run the model eagerly. Eager runs of
+    the same shapes report it."""
     high = alt == HIGH_PRECISION
     if strict and high:
         raise RuntimeError(f"nanofp8: layer {name}: torch._scaled_mm cannot run this GEMM ({reason}), "
