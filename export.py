@@ -28,7 +28,7 @@ import sys
 from nanofp8.checkpoint import read_any
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
 from nanofp8.interop import export_hf_gpt2, export_portable
-from nanofp8.model import CheckpointError, WriteError
+from nanofp8.ckptfile import CheckpointError, WriteError
 from nanofp8.outdir import LOCK, MANIFEST, SET_NAME, legacy_files
 
 # -----------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 from nanofp8.checkpoint import freeze_fp8, load_for_inference, weight_bytes
 from nanofp8.configurator import ConfigError, check_choice, check_device, configure, defaults_of, read_dataset_meta
 from nanofp8.data import EVAL_STREAMS, batch_generator, data_dir, get_batch
-from nanofp8.model import CheckpointError
+from nanofp8.ckptfile import CheckpointError
 
 # -----------------------------------------------------------------------------
 out_dir = "out"  # a training run's out_dir (its newest checkpoint set), one set (out/ckpt-00000020), an export

@@ -64,7 +64,8 @@ from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dat
                           get_batch, open_splits, vocab_size_for)
 from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3
 from nanofp8.layout import Layout, start
-from nanofp8.model import GPT, CheckpointError, GPTConfig, apply_fp8, load_model_state
+from nanofp8.model import GPT, GPTConfig, apply_fp8
+from nanofp8.ckptfile import CheckpointError, load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.parallel import TPDataParallel
 from nanofp8.outdir import last_good, trim_jsonl

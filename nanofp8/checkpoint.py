@@ -46,7 +46,8 @@ import torch.nn.functional as F
 
 from nanofp8.fp8 import BLOCK, E4M3, expand_tiles, quantize
 from nanofp8.interop import is_hf_gpt2, load_hf_gpt2, load_portable
-from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint
+from nanofp8.model import GPT, GPTConfig
+from nanofp8.ckptfile import CheckpointError, load_checkpoint
 from nanofp8.outdir import MANIFEST, SET_NAME, CheckpointSet, legacy_files, newest_set, nothing_found, read_set
 
 # -----------------------------------------------------------------------------
@@ -377,7 +378,7 @@ def load_pretrained(path):
 
 def load_for_inference(path, device="cpu"):
     """A single-device fp32 GPT in eval mode from any directory read_any reads. Returns (model, info)."""
-    from nanofp8.model import load_model_state
+    from nanofp8.ckptfile import load_model_state
 
     state, info = read_any(path)
     model = GPT(GPTConfig(**info["model_args"]))

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import E4M3, quantize
-from nanofp8.model import (GPT, CheckpointError, GPTConfig, check_checksums, is_newer_format, tensor_checksums,
-                           write_file)
+from nanofp8.model import GPT, GPTConfig
+from nanofp8.ckptfile import CheckpointError, check_checksums, is_newer_format, tensor_checksums, write_file
 
 # -----------------------------------------------------------------------------
 # 1. The portable export: safetensors + JSON

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 from .configurator import ConfigError
-from .model import CheckpointError, WriteError, is_newer_format, process_alive, write_file
+from .ckptfile import CheckpointError, WriteError, is_newer_format, process_alive, write_file
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nanofp8-set-1"

@@ -38,7 +38,8 @@ from .data import DataError
 from .dist import Fp8DataParallel, ZeroFp8AdamW
 from .fp8 import E4M3, E5M2
 from .layout import GroupError, is_collective_failure, report_collective_failure, stop
-from .model import CheckpointError, GPTConfig, WriteError, load_checkpoint, root_cause, save_checkpoint
+from .model import GPTConfig
+from .ckptfile import CheckpointError, WriteError, load_checkpoint, root_cause, save_checkpoint
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
                      prune, release_lock, release_locks, room_for, scan, set_name)
 from .optim import clip_grad_norm

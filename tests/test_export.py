@@ -30,7 +30,8 @@ import train
 from nanofp8.checkpoint import fp32_moments, freeze_fp8, load_for_inference, load_moments, read_checkpoint
 from nanofp8.fp8 import E4M3, quantize, sqnr
 from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable
-from nanofp8.model import GPT, CheckpointError, GPTConfig, load_checkpoint, load_model_state
+from nanofp8.model import GPT, GPTConfig
+from nanofp8.ckptfile import CheckpointError, load_checkpoint, load_model_state
 from nanofp8.optim import dequantize_stored
 
 from conftest import newest_checkpoint

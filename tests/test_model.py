@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import Recipe
-from nanofp8.model import (GPT, CheckpointError, GPTConfig, LayerNorm, RMSNorm, apply_fp8,
-                           apply_rope, load_model_state, rope_tables)
+from nanofp8.model import GPT, GPTConfig, LayerNorm, RMSNorm, apply_fp8, apply_rope, rope_tables
+from nanofp8.ckptfile import CheckpointError, load_model_state
 
 
 def tiny(**kw):

@@ -31,7 +31,8 @@ from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
 from nanofp8.fp8 import E4M3, E5M2, INPUT, Fp8Linear, Recipe, dequantize, sqnr
-from nanofp8.model import GPT, GPTConfig, apply_fp8, load_model_state
+from nanofp8.model import GPT, GPTConfig, apply_fp8
+from nanofp8.ckptfile import load_model_state
 
 K = N = 256  # shards of 128: block scales of a shard coincide with the single device's
 B, T = 2, 16

@@ -23,7 +23,7 @@ import sample
 import train
 from conftest import REPO, TINY, newest_checkpoint, run
 from nanofp8.configurator import ConfigError, read_dataset_meta
-from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint
+from nanofp8.ckptfile import CheckpointError, load_checkpoint, save_checkpoint
 from nanofp8.outdir import begin_set, commit_set
 
 from nanofp8.layout import is_collective_failure
@@ -347,7 +347,7 @@ from datetime import timedelta
 sys.path.insert(0, {repo!r})
 import torch, train
 from nanofp8.checkpoint import find_checkpoint
-from nanofp8.model import load_checkpoint
+from nanofp8.ckptfile import load_checkpoint
 
 out, tiny = {out!r}, {tiny!r}
 rank = int(os.environ["RANK"])

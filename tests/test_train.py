@@ -17,7 +17,7 @@ import conftest
 import train
 from conftest import REPO, TINY, logged_losses, newest_checkpoint, run
 from nanofp8.configurator import ConfigError, read_config_file, read_dataset_meta
-from nanofp8.model import CheckpointError, load_checkpoint, save_checkpoint
+from nanofp8.ckptfile import CheckpointError, load_checkpoint, save_checkpoint
 
 from nanofp8.run import MODEL_KEYS
 

@@ -28,7 +28,8 @@ import train
 from conftest import newest_checkpoint, spawn
 from nanofp8 import parallel
 from nanofp8.configurator import ConfigError
-from nanofp8.model import GPT, GPTConfig, load_checkpoint, load_model_state
+from nanofp8.model import GPT, GPTConfig
+from nanofp8.ckptfile import load_checkpoint, load_model_state
 
 from nanofp8.layout import check_layout
 from nanofp8.run import TrainingStopped, check_replicas, shard_model
