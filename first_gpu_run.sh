@@ -3,7 +3,9 @@
 #
 #   bash first_gpu_run.sh [OUT_DIR]        (default gpu-first-run/; about 15 minutes on an H100 or H200)
 #
-# SKIP_KERNELS=1 leaves out kernels.py. It writes OUT_DIR/first_run.log (everything, in order) and three JSON files (kernels_gpu.json,
+# SKIP_KERNELS=1 leaves out kernels.py. QUICK=1 is the regression check after a change (about 6
+# minutes): 60 training steps per run, and throughput for GPT-2 124M compiled only. It writes
+# OUT_DIR/first_run.log (everything, in order) and three JSON files (kernels_gpu.json,
 # throughput_compiled.json, throughput_eager.json). Each step has a time limit and the script
 # goes on when one fails, so one broken step never hides the others. Phase A runs the
 # correctness checks side by side (they share the GPU: their timings mean nothing), phase B the
@@ -40,7 +42,8 @@ say "machine"
   "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"; } 2>&1 | tee -a "$log"
 
 say "phase A: correctness, side by side"
-run=(python train.py config/shakespeare_char.py device=cuda max_iters=200 eval_interval=100 always_save_checkpoint=False)
+iters=200; [ -n "${QUICK:-}" ] && iters=60
+run=(python train.py config/shakespeare_char.py device=cuda max_iters=$iters eval_interval=$((iters / 2)) always_save_checkpoint=False)
 job bf16-compiled 300 "${run[@]}" out_dir="$tmp/o-bf16" compile=True precision=bf16
 job O1-compiled 300 "${run[@]}" out_dir="$tmp/o-O1" compile=True precision=O1
 job O1-row-compiled 300 "${run[@]}" out_dir="$tmp/o-O1row" compile=True precision=O1 fp8_granularity=row
@@ -85,6 +88,7 @@ for backend in ("torch", "triton"):
 EOF
 job graph-breaks 300 env PYTHONPATH="$PWD" python "$tmp/graph_breaks.py"
 bench=(python bench.py throughput --models gpt2-124M wide-4096 --compiled_only --rounds 1 --steps 1)
+[ -n "${QUICK:-}" ] && bench=(python bench.py throughput --models gpt2-124M --compiled_only --rounds 1 --steps 1)
 for level in bf16 O1 O2; do job "warm-$level" 300 "${bench[@]}" --levels $level; done
 wait
 for f in "$tmp"/*.log; do
@@ -99,10 +103,11 @@ done
 say "phase B: timed, one at a time"
 [ -n "${SKIP_KERNELS:-}" ] || timeout 150 python kernels.py --json "$out/kernels_gpu.json" 2>&1 | tee -a "$log"
 say "throughput, compiled"
-timeout 400 python bench.py throughput --models gpt2-124M wide-4096 --levels bf16 O1 O2 --compiled_only \
+models=(gpt2-124M wide-4096); [ -n "${QUICK:-}" ] && models=(gpt2-124M)
+timeout 400 python bench.py throughput --models "${models[@]}" --levels bf16 O1 O2 --compiled_only \
     --rounds 1 --steps 10 --json "$out/throughput_compiled.json" 2>&1 | tee -a "$log"
 say "throughput, eager"
-timeout 300 python bench.py throughput --models gpt2-124M wide-4096 --levels bf16 O1 O2 --no_compile \
+[ -n "${QUICK:-}" ] || timeout 300 python bench.py throughput --models gpt2-124M wide-4096 --levels bf16 O1 O2 --no_compile \
     --rounds 2 --steps 10 --json "$out/throughput_eager.json" 2>&1 | tee -a "$log"
 say "done"
 rm -rf "$tmp"
