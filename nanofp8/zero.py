@@ -299,6 +299,7 @@ def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
     return [(pd.wait().data.reshape(-1), s) for pd, s in zip(pending, scales)]
 
 
+@torch.no_grad()
 def sync_fp8_wgrads(params, group=None):
     """Data parallelism for O2, after backward: average the FP8 weight gradients that the O2
     weights among `params` hold outside autograd (fp8_grad; Fp8DataParallel(params=...) handles the rest;
@@ -306,8 +307,7 @@ def sync_fp8_wgrads(params, group=None):
     bits). Reduce-scatter the FP8 bytes as they are (1 B per parameter out, and a scale per 128
     values), sum in fp32, all-gather the averaged shards in FP8 with a scale per 128 values (1 B
     per parameter back, and the scales): each weight's fp8_grad becomes the same FP8 tensor on
-    every rank. A NaN anywhere reaches every rank
-    through the sum and the gather. A weight without a gradient on some rank counts as zero there
+    every rank. A NaN anywhere reaches every rank through the sum and the gather. A weight without a gradient on some rank counts as zero there
     (and gets the average everywhere)."""
     world = dist.get_world_size(group)
     # Every weight, with or without a gradient on this rank: a rank that skipped a layer must
