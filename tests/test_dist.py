@@ -414,6 +414,7 @@ def test_nonfinite_reaches_every_rank(run, world):
     for o in outs:  # through the all-reduce: the NaN propagates through the sum and the gather
         assert torch.equal(torch.isnan(o["nan_ar"]), bad)
         assert o["nan_flag"] and not o["clean_flag"]
+        assert isinstance(o["nan_flag"], torch.Tensor) and o["nan_flag"].dim() == 0  # not read
     # a reduce-scatter alone shows it only to the owners: hence any_nonfinite for ZeRO
     full = torch.cat([o["nan_rs"] for o in outs])[:N]
     assert torch.equal(torch.isnan(full), bad)
@@ -520,6 +521,8 @@ def test_data_parallel_overlap_is_exact_and_skips_consistently(run):
         assert o["dp_nan_where"] == [[[0, 0]]] + [[]] * 5  # fc1.weight[0, 0] only, on every rank
         assert o["no_sync_calls"] == 0 and o["hook_calls_before_sync"] > 0
         assert o["no_sync_then_sync_finite"]
+        # the verdict is a device tensor, not read by sync_gradients (one check, no _flag twin)
+        assert isinstance(o["no_sync_then_sync_finite"], torch.Tensor) and o["no_sync_then_sync_finite"].dim() == 0
 
 
 def test_local_helpers():
