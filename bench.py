@@ -322,6 +322,7 @@ def _comm_worker(rank, world, port, level, out):
     bytes of every other parameter (embeddings, LM head, norms, biases: fp32 gradients)."""
     import torch.distributed as dist
     from nanofp8 import dist as fdist
+    from nanofp8.zero import sync_fp8_wgrads
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -347,7 +348,7 @@ def _comm_worker(rank, world, port, level, out):
         if dp_lin is not None:
             ok = dp_lin.sync_gradients() and ok
         if level == "O2":
-            fdist.sync_fp8_wgrads(model.parameters())
+            sync_fp8_wgrads(model.parameters())
         if level == "O3":  # reduce-scatter of FP8 gradients, flags, all-gather of FP8 weights
             opt.step(grads_finite=ok)
         lin_bytes += fdist.comm_stats(reset=True)["bytes_sent"]

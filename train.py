@@ -62,7 +62,7 @@ from nanofp8.configurator import (ConfigError, check_accumulation, check_train_c
                                   defaults_of, read_dataset_meta, stats_alarms)
 from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dataset, check_tokens, data_dir,
                           get_batch, open_splits, vocab_size_for)
-from nanofp8.dist import Fp8DataParallel, ZeroFp8AdamW, convert_to_o3
+from nanofp8.dist import Fp8DataParallel
 from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import CheckpointError, load_model_state
@@ -75,6 +75,7 @@ from nanofp8.run import (Clock, TrainingStopped, check_replicas, check_room, che
                          restore_state, resume_point, rng_state, save_checkpoint_set, shard_model, show_fp8_layers,
                          sync_gradients, weights_finite_flag)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
+from nanofp8.zero import ZeroFp8AdamW, convert_to_o3
 
 # -----------------------------------------------------------------------------
 # Defaults: GPT-2 small (124M) on OpenWebText. Config files and key=value override them.

@@ -20,9 +20,9 @@ optim.py  O2Linear.weight_operands             that cast, made once per step by 
 fp8.py    _Fp8LinearFunction.backward          the wgrad GEMM hands dW to the layer's take_wgrad
 optim.py  O2Linear.take_wgrad                  adds dW to the FP8 gradient the weight itself
                                                   holds, fp8_grad(p), and calls its fp8_grad_hook
-dist.py   Fp8DataParallel._grad_ready          (that hook) launches the bucket's FP8 reduce-
-                                                  scatter during backward (_launch)
-dist.py   Fp8DataParallel.sync_gradients_flag  all-gathers the average onto the weight
+dist.py   Fp8DataParallel._launch              (from that hook, once the bucket is whole)
+                                                  starts the bucket's FP8 reduce-scatter
+dist.py   Fp8DataParallel.sync_gradients       all-gathers the average onto the weight
                                                   (set_fp8_grad)
 optim.py  clip_grad_norm                       the norm of every .grad and every fp8_grad(p)
 optim.py  Fp8AdamW.step                        AdamW on the dequantized fp8_grad(p); the new fp16

@@ -165,8 +165,9 @@ def load_moments(optimizer, model, moments):
     """Put fp32 moments (from fp32_moments) into a freshly built optimizer of any level, in its own
     formats: fp32 for torch AdamW, E4M3 m and fp16 (or E4M3 sqrt) v for O2 weights, this rank's
     shard of those for O3. Parameters are matched by name; a shape mismatch is an error."""
-    from nanofp8.dist import ZeroFp8AdamW, held_shard_len
+    from nanofp8.dist import held_shard_len
     from nanofp8.optim import Fp8AdamW, stored
+    from nanofp8.zero import ZeroFp8AdamW
 
     trained = {p for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():

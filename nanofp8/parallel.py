@@ -118,7 +118,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import dist as D
-from .dist import COMM, Fp8Rows
+from .dist import COMM, Fp8Chunks
 from .fp8 import (ACT_BLOCK, E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear,
                   Fp8Tensor, compute_scale, fp8_linear, quantize)
 from .layout import Layout, make_layout
@@ -176,10 +176,10 @@ def _gather_operand(x, mod, fmt, role):
     r = mod.recipe
     if r.granularity == "tensor":  # one agreed scale; the slice travels as one row
         q = quantize(x2, fmt, "tensor", scale=_shared_scale(x2, mod, fmt))
-        rows = Fp8Rows(q.data.view(1, -1), q.scale.view(1, 1), x2.numel())
+        rows = Fp8Chunks(q.data.view(1, -1), q.scale.view(1, 1), x2.numel())
     else:  # row / block: each token's own scales, computed exactly as on one device
         q = quantize(x2, fmt, r.granularity, ACT_BLOCK, margin=r.margin, power_of_two=r.power_of_two)
-        rows = Fp8Rows(q.data, q.scale.view(B * Tl, -1), K)
+        rows = Fp8Chunks(q.data, q.scale.view(B * Tl, -1), K)
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
     scale = got.scale[0, 0] if r.granularity == "tensor" else _slices_to_seq(got.scale, W, B, Tl)
@@ -609,7 +609,7 @@ def _send(x, dst, group, fmt):
     """Send an activation or gradient: FP8 with one fp32 scale per token appended to its row
     (one message), or plainly in a baseline dtype."""
     if isinstance(fmt, Fp8Format):
-        buf = D.pack_rows(D.quantize_rows(x.detach().reshape(-1, x.shape[-1]), fmt))
+        buf = D.quantize_chunks(x.detach().reshape(-1, x.shape[-1]), fmt).to_bytes()
     else:
         buf = x.detach().to(fmt).contiguous()
     dist.send(buf, dst, group=group)
@@ -624,7 +624,7 @@ def _recv(shape, src, group, fmt, device):
     if isinstance(fmt, Fp8Format):
         buf = torch.empty(rows, C + 4, dtype=torch.uint8, device=device)
         dist.recv(buf, src, group=group)
-        return D.unpack_rows(buf, C, C, fmt.dtype).dequantize(torch.float32).view(shape)
+        return D.Fp8Chunks.from_bytes(buf, C, C, fmt.dtype).dequantize(torch.float32).view(shape)
     buf = torch.empty(shape, dtype=fmt, device=device)
     dist.recv(buf, src, group=group)
     return buf.float()

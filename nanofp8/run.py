@@ -35,7 +35,7 @@ from . import fp8, parallel
 from .checkpoint import find_checkpoint, initial_weights, load_moments
 from .configurator import ConfigError
 from .data import DataError
-from .dist import Fp8DataParallel, ZeroFp8AdamW
+from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2
 from .layout import GroupError, is_collective_failure, report_collective_failure, stop
 from .model import GPTConfig
@@ -44,6 +44,7 @@ from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discar
                      prune, release_lock, release_locks, room_for, scan, set_name)
 from .optim import clip_grad_norm
 from .stats import format_linear_table, linear_table
+from .zero import ZeroFp8AdamW
 
 # -----------------------------------------------------------------------------
 # What gradients and model-parallel payloads travel in
@@ -165,7 +166,7 @@ def sync_gradients(model, layout):
         parallel.sync_model_parallel_grads(_stage(model), layout)
     if not isinstance(model, Fp8DataParallel):
         return torch.ones((), device=layout.device)  # DDP: a NaN reaches the norm, checked there
-    return model.sync_gradients_flag().to(layout.device, torch.float32)
+    return model.sync_gradients().to(layout.device, torch.float32)
 
 
 def clip(model, max_norm, layout):

@@ -32,6 +32,7 @@ import train
 from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
+from nanofp8 import zero as Z
 from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.layout import make_layout
 from nanofp8.model import GPT, GPTConfig, apply_fp8
@@ -159,7 +160,7 @@ def held_run(rank, level, mode):
     by the wrapper after backward ("off"), or as before this wrapper could ("legacy":
     sync_fp8_wgrads at O2, ZeroFp8AdamW's own reduce-scatter at O3)."""
     model = tiny_gpt()
-    (convert_to_o2 if level == "O2" else D.convert_to_o3)(model)
+    (convert_to_o2 if level == "O2" else Z.convert_to_o3)(model)
     held = [p for p in model.parameters() if holds_fp8_grad(p)]
     events = []
     for p in model.parameters():  # registered before the wrapper's hooks, so they fire before them
@@ -171,7 +172,7 @@ def held_run(rank, level, mode):
     for p in held:  # record the "weight gradient ready" hook, then run the wrapper's (if any)
         fp8_grad_hook(p, lambda p, f=fp8_grad_hook(p, None): (events.append("wgrad"), f and f(p)))
     dp.on_launch = lambda i: events.append("launch_held" if dp.buckets[i].held else "launch")
-    opt = (Fp8AdamW if level == "O2" else D.ZeroFp8AdamW)(model.parameters(), model, lr=3e-3)
+    opt = (Fp8AdamW if level == "O2" else Z.ZeroFp8AdamW)(model.parameters(), model, lr=3e-3)
     norms, steps = [], []
     for step in range(3):
         D.comm_stats(reset=True)
@@ -185,7 +186,7 @@ def held_run(rank, level, mode):
         events.append("synced")
         if level == "O2":
             if legacy:
-                D.sync_fp8_wgrads(held)
+                Z.sync_fp8_wgrads(held)
             norms.append(clip_grad_norm(model, 0.05))
             assert finite and opt.step()
         else:
@@ -214,7 +215,7 @@ def mlp(level):
     if level == "O2":
         convert_to_o2(model)
     elif level == "O3":
-        D.convert_to_o3(model)
+        Z.convert_to_o3(model)
     return model
 
 
@@ -232,7 +233,7 @@ def uneven_step(rank, level, case, wrapped=False):
     elif level == "O2":
         opt = Fp8AdamW(model.parameters(), model, lr=1e-2)
     else:
-        opt = D.ZeroFp8AdamW(model.parameters(), model, lr=1e-2)
+        opt = Z.ZeroFp8AdamW(model.parameters(), model, lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)
     overlap = level == "O1" or wrapped
@@ -243,7 +244,7 @@ def uneven_step(rank, level, case, wrapped=False):
         fp8_grad(model.fc1.weight).data.view(torch.uint8)[0, 0] = 0x7F  # E4M3's NaN
     finite = dp.sync_gradients()
     if level == "O2" and not wrapped:
-        D.sync_fp8_wgrads(held, None)
+        Z.sync_fp8_wgrads(held, None)
     if level == "O3":
         stepped = opt.step(grads_finite=finite and not (case == "verdict" and rank == 1),
                            shards=dp.take_wgrad_shards() if wrapped else None)
@@ -286,7 +287,7 @@ def shared_scale_gathers(rank):
     full = torch.randn(200, 300, generator=g) * torch.logspace(-3, 3, 200)[:, None] * torch.logspace(0, 1, 300)
     c = D.shard_len(full.numel(), 2)
     shard = F.pad(full.reshape(-1), (0, 2 * c - full.numel()))[rank * c : (rank + 1) * c]
-    return {gran: D.gather_shared_scale([shard], None, E4M3, layouts=[(full.shape, gran)])[0]
+    return {gran: Z.gather_shared_scale([shard], None, E4M3, layouts=[(full.shape, gran)])[0]
             for gran in ("tensor", "row", "block")}, full
 
 
@@ -522,7 +523,7 @@ def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(320, 300))
-    m = D.convert_to_o3(convert_to_fp8(model, Recipe(granularity=gran, backend="emulate")))[0]
+    m = Z.convert_to_o3(convert_to_fp8(model, Recipe(granularity=gran, backend="emulate")))[0]
     w = m.init_master
     w[:8] *= 1e5  # outlier rows: a per-tensor scale pushes the other rows into E4M3's subnormals
     m.weight.data.copy_(quantize(w, E4M3, gran, (BLOCK, BLOCK)).data)
@@ -566,7 +567,7 @@ def test_data_parallel_averages_the_gradient_the_parameter_holds(ranks):
 
 def test_held_gradient_options_are_checked():
     """Fp8DataParallel(wgrads=...) says what is wrong instead of reducing the wrong thing."""
-    o2, o3 = convert_to_o2(tiny_gpt()), D.convert_to_o3(tiny_gpt())
+    o2, o3 = convert_to_o2(tiny_gpt()), Z.convert_to_o3(tiny_gpt())
     with pytest.raises(ValueError, match="wgrads must be one of"):
         D.Fp8DataParallel(o2, wgrads="all-reduce", broadcast=False)
     with pytest.raises(ValueError, match="no O2/O3 layer"):

@@ -44,7 +44,7 @@ def o2_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS):
 
 
 def o3_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS):
-    from nanofp8.dist import ZeroFp8AdamW, convert_to_o3
+    from nanofp8.zero import ZeroFp8AdamW, convert_to_o3
 
     model = convert_to_o3(convert_to_fp8(nn.Sequential(copy.deepcopy(lin)), Recipe()))
     return model[0], ZeroFp8AdamW(model.parameters(), model, lr=lr, betas=betas, weight_decay=wd,
@@ -259,7 +259,7 @@ def test_small_relative_updates_survive_the_fp16_master():
 
 
 def _o3_linear_cls():
-    from nanofp8.dist import O3Linear
+    from nanofp8.zero import O3Linear
 
     return O3Linear
 
@@ -586,7 +586,7 @@ def _drive(kind, names, v_format="fp16", world=1):
         if kind == "O2":
             lins = convert_to_o2(lins)
         else:
-            from nanofp8.dist import convert_to_o3
+            from nanofp8.zero import convert_to_o3
 
             lins = convert_to_o3(lins)
     settings = {}  # (lr, betas, weight decay) -> the sequences' weights: one param group each
@@ -599,7 +599,7 @@ def _drive(kind, names, v_format="fp16", world=1):
     elif kind == "O2":
         opt = Fp8AdamW(groups, lins, v_format=v_format)
     else:
-        from nanofp8.dist import ZeroFp8AdamW
+        from nanofp8.zero import ZeroFp8AdamW
 
         opt = ZeroFp8AdamW(groups, lins, v_format=v_format)
 

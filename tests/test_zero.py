@@ -11,7 +11,8 @@ import torch.nn as nn
 from conftest import spawn
 
 from nanofp8 import optim
-from nanofp8.dist import Fp8DataParallel, O3Linear, ZeroFp8AdamW, comm_stats, convert_to_o3
+from nanofp8.dist import Fp8DataParallel, comm_stats
+from nanofp8.zero import O3Linear, ZeroFp8AdamW, convert_to_o3
 from nanofp8.fp8 import Recipe, convert_to_fp8
 from nanofp8.optim import Fp8AdamW, convert_to_o2, holds_fp8_grad, training_state_bytes
 
@@ -161,7 +162,7 @@ def test_o3_refuses_state_of_another_world_size():
 
 
 def o2_dp_worker(rank, world, outdir):
-    from nanofp8.dist import sync_fp8_wgrads
+    from nanofp8.zero import sync_fp8_wgrads
 
     torch.manual_seed(100 + rank)
     model = convert_to_o2(convert_to_fp8(base_model(), Recipe(), module_filter=fp8_filter))
