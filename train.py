@@ -19,12 +19,10 @@ Precision levels (`precision=...`):
     O3    as O2, with the master weights and moments sharded over the data-parallel ranks
           (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
 
-The level touches the training loop in three small functions here and one in run.py:
-setup_precision (what the layers compute in), build_optimizer (what holds the master weights and
-moments), optimizer_step (how gradients become an update) and run.wrap_data_parallel (how the
-replicas sum gradients: bf16 with torch's DDP in fp32, as nanoGPT; the FP8 levels send the FP8
-layers' weight gradients in FP8, grad_comm, with nanofp8.dist.Fp8DataParallel, overlapped with
-backward).
+The level touches the loop in setup_precision (what the layers compute in), build_optimizer (what
+holds the master weights and moments), optimizer_step (how gradients become an update) and
+run.wrap_data_parallel (how the replicas sum gradients: torch's DDP in fp32 at bf16; at the FP8
+levels nanofp8.dist.Fp8DataParallel sends the FP8 layers' weight gradients in FP8, grad_comm).
 
 Model parallelism (nanofp8/parallel.py), bf16 and O1, under torchrun: the N processes form
 N / (tensor_parallel * pipeline_parallel) data-parallel replicas of a model whose block matrices
@@ -34,22 +32,18 @@ blocks are cut into pipeline_parallel stages (GPipe); what crosses between them 
     torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py tensor_parallel=2 sequence_parallel=True \
         pipeline_parallel=2                     # 2 replicas x 2 tensor x 2 pipeline ranks
 
-The loop in main() is flat, as nanoGPT's: every eval_interval iterations evaluate (and
-checkpoint); then forward and backward over the micro-batches under autocast, each loss divided
-by their number before loss.backward(); then optimizer_step. The layout (nanofp8/layout.py) is
-one object in every run, of sizes 1 for one process; what differs between layouts is in
-nanofp8/run.py behind named calls: a pipeline's schedule (pipeline_loss: GPipe runs every
-micro-batch's forward, then every backward, so it calls backward itself), gradients spread over
-ranks (sync_gradients, clip), O3's sharded state and a checkpoint file per model-parallel rank
-(save_unless_diverged).
+The loop in main() is flat, as nanoGPT's: evaluate (and checkpoint) every eval_interval
+iterations, forward and backward over the micro-batches, optimizer_step. What differs between
+layouts (nanofp8/layout.py: one object, of sizes 1 for one process) is in nanofp8/run.py: a
+pipeline's schedule (pipeline_loss, which owns backward), gradients spread over ranks
+(sync_gradients, clip), O3's sharded state and per-rank checkpoint files (save_unless_diverged).
 
 Checkpoints (nanofp8/outdir.py): each is a set, out_dir/ckpt-<iter>/, complete once its
 manifest is written; the newest keep_checkpoints are kept, a diverged state is never saved, and
-a run refuses to start where it would lose work (another run's checkpoint or lock, an out_dir it
-cannot write). Every failure is one line and an exit status (README: "Checkpoints and recovery").
-
-Seeing the numerics (nanofp8/stats.py): a table of the Linears (FP8 or not, and why), a count of
-GEMMs that fell back to high precision, and fp8_stats_interval=N: per-cast statistics to jsonl.
+a run refuses to start where it would lose work. Every failure is one line and an exit status
+(README: "Checkpoints and recovery"). Seeing the numerics (nanofp8/stats.py): a table of the
+Linears (FP8 or not, and why), a count of GEMMs that fell back to high precision, and
+fp8_stats_interval=N: per-cast statistics to jsonl.
 
 Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, rank), so a resumed
 run (init_from='resume') reproduces one that never stopped, on CPU bit for bit. The config is
@@ -74,7 +68,7 @@ from nanofp8.model import GPT, GPTConfig, apply_fp8, load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.outdir import trim_jsonl
 from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
-                         nothing_to_do, pipeline_loss, prepare_out_dir, read_losses, restore_state, resume_point,
+                         nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
                          save_unless_diverged, shard_model, show_fp8_layers, sync_gradients, weights_finite,
                          wrap_data_parallel)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
@@ -283,6 +277,18 @@ def lr_at(it, cfg):
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - cfg["min_lr"])
 
 
+def read_losses(losses):
+    """The training losses [(iter, loss)] stay device tensors until a log line reads them, all
+    the unread ones with one sync: they are replaced by floats in place. Returns the last one."""
+    start = len(losses)
+    while start > 0 and torch.is_tensor(losses[start - 1][1]):
+        start -= 1
+    if start < len(losses):
+        values = torch.stack([loss for _, loss in losses[start:]]).tolist()
+        losses[start:] = [(it, v) for (it, _), v in zip(losses[start:], values)]
+    return losses[-1][1] if losses else float("nan")
+
+
 @torch.no_grad()
 def estimate_loss(model, data, cfg, autocast, layout):
     """Mean loss over eval_iters batches per split. The batches are the same at every evaluation
@@ -420,19 +426,20 @@ def main(argv=None):
             stats.start()
         batches = batches if batches_of == iter_num else train_batches(iter_num)
         # Forward and backward over the micro-batches; the gradients add up in .grad.
-        if layout.model_parallel:  # GPipe: every micro-batch forward through the stages, then
-            loss = pipeline_loss(model, batches, layout, autocast, cfg)  # every backward (parallel.py)
+        if layout.model_parallel:
+            # GPipe's schedule owns backward: every micro-batch forward through the stages, then
+            # every backward, each loss / accum (nanofp8/parallel.py: pipeline_step)
+            loss = pipeline_loss(model, batches, layout, autocast, cfg)
         else:
             loss = torch.zeros((), device=layout.device)  # the mean over the micro-batches, for the log
             for micro_step, (x, y) in enumerate(batches):
                 # The replicas sum gradients during the last micro-step's backward only.
-                last = micro_step == len(batches) - 1
-                with model.no_sync() if layout.dp > 1 and not last else nullcontext():
+                with model.no_sync() if layout.dp > 1 and micro_step < accum - 1 else nullcontext():
                     with autocast:
                         _, micro_loss = model(x, y)
-                    (micro_loss / len(batches)).backward()
+                    (micro_loss / accum).backward()  # the step's gradient: the mean over micro-steps
                 loss += micro_loss.detach().float()
-            loss = loss / len(batches)
+            loss = loss / accum
         # The next iteration's batches now, while the GPU still runs this backward: the step's one
         # sync (in optimizer_step) waits for the backward to finish, and from then on the GPU
         # waits for the host only until the optimizer's first kernel is launched.

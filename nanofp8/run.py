@@ -688,18 +688,6 @@ def peak_flops(cfg, device_type):
     return None
 
 
-def read_losses(losses):
-    """The training losses [(iter, loss)] stay device tensors until a log line reads them, all
-    the unread ones with one sync: they are replaced by floats in place. Returns the last one."""
-    start = len(losses)
-    while start > 0 and torch.is_tensor(losses[start - 1][1]):
-        start -= 1
-    if start < len(losses):
-        values = torch.stack([loss for _, loss in losses[start:]]).tolist()
-        losses[start:] = [(it, v) for (it, _), v in zip(losses[start:], values)]
-    return losses[-1][1] if losses else float("nan")
-
-
 class Clock:
     """Step time, throughput and MFU (against peak_flops), averaged over the steps since the last
     log line."""
