@@ -676,7 +676,7 @@ PEAK_FLOPS = {"H100": (989e12, 1979e12), "H200": (989e12, 1979e12), "H800": (989
               "A100": (312e12, None)}
 
 
-def peak_flops(cfg, device_type):
+def peak_flops_for(cfg, device_type):
     if cfg["peak_flops"] > 0:
         return cfg["peak_flops"]
     if device_type != "cuda":
@@ -689,12 +689,12 @@ def peak_flops(cfg, device_type):
 
 
 class Clock:
-    """Step time, throughput and MFU (against peak_flops), averaged over the steps since the last
-    log line."""
+    """Step time, throughput and MFU (against peak_flops_for), averaged over the steps since the
+    last log line."""
 
     def __init__(self, cfg, layout, tokens_per_iter, flops_per_token):
         self.tokens, self.flops, self.world = tokens_per_iter, flops_per_token, layout.world
-        self.peak = peak_flops(cfg, layout.device_type)
+        self.peak = peak_flops_for(cfg, layout.device_type)
         self.t_last, self.step_time, self.steps = time.time(), 0.0, 0
 
     def restart(self):
