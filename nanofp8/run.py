@@ -295,7 +295,7 @@ def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok
     checkpoints). Returns the new count of skipped steps in a row. weights_ok: optimizer_step's
     verdict on the weights its step started from, i.e. on the update of iteration iter_num - 1,
     made with learning rate prev_lr (read in the step's one sync; a checkpoint is never written
-    between that update and this check: save_if_better checks the weights itself)."""
+    between that update and this check: save_unless_diverged checks the weights itself)."""
     if not weights_ok:
         bad = nonfinite_tensors(model)
         raise TrainingStopped(f"the update of iteration {iter_num - 1} (learning rate {prev_lr:g}) made weights "
