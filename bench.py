@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import Recipe
+from nanofp8.fp8 import GRANULARITIES, Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
 from nanofp8.optim import activation_bytes, fp8_grad, training_state_bytes
 
@@ -105,21 +105,27 @@ MODELS = {
     # for the tests: runs in seconds
     "tiny": GPTConfig(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=128, block_size=64),
 }
-# O2 variants: "-fp8v" stores sqrt(v) in E4M3 (o2_v_format="fp8"), "-fp8acc" sums micro-steps in
-# FP8 instead of in an fp16 buffer (convert_to_o2(grad_accum="fp8"); nanofp8/optim.py, (6)).
-LEVELS = ("bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc")
+# The levels the memory table measures: name -> train.py's overrides. O2's two variants: sqrt(v)
+# stored in E4M3 instead of v in fp16 ("-fp8v"), micro-steps summed in FP8 instead of in an fp16
+# buffer ("-fp8acc"; nanofp8/optim.py, (6)).
+LEVELS = {
+    "bf16": dict(precision="bf16"),
+    "O1": dict(precision="O1"),
+    "O2": dict(precision="O2"),
+    "O2-fp8v": dict(precision="O2", o2_v_format="fp8"),
+    "O2-fp8acc": dict(precision="O2", o2_grad_accum="fp8"),
+    "O2-fp8v-fp8acc": dict(precision="O2", o2_v_format="fp8", o2_grad_accum="fp8"),
+}
 
 
 def build(cfg, level, backend=None, device="cpu"):
     """A model on `device` and its optimizer at a precision level, built by train.py's own
     setup_precision and build_optimizer. Returns (model, optimizer, train.py's settings, for
-    train.optimizer_step). level: one of LEVELS; backend: train.py's fp8_backend."""
+    train.optimizer_step). level: a name in LEVELS; backend: train.py's fp8_backend."""
     import train
 
-    precision, variants = level.split("-")[0], level.split("-")[1:]
-    settings = train.load_config([f"precision={precision}", f"fp8_backend={backend}", "compile=False",
-                                  f"o2_v_format={'fp8' if 'fp8v' in variants else 'fp16'}",
-                                  f"o2_grad_accum={'fp8' if 'fp8acc' in variants else 'fp16'}"])
+    settings = train.load_config([f"{k}={v}" for k, v in LEVELS[level].items()]
+                                 + [f"fp8_backend={backend}", "compile=False"])
     torch.manual_seed(0)
     model = GPT(cfg)
     train.setup_precision(model, settings, device.split(":")[0])
@@ -185,7 +191,8 @@ def cmd_memory(args):
 
 # Frozen FP8 models (nanofp8/checkpoint.py: freeze_fp8): the weights of an inference model, or of
 # the frozen reference / reward model of RLHF or distillation, which needs no master copy at all.
-FROZEN_GRANULARITIES = ("row", "block")
+# The finer granularities, whose scales cost bytes (a per-tensor scale is 4 bytes per weight matrix).
+FROZEN_GRANULARITIES = tuple(g for g in GRANULARITIES if g != "tensor")
 
 
 def measure_frozen(cfg, granularity):
@@ -532,7 +539,7 @@ METHOD = {
 
 
 def target(variant):
-    return BLOCK_TARGET if "block" in variant else TARGET
+    return BLOCK_TARGET if VARIANTS[variant][0].get("fp8_granularity") == "block" else TARGET
 
 
 def run_path(runs_dir, name, seed, iters, tag=None):

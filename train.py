@@ -19,11 +19,10 @@ Precision levels (`precision=...`):
     O3    as O2, with the master weights and moments sharded over the data-parallel ranks
           (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
 
-The level touches the training loop in four small functions and nowhere else: setup_precision
-(what the layers compute in), build_optimizer (what holds the master weights and moments),
-optimizer_step (how gradients become an update) and wrap_data_parallel (how the replicas sum
-gradients: bf16 with torch's DDP in fp32, as nanoGPT; the FP8 levels send the FP8 layers' weight
-gradients in FP8, grad_comm, with nanofp8.dist.Fp8DataParallel, overlapped with backward).
+The level touches the loop in setup_precision (what the layers compute in), build_optimizer (what
+holds the master weights and moments), optimizer_step (how gradients become an update) and
+run.wrap_data_parallel (how the replicas sum gradients: torch's DDP in fp32 at bf16; at the FP8
+levels nanofp8.dist.Fp8DataParallel sends the FP8 layers' weight gradients in FP8, grad_comm).
 
 Model parallelism (nanofp8/parallel.py), bf16 and O1, under torchrun: the N processes form
 N / (tensor_parallel * pipeline_parallel) data-parallel replicas of a model whose block matrices
@@ -33,18 +32,18 @@ blocks are cut into pipeline_parallel stages (GPipe); what crosses between them 
     torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py tensor_parallel=2 sequence_parallel=True \
         pipeline_parallel=2                     # 2 replicas x 2 tensor x 2 pipeline ranks
 
-The layout (nanofp8/layout.py) is one object in every run, of sizes 1 for one process; what
-differs between layouts (a pipeline's schedule, gradients spread over ranks, O3's sharded state,
-a checkpoint file per model-parallel rank) is in nanofp8/run.py. The loop is flat: evaluate every
-eval_interval iterations (and checkpoint), forward/backward over the micro-batches, step.
+The loop in main() is flat, as nanoGPT's: evaluate (and checkpoint) every eval_interval
+iterations, forward and backward over the micro-batches, optimizer_step. What differs between
+layouts (nanofp8/layout.py: one object, of sizes 1 for one process) is in nanofp8/run.py: a
+pipeline's schedule (pipeline_loss, which owns backward), gradients spread over ranks
+(sync_gradients, clip), O3's sharded state and per-rank checkpoint files (save_unless_diverged).
 
 Checkpoints (nanofp8/outdir.py): each is a set, out_dir/ckpt-<iter>/, complete once its
 manifest is written; the newest keep_checkpoints are kept, a diverged state is never saved, and
-a run refuses to start where it would lose work (another run's checkpoint or lock, an out_dir it
-cannot write). Every failure is one line and an exit status (README: "Checkpoints and recovery").
-
-Seeing the numerics (nanofp8/stats.py): a table of the Linears (FP8 or not, and why), a count of
-GEMMs that fell back to high precision, and fp8_stats_interval=N: per-cast statistics to jsonl.
+a run refuses to start where it would lose work. Every failure is one line and an exit status
+(README: "Checkpoints and recovery"). Seeing the numerics (nanofp8/stats.py): a table of the
+Linears (FP8 or not, and why), a count of GEMMs that fell back to high precision, and
+fp8_stats_interval=N: per-cast statistics to jsonl.
 
 Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, rank), so a resumed
 run (init_from='resume') reproduces one that never stopped, on CPU bit for bit. The config is
@@ -54,6 +53,7 @@ read-only once validated; what the run derives from it is kept, and saved, apart
 import math
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 
@@ -65,15 +65,13 @@ from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dat
 from nanofp8.dist import Fp8DataParallel
 from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
-from nanofp8.ckptfile import CheckpointError, load_model_state
+from nanofp8.ckptfile import load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
-from nanofp8.parallel import TPDataParallel
-from nanofp8.outdir import last_good, trim_jsonl
-from nanofp8.run import (Clock, TrainingStopped, check_replicas, check_room, check_step, clip, command, diverged,
-                         eval_loss, finish, forward_backward, grad_comm_format, nonfinite_tensors, nothing_to_do,
-                         optimizer_state, peak_flops_for, pipeline_formats, prepare_out_dir, read_losses,
-                         restore_state, resume_point, rng_state, save_checkpoint_set, shard_model, show_fp8_layers,
-                         sync_gradients, weights_finite_flag)
+from nanofp8.outdir import trim_jsonl
+from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
+                         nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
+                         save_unless_diverged, shard_model, show_fp8_layers, sync_gradients, weights_finite,
+                         wrap_data_parallel)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
 from nanofp8.zero import ZeroFp8AdamW, convert_to_o3
 
@@ -242,7 +240,7 @@ def optimizer_step(model, optimizer, cfg, layout=None, clips=None):
     max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     layout = layout or Layout(device=str(next(model.parameters()).device))  # the flags live there
     finite = sync_gradients(model, layout)  # the same verdict on every rank
-    weights_ok = weights_finite_flag(model, layout)
+    weights_ok = weights_finite(model, layout)
     clipped = [] if clips is None else [clips.flag().to(weights_ok.device)]
     if cfg["precision"] == "O3":  # the FP8 gradient shards came from backward: clip, step
         shards = model.take_wgrad_shards() if isinstance(model, Fp8DataParallel) else None
@@ -265,27 +263,6 @@ def optimizer_step(model, optimizer, cfg, layout=None, clips=None):
     return norm, stepped, weights_ok == 1
 
 
-def wrap_data_parallel(model, cfg, layout):
-    """How the replicas sum their gradients (one replica: nothing to do).
-    bf16 (grad_comm auto/fp32): torch's DDP, fp32 all-reduce overlapped with backward.
-    FP8 levels: Fp8DataParallel sends the FP8 layers' weight gradients in FP8 (a scale per 128
-    values of one parameter, summed in fp32) and the rest in grad_comm_rest (nanofp8/dist.py),
-    overlapped with backward by hooks, as DDP; O2/O3's FP8 gradients (outside .grad) leave from
-    each layer's "weight gradient ready" hook: O2 all-reduces them, O3 reduce-scatters them.
-    Model parallel: TPDataParallel over the replicas (it broadcasts replica 0's weights)."""
-    fmt, rest = grad_comm_format(cfg)
-    if layout.dp == 1:
-        return model
-    if layout.model_parallel:
-        return TPDataParallel(model, layout, fmt=fmt, rest=rest, overlap=True)
-    if cfg["precision"] == "bf16" and fmt == torch.float32:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(model, device_ids=[torch.device(layout.device).index] if layout.device_type == "cuda" else None)
-    wgrads = {"O2": "all_reduce", "O3": "reduce_scatter"}.get(cfg["precision"])
-    return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True, wgrads=wgrads)
-
-
 # -----------------------------------------------------------------------------
 
 
@@ -300,6 +277,18 @@ def lr_at(it, cfg):
         return cfg["min_lr"]
     progress = (it - warmup) / max(1, decay_end - warmup)
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - cfg["min_lr"])
+
+
+def read_losses(losses):
+    """The training losses [(iter, loss)] stay device tensors until a log line reads them, all
+    the unread ones with one sync: they are replaced by floats in place. Returns the last one."""
+    start = len(losses)
+    while start > 0 and torch.is_tensor(losses[start - 1][1]):
+        start -= 1
+    if start < len(losses):
+        values = torch.stack([loss for _, loss in losses[start:]]).tolist()
+        losses[start:] = [(it, v) for (it, _), v in zip(losses[start:], values)]
+    return losses[-1][1] if losses else float("nan")
 
 
 @torch.no_grad()
@@ -321,7 +310,12 @@ def estimate_loss(model, data, cfg, autocast, layout):
         for k in batches:
             gen = batch_generator(cfg["seed"], EVAL_STREAMS[split], 0, k, layout.dp_rank)
             x, y = get_batch(data[split], cfg["batch_size"], cfg["block_size"], gen, layout.device)
-            total += eval_loss(model, x, y, layout, autocast, pipeline_formats(cfg)).float()
+            if layout.model_parallel:  # the pipeline's last stage computes the loss
+                loss = pipeline_loss(model, [(x, y)], layout, autocast, cfg, train=False)
+            else:
+                with autocast:
+                    _, loss = model(x, y)
+            total += loss.float()
         if layout.dp > 1:
             torch.distributed.all_reduce(total, group=layout.dp_group)
         out[split] = total.item() / (cfg["eval_iters"] * layout.dp)
@@ -340,50 +334,11 @@ def build_model(cfg, layout, model_args, ckpt, converted, log):
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = shard_model(model, cfg, layout)  # from here on: this rank's stage
     if ckpt is not None:
-        load_model_state(model, ckpt["model"], ckpt["path"])
-        bad = nonfinite_tensors(model)
-        if bad:
-            raise CheckpointError(f"{ckpt['path']} holds non-finite values in {bad[:5]}: the run that wrote "
-                                  f"it had diverged; resume from an earlier checkpoint")
+        load_resumed(model, ckpt)
     model.to(layout.device)
     if cfg["precision"] != "bf16":
         show_fp8_layers(model, cfg["fp8_strict"], log)  # what really runs in FP8
     return model, desc, n_params, flops_per_token
-
-
-def save_if_better(raw_model, optimizer, cfg, run, layout, iter_num, val_loss, best_val_loss, skipped, log):
-    """Checkpoint after an evaluation (always_save_checkpoint, or a better val loss) as a new set
-    (nanofp8/outdir.py, the older ones kept up to keep_checkpoints), but never a state that has
-    diverged (run.diverged): it would push the last good one out. A final evaluation that has
-    diverged stops the run. Called on every rank (O3 shards and the RNG streams are gathered).
-    Saves the config as it was asked for and, apart, what the run derived. Returns the best val loss."""
-    improved, best = val_loss < best_val_loss, min(best_val_loss, val_loss)
-    if iter_num == 0 or cfg["eval_only"] or not (improved or cfg["always_save_checkpoint"]):
-        return best
-    why = diverged(raw_model, cfg, layout, val_loss, best_val_loss, skipped)
-    if why:
-        log(f"not saving a checkpoint: {why}; {last_good(cfg['out_dir'])}")
-        if iter_num >= cfg["max_iters"]:
-            raise TrainingStopped(f"the run ended diverged ({why}), so its final state is not saved; "
-                                  f"{last_good(cfg['out_dir'])}: resume from it with a lower learning_rate")
-        return best
-    state = {
-        "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
-        "optimizer": optimizer_state(optimizer, layout),
-        "model_args": run["model_args"],
-        "config": dict(cfg),
-        "derived": {k: v for k, v in run.items() if k != "model_args"},
-        "iter_num": iter_num, "best_val_loss": best,
-        "rng": rng_state(layout),
-        # Batches are a function of (seed, iteration): the iteration is the position.
-        "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
-                 "tokens_seen": iter_num * run["tokens_per_iter"]},
-    }
-    done = save_checkpoint_set(state, cfg, layout, iter_num, val_loss=val_loss, best_val_loss=best)
-    if done is not None:
-        log(f"saved checkpoint to {done.path}" + (f" ({len(done.files)} files: one per tensor and pipeline "
-                                                  "rank)" if layout.model_parallel else ""))
-    return best
 
 
 # -----------------------------------------------------------------------------
@@ -414,8 +369,9 @@ def main(argv=None):
     iter_num, best_val_loss = restore_state(model, optimizer, ckpt, converted, cfg, layout, log)
     ckpt = converted = None  # free the loaded tensors
     start_iter, raw_model = iter_num, model  # raw_model: whose state_dict is saved (no wrappers)
-    run = {"model_args": model_args, "device": layout.device, "compile": compile_model, "world_size":
-           layout.world, "tokens_per_iter": cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]}
+    tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
+    derived = {"model_args": model_args, "device": layout.device, "compile": compile_model,
+               "world_size": layout.world, "tokens_per_iter": tokens_per_iter}  # saved beside the config
     keep_stats = cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and layout.master
     note = keep_stats and start_iter > 0 and trim_jsonl(os.path.join(cfg["out_dir"], "fp8_stats.jsonl"), start_iter)
     if note:  # the records written after the checkpoint's iteration go: this run writes them again
@@ -431,7 +387,7 @@ def main(argv=None):
     log(f"{n_params / 1e6:.2f}M parameters ({model_args['arch']}, {model_args['n_layer']} layers, "
         f"d={model_args['n_embd']}), {precision_desc}\ndevice {layout.device} x {layout.world} = "
         f"{layout.describe(cfg['sequence_parallel'])}, {accum} micro-batches per replica, compile="
-        f"{compile_model}, {run['tokens_per_iter']:,} tokens per iteration, "
+        f"{compile_model}, {tokens_per_iter:,} tokens per iteration, "
         f"{'resuming at iter ' + str(iter_num) if start_iter else 'from scratch'}")
     for note in config_notes(cfg, start_iter):
         log(note)
@@ -445,7 +401,7 @@ def main(argv=None):
                 for j, rank in layout.micro_batch_keys(accum)]
 
     batches, batches_of = None, None
-    clock = Clock(run["tokens_per_iter"], peak_flops_for(cfg, layout.device_type), flops_per_token, layout)
+    clock = Clock(cfg, layout, tokens_per_iter, flops_per_token)
     while True:
         lr = lr_at(iter_num, cfg)
         for group in optimizer.param_groups:
@@ -459,8 +415,11 @@ def main(argv=None):
             check_replicas(raw_model, layout)
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             history["evals"].append((iter_num, losses["train"], losses["val"]))
-            best_val_loss = save_if_better(raw_model, optimizer, cfg, run, layout, iter_num, losses["val"],
-                                           best_val_loss, skipped_in_a_row, log)
+            improved = losses["val"] < best_val_loss
+            if iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
+                save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, losses["val"], best_val_loss,
+                                     skipped_in_a_row, derived, log)
+            best_val_loss = min(best_val_loss, losses["val"])
             clock.restart()  # do not bill the evaluation to the next iteration
         if cfg["eval_only"] or iter_num >= cfg["max_iters"]:
             break
@@ -468,7 +427,21 @@ def main(argv=None):
         if stats is not None and stats.due(iter_num):
             stats.start()
         batches = batches if batches_of == iter_num else train_batches(iter_num)
-        loss = forward_backward(model, batches, layout, autocast, pipeline_formats(cfg))
+        # Forward and backward over the micro-batches; the gradients add up in .grad.
+        if layout.model_parallel:
+            # GPipe's schedule owns backward: every micro-batch forward through the stages, then
+            # every backward, each loss / accum (nanofp8/parallel.py: pipeline_step)
+            loss = pipeline_loss(model, batches, layout, autocast, cfg)
+        else:
+            loss = torch.zeros((), device=layout.device)  # the mean over the micro-batches, for the log
+            for micro_step, (x, y) in enumerate(batches):
+                # The replicas sum gradients during the last micro-step's backward only.
+                with model.no_sync() if layout.dp > 1 and micro_step < accum - 1 else nullcontext():
+                    with autocast:
+                        _, micro_loss = model(x, y)
+                    (micro_loss / accum).backward()  # the step's gradient: the mean over micro-steps
+                loss += micro_loss.detach().float()
+            loss = loss / accum
         # The next iteration's batches now, while the GPU still runs this backward: the step's one
         # sync (in optimizer_step) waits for the backward to finish, and from then on the GPU
         # waits for the host only until the optimizer's first kernel is launched.

@@ -29,6 +29,7 @@ optim.py  Fp8AdamW.step                        AdamW on the dequantized fp8_grad
                                                   master (set_weights) and its next FP8 cast
                                                   (O2Linear.refresh_fp8_weight)
 
-train.py's step calls the last three through run.optimizer_step. Every consumer of the FP8
-gradient asks the parameter (optim.fp8_grad); no module holds it.
+train.py's optimizer_step calls the last three (the first two through run.sync_gradients and
+run.clip). Every consumer of the FP8 gradient asks the parameter (optim.fp8_grad); no module
+holds it.
 """

@@ -4,10 +4,11 @@ makes a difference, so that the loop itself is the same for one process, data pa
 model cut over tensor and pipeline ranks.
 
     model = shard_model(model, cfg, layout)       # this rank's pipeline stage (or the model)
-    loss = forward_backward(model, batches, layout, autocast, formats)
+    model = wrap_data_parallel(model, cfg, layout)  # how the replicas sum gradients
+    loss = pipeline_loss(model, batches, layout, autocast, cfg)  # model parallel: GPipe's step
     finite = sync_gradients(model, layout); norm = clip(model, max_norm, layout)
     check_replicas(model, layout)                 # at every evaluation
-    optimizer_state(optimizer, layout), rng_state(layout)   # what a checkpoint holds
+    save_unless_diverged(...)                     # a checkpoint set: O3 shards, RNG streams
 
 Where the answers differ, they differ for a reason written next to them: a pipeline runs all
 micro-batches at once (GPipe), a model-parallel gradient is spread over ranks before it is
@@ -25,7 +26,6 @@ import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import fields
 
 import torch
@@ -39,7 +39,7 @@ from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2
 from .layout import GroupError, is_collective_failure, report_collective_failure, stop
 from .model import GPTConfig
-from .ckptfile import CheckpointError, WriteError, load_checkpoint, root_cause, save_checkpoint
+from .ckptfile import CheckpointError, WriteError, load_checkpoint, load_model_state, root_cause, save_checkpoint
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
                      prune, release_lock, release_locks, room_for, scan, set_name)
 from .optim import clip_grad_norm
@@ -114,42 +114,24 @@ def _stage(model):
     return model.module if isinstance(model, Fp8DataParallel) else model
 
 
-def forward_backward(model, batches, layout, autocast, formats):
-    """Forward and backward over this rank's micro-batches [(x, y)]; gradients add up in .grad.
-    Returns the mean loss as a device tensor (read at logging iterations: no sync of its own).
-
-    One process or data parallel: one micro-batch after the other, each loss / len(batches);
-    with several replicas only the last backward communicates (no_sync on the others), and the
-    loss is this rank's. Model parallel: GPipe runs the micro-batches forward through the stages,
-    then backward (nanofp8/parallel.py); the loss is averaged over the replicas, so it compares
-    with one device's. formats: pipeline_formats(cfg)."""
-    if layout.model_parallel:
-        replicas = model if isinstance(model, Fp8DataParallel) else None  # reduces during backward
-        loss = parallel.pipeline_step(_stage(model), batches, layout, autocast=autocast,
-                                      act_fmt=formats[0], grad_fmt=formats[1], dp=replicas)
-        if layout.dp > 1:
-            dist.all_reduce(loss, group=layout.dp_group)
-        return loss / layout.dp
-    loss_sum = torch.zeros((), device=layout.device)
-    for m, (x, y) in enumerate(batches):
-        local = layout.dp > 1 and m < len(batches) - 1
-        with model.no_sync() if local else nullcontext():
-            with autocast:
-                _, loss = model(x, y)
-            (loss / len(batches)).backward()
-        loss_sum += loss.detach().float()
-    return loss_sum / len(batches)
-
-
-@torch.no_grad()
-def eval_loss(model, x, y, layout, autocast, formats):
-    """The loss of one batch (model parallel: the last stage computes it and hands it to every
-    rank of the pipeline)."""
-    if layout.model_parallel:
-        return parallel.pipeline_step(_stage(model), [(x, y)], layout, autocast=autocast, train=False,
-                                      act_fmt=formats[0], grad_fmt=formats[1])
-    with autocast:
-        return model(x, y)[1]
+def pipeline_loss(model, batches, layout, autocast, cfg, train=True):
+    """The model-parallel forward and backward of this rank's micro-batches [(x, y)]: the GPipe
+    schedule (nanofp8/parallel.py) runs every micro-batch forward through the stages, then every
+    backward (each loss weighted 1 / len(batches)), so it owns loss.backward(); gradients add up
+    in .grad as in train.py's own micro-step loop. Returns the mean loss as a device tensor,
+    averaged over the replicas so that it compares with one device's. train=False: the loss of
+    an evaluation batch, forwards only (the last stage computes it and hands it to every rank of
+    the pipeline; the caller averages over the replicas)."""
+    act_fmt, grad_fmt = pipeline_formats(cfg)
+    if not train:
+        return parallel.pipeline_step(_stage(model), batches, layout, autocast=autocast, train=False,
+                                      act_fmt=act_fmt, grad_fmt=grad_fmt)
+    replicas = model if isinstance(model, Fp8DataParallel) else None  # reduces during backward
+    loss = parallel.pipeline_step(_stage(model), batches, layout, autocast=autocast,
+                                  act_fmt=act_fmt, grad_fmt=grad_fmt, dp=replicas)
+    if layout.dp > 1:
+        dist.all_reduce(loss, group=layout.dp_group)
+    return loss / layout.dp
 
 
 def sync_gradients(model, layout):
@@ -167,6 +149,27 @@ def sync_gradients(model, layout):
     if not isinstance(model, Fp8DataParallel):
         return torch.ones((), device=layout.device)  # DDP: a NaN reaches the norm, checked there
     return model.sync_gradients().to(layout.device, torch.float32)
+
+
+def wrap_data_parallel(model, cfg, layout):
+    """How the replicas sum their gradients (one replica: nothing to do).
+    bf16 (grad_comm auto/fp32): torch's DDP, fp32 all-reduce overlapped with backward.
+    FP8 levels: Fp8DataParallel sends the FP8 layers' weight gradients in FP8 (a scale per 128
+    values of one parameter, summed in fp32) and the rest in grad_comm_rest (nanofp8/dist.py),
+    overlapped with backward by hooks, as DDP; O2/O3's FP8 gradients (outside .grad) leave from
+    each layer's "weight gradient ready" hook: O2 all-reduces them, O3 reduce-scatters them.
+    Model parallel: TPDataParallel over the replicas (it broadcasts replica 0's weights)."""
+    fmt, rest = grad_comm_format(cfg)
+    if layout.dp == 1:
+        return model
+    if layout.model_parallel:
+        return parallel.TPDataParallel(model, layout, fmt=fmt, rest=rest, overlap=True)
+    if cfg["precision"] == "bf16" and fmt == torch.float32:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[torch.device(layout.device).index] if layout.device_type == "cuda" else None)
+    wgrads = {"O2": "all_reduce", "O3": "reduce_scatter"}.get(cfg["precision"])
+    return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True, wgrads=wgrads)
 
 
 def clip(model, max_norm, layout):
@@ -204,6 +207,16 @@ def check_replicas(stage, layout):
                                   f"stopped; {last_good(current_out_dir) if current_out_dir else 'nothing saved'}")
 
 
+def load_resumed(stage, ckpt):
+    """Load the resumed checkpoint's weights into this rank's stage; refuse a checkpoint that
+    holds non-finite values (the run that wrote it had diverged)."""
+    load_model_state(stage, ckpt["model"], ckpt["path"])
+    bad = nonfinite_tensors(stage)
+    if bad:
+        raise CheckpointError(f"{ckpt['path']} holds non-finite values in {bad[:5]}: the run that wrote "
+                              f"it had diverged; resume from an earlier checkpoint")
+
+
 def show_fp8_layers(model, strict, log):
     """Log which Linears run in FP8 and which do not, and why (nanofp8/stats.py); under
     fp8_strict a GEMM that would fall back to high precision is a ConfigError, not a surprise.
@@ -237,15 +250,10 @@ def nonfinite_tensors(model):
     return [k for (k, _), good in zip(named, ok.tolist()) if not good]
 
 
-def weights_finite(model, layout):
-    """Whether every rank's weights are finite, read now (all ranks stop together even if only one
-    of them went bad). The training step reads weights_finite_flag in its own sync instead."""
-    return bool(weights_finite_flag(model, layout))
-
-
 @torch.no_grad()
-def weights_finite_flag(model, layout):
-    """weights_finite as a device tensor (1.0 or 0.0), read by the caller with the step's one sync:
+def weights_finite(model, layout):
+    """Whether every rank's weights are finite, as a device tensor (1.0 or 0.0): all ranks stop
+    together even if only one of them went bad. The training step reads it in its one sync. It is
     the largest magnitude of every floating-point parameter and buffer (fp8.amax_each: NaN
     propagates through it, an inf is its own maximum); the ranks agree by a MIN."""
     by_dtype = {}
@@ -270,7 +278,7 @@ def diverged(model, cfg, layout, val_loss, best_val_loss, skipped_in_a_row):
     forward pass overflows: resumed, they skip again). Every rank reaches the same verdict."""
     if not math.isfinite(val_loss):
         return f"the val loss is {val_loss}"
-    if not weights_finite(model, layout):
+    if not bool(weights_finite(model, layout)):
         return "the last update left non-finite weights"
     rise = cfg["max_loss_rise"]
     if rise > 0 and val_loss > best_val_loss + rise:
@@ -288,7 +296,7 @@ def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok
     checkpoints). Returns the new count of skipped steps in a row. weights_ok: optimizer_step's
     verdict on the weights its step started from, i.e. on the update of iteration iter_num - 1,
     made with learning rate prev_lr (read in the step's one sync; a checkpoint is never written
-    between that update and this check: save_if_better checks the weights itself)."""
+    between that update and this check: save_unless_diverged checks the weights itself)."""
     if not weights_ok:
         bad = nonfinite_tensors(model)
         raise TrainingStopped(f"the update of iteration {iter_num - 1} (learning rate {prev_lr:g}) made weights "
@@ -440,6 +448,39 @@ def save_checkpoint_set(state, cfg, layout, iter_num, **extra):
             discard_set(path)
         raise
     return done
+
+
+def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, best_val_loss, skipped_in_a_row,
+                         derived, log):
+    """Checkpoint after an evaluation, as a new set (the older ones kept up to keep_checkpoints),
+    but never a state that has diverged (diverged()): it would push the last good one out. A final
+    evaluation that has diverged stops the run. Called on every rank (O3 shards and the RNG
+    streams are gathered). Saves the config as it was asked for and, apart, what the run derived
+    (derived: its model_args, device, tokens per iteration, ...)."""
+    why = diverged(raw_model, cfg, layout, val_loss, best_val_loss, skipped_in_a_row)
+    if why:
+        log(f"not saving a checkpoint: {why}; {last_good(cfg['out_dir'])}")
+        if iter_num >= cfg["max_iters"]:
+            raise TrainingStopped(f"the run ended diverged ({why}), so its final state is not saved; "
+                                  f"{last_good(cfg['out_dir'])}: resume from it with a lower learning_rate")
+        return
+    best = min(best_val_loss, val_loss)
+    state = {
+        "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
+        "optimizer": optimizer_state(optimizer, layout),
+        "model_args": derived["model_args"],
+        "config": dict(cfg),
+        "derived": {k: v for k, v in derived.items() if k != "model_args"},
+        "iter_num": iter_num, "best_val_loss": best,
+        "rng": rng_state(layout),
+        # Batches are a function of (seed, iteration): the iteration is the position.
+        "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
+                 "tokens_seen": iter_num * derived["tokens_per_iter"]},
+    }
+    done = save_checkpoint_set(state, cfg, layout, iter_num, val_loss=val_loss, best_val_loss=best)
+    if done is not None:
+        log(f"saved checkpoint to {done.path}" + (f" ({len(done.files)} files: one per tensor and pipeline "
+                                                  "rank)" if layout.model_parallel else ""))
 
 
 def finish(cfg, layout):
@@ -648,23 +689,13 @@ def peak_flops_for(cfg, device_type):
     return None
 
 
-def read_losses(losses):
-    """The training losses [(iter, loss)] stay device tensors until a log line reads them, all
-    the unread ones with one sync: they are replaced by floats in place. Returns the last one."""
-    start = len(losses)
-    while start > 0 and torch.is_tensor(losses[start - 1][1]):
-        start -= 1
-    if start < len(losses):
-        values = torch.stack([loss for _, loss in losses[start:]]).tolist()
-        losses[start:] = [(it, v) for (it, _), v in zip(losses[start:], values)]
-    return losses[-1][1] if losses else float("nan")
-
-
 class Clock:
-    """Step time, throughput and MFU, averaged over the steps since the last log line."""
+    """Step time, throughput and MFU (against peak_flops_for), averaged over the steps since the
+    last log line."""
 
-    def __init__(self, tokens_per_iter, peak, flops_per_token, layout):
-        self.tokens, self.peak, self.flops, self.world = tokens_per_iter, peak, flops_per_token, layout.world
+    def __init__(self, cfg, layout, tokens_per_iter, flops_per_token):
+        self.tokens, self.flops, self.world = tokens_per_iter, flops_per_token, layout.world
+        self.peak = peak_flops_for(cfg, layout.device_type)
         self.t_last, self.step_time, self.steps = time.time(), 0.0, 0
 
     def restart(self):

@@ -122,6 +122,22 @@ def torchrun(nproc, *args, script="train.py", check=True, timeout=600):
     return out
 
 
+def micro_steps(model, batches, layout):
+    """train.py's forward and backward over one iteration's micro-batches, one process or data
+    parallel (the replicas sum in the last backward only), for tests that drive the step by hand.
+    Returns the mean loss."""
+    from contextlib import nullcontext
+
+    loss = torch.zeros((), device=layout.device)
+    for m, (x, y) in enumerate(batches):
+        with model.no_sync() if layout.dp > 1 and m < len(batches) - 1 else nullcontext():
+            with torch.autocast(torch.device(layout.device).type, dtype=torch.bfloat16):
+                _, micro_loss = model(x, y)
+            (micro_loss / len(batches)).backward()
+        loss += micro_loss.detach().float()
+    return loss / len(batches)
+
+
 def newest_checkpoint(out_dir, name="ckpt.pt"):
     """The path of one file (a rank's) of out_dir's newest complete checkpoint set."""
     from nanofp8.checkpoint import find_checkpoint

@@ -34,6 +34,17 @@ def test_memory_tiny(tmp_path):
     assert rows["O1"]["activation_B_per_token"] < rows["bf16"]["activation_B_per_token"]
 
 
+def test_levels_and_variants_are_tables(monkeypatch):
+    """A level or variant is its table's overrides, whatever its name says: nothing is parsed from
+    the name (a new variant is one line in the table)."""
+    monkeypatch.setitem(bench.LEVELS, "sqrt-v-in-e4m3", dict(precision="O2", o2_v_format="fp8"))
+    _, opt, settings = bench.build(bench.MODELS["tiny"], "sqrt-v-in-e4m3")
+    assert settings["precision"] == "O2" and settings["o2_v_format"] == "fp8" and settings["o2_grad_accum"] == "fp16"
+    monkeypatch.setitem(bench.VARIANTS, "fine", ({"precision": "O1", "fp8_granularity": "block"}, 1))
+    monkeypatch.setitem(bench.VARIANTS, "blockless", ({"precision": "O1"}, 1))
+    assert bench.target("fine") == bench.BLOCK_TARGET and bench.target("blockless") == bench.TARGET
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_comm_two_ranks(tmp_path):

@@ -38,7 +38,7 @@ from nanofp8.layout import make_layout
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.optim import (Fp8AdamW, clip_grad_norm, convert_to_o2, fp8_grad, fp8_grad_hook, holds_fp8_grad,
                            quantize_wgrad, set_fp8_grad)
-from nanofp8.run import check_replicas, grad_comm_format, pipeline_formats, shard_model
+from nanofp8.run import check_replicas, grad_comm_format, pipeline_formats, shard_model, wrap_data_parallel
 
 CFG = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0)
 DEADLINE_S = 240  # for the whole group; each collective also times out after 60 s
@@ -100,7 +100,7 @@ def dp_wire(rank, level, extra=()):
     cfg = train.load_config(BASE + [f"precision={level}", *extra])
     model = GPT(GPTConfig(**CFG))
     train.setup_precision(model, cfg, "cpu")
-    dp = train.wrap_data_parallel(model, cfg, make_layout())
+    dp = wrap_data_parallel(model, cfg, make_layout())
     opt = train.build_optimizer(dp.module if hasattr(dp, "module") else dp, cfg, "cpu")
     D.comm_stats(reset=True)
     x, y = tokens(rank)

@@ -205,7 +205,8 @@ def _o3_worker(rank, world, out_dir):
     import train
     from nanofp8.layout import make_layout
     from nanofp8.model import GPT, GPTConfig
-    from nanofp8.run import forward_backward
+    from conftest import micro_steps
+    from nanofp8.run import wrap_data_parallel
 
     cfg = train.load_config(["device=cpu", "batch_size=2", "block_size=32", "gradient_accumulation_steps=4",
                              "precision=O3", "fp8_backend=torch", "learning_rate=3e-3"])
@@ -218,15 +219,14 @@ def _o3_worker(rank, world, out_dir):
         train.setup_precision(m, cfg, "cpu")
         opt = train.build_optimizer(m, cfg, "cpu")
         run = torch.compile(m, backend="aot_eager") if compiled else m
-        models.append((train.wrap_data_parallel(run, cfg, layout), opt))
+        models.append((wrap_data_parallel(run, cfg, layout), opt))
     g = torch.Generator().manual_seed(rank)
     losses = []
     for step in range(3):
         batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, 64, (2, 2, 33), generator=g)]
         step_losses = []
         for wrapped, opt in models:
-            loss = forward_backward(wrapped, batches, layout, torch.autocast("cpu", dtype=torch.bfloat16),
-                                    ("bf16", "bf16"))
+            loss = micro_steps(wrapped, batches, layout)
             _, stepped, _ = train.optimizer_step(wrapped, opt, cfg, layout)
             assert stepped
             step_losses.append(float(loss))

@@ -80,7 +80,8 @@ def _dp_worker(rank, world, level, out_dir):
 
     from nanofp8.layout import make_layout
     from nanofp8.model import GPT, GPTConfig
-    from nanofp8.run import forward_backward
+    from conftest import micro_steps
+    from nanofp8.run import wrap_data_parallel
 
     fp8._emulating = lambda t: False  # the path a GPU takes (a spawned process of its own)
     cfg = train.load_config(["device=cpu", "compile=False", "batch_size=2", "block_size=32",
@@ -90,14 +91,14 @@ def _dp_worker(rank, world, level, out_dir):
     model = GPT(GPTConfig(arch="gpt2", n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=32))
     train.setup_precision(model, cfg, "cpu")
     raw = model
-    model = train.wrap_data_parallel(model, cfg, layout)
+    model = wrap_data_parallel(model, cfg, layout)
     opt = train.build_optimizer(raw, cfg, "cuda")  # the fused AdamW of a CUDA run (see above)
     g = torch.Generator().manual_seed(rank)
     counts = []
     for step in range(3):
         batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, 64, (2, 2, 33), generator=g)]
         with SyncCounter() as c:
-            forward_backward(model, batches, layout, torch.autocast("cpu", dtype=torch.bfloat16), ("bf16", "bf16"))
+            micro_steps(model, batches, layout)
             _, stepped, _ = train.optimizer_step(model, opt, cfg, layout)
         assert stepped
         counts.append((c.count, c.where))
