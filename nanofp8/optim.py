@@ -107,34 +107,53 @@ decides whether the step is taken. If any is NaN or inf, the step is skipped and
 (`optimizer.skipped_steps`), and no scale, moment or weight changes. A scale computed from a tiny
 amax stays a finite power of two (at most 2^126).
 
-The optimizer math itself runs in fp32 on dequantized copies, with the same betas, lr, weight
-decay and schedule as torch.optim.AdamW, for all tensors of a param group at once: each
-operation is one torch._foreach_* call over every O2 weight (or every fp32 parameter), so the
-update is ~140 operator calls whatever the model's depth, plus five per O2 weight: the three
-draws of its seeded rounding noise and the block amaxes of m and v (tests/test_optim.py counts
-them; each weight's FP8 cast for the next forward, which the step also makes, is per tensor: see
-O2Linear.refresh_fp8_weight). The price is transient memory: the fp32 copies of w, m, v and g,
-the int32 rounding noise of three tensors and the update's intermediates come to several dozen
-bytes per value while a foreach call runs, ten times the state O2 keeps. So the step takes the O2
-weights of a group in runs of at most STEP_CHUNK = 2^25 values (a larger weight alone), which
-changes no bit (tests/test_optim.py): the step's temporaries stay a few GB whatever the model's
-size, at the price of ~140 more operator calls per run.
+
+The step is one loop over the parameters (Fp8AdamW.step, foreach=False), read top to bottom:
+dequantize the FP8 gradient, the master and the moments to fp32; Adam's recursions and update in
+torch.optim.AdamW's operations and order; round the new m, v and master back to their formats.
+Its twin, nanofp8/optim_foreach.py (foreach=True, the default), does the same operations for all
+tensors of a param group at once, in a number of kernel launches that does not grow with the
+model's depth: torch.optim's own pair, _single_tensor_adamw and _multi_tensor_adamw. The two give
+the same bits (tests/test_optim.py).
 """
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import (E4M3, WEIGHT, Fp8Linear, amax_each, compute_scale, dequantize, fp8_to_float, pack_saved,
+from nanofp8.fp8 import (E4M3, WEIGHT, Fp8Format, Fp8Linear, amax_each, compute_scale, dequantize, pack_saved,
                          quantize, unpack_saved)
 
+# -----------------------------------------------------------------------------
+# The stored formats: one table (see the table at the top)
+
 FP16_MAX = 65504.0
+FP16 = Fp8Format("fp16", torch.float16, FP16_MAX, 2.0**-14)  # fp16 under a scale: the master, v
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16
+STATE_BLOCK = 128  # values per scale of the FP8 weight gradient, Adam m and Adam v (see (7))
 
 
-def _fp16_scale(amax, target):
+@dataclass(frozen=True)
+class StateFormats:
+    """The formats an O2/O3 weight's state is stored in. The weight gradient, m and v carry one
+    fp32 scale per block of state_block values (7); the fp16 master one per tensor (1)."""
+    grad: Fp8Format  # the weight gradient held on the weight, fp8_grad(p)
+    m: Fp8Format  # Adam's first moment
+    v: Fp8Format  # Adam's second moment, or its square root when v_sqrt (4)
+    v_sqrt: bool
+    master: Fp8Format = FP16
+
+
+STATE_FORMATS = {  # by Fp8AdamW's v_format
+    "fp16": StateFormats(grad=E4M3, m=E4M3, v=FP16, v_sqrt=False),
+    "fp8": StateFormats(grad=E4M3, m=E4M3, v=E4M3, v_sqrt=True),
+}
+GRAD_ACCUM = ("fp16", "fp8")  # how micro-steps are summed (6)
+
+
+def fp16_scale(amax, target):
     """Power-of-two scale putting amax near `target` in fp16 (1.0 when amax is 0 or bad). The
     exponent stays within +-126, so the scale is a finite fp32 number even for an amax of 1e-36
     (a v of tiny gradients squared): such a tensor keeps what fp16 can hold under 2^126."""
@@ -145,84 +164,42 @@ def _fp16_scale(amax, target):
     return torch.where(good, torch.exp2(exp), torch.ones_like(amax)).float()
 
 
-def to_fp16_scaled(x, target=MASTER_HEADROOM, generator=None):
+def to_fp16_scaled(x, target=MASTER_HEADROOM, noise=None):
     """(x * s in fp16, s) with s a power of two: exact rescaling, no subnormals for the bulk.
-    Rounds to nearest, or stochastically (see (5) above) when a generator is given."""
-    s = _fp16_scale(x.abs().amax(), target)
+    Rounds to nearest, or stochastically with `noise` (Fp8AdamW.rounding_noise's for the master, see (5))."""
+    s = fp16_scale(x.abs().amax(), target)
     y = x.float() * s
-    if generator is not None:
-        return round_stochastic(y, rounding_noise(y, torch.float16, generator), torch.float16), s
-    return y.half(), s
+    return (y.half() if noise is None else round_stochastic(y, noise.view(y.shape), FP16)), s
 
 
 # -----------------------------------------------------------------------------
 # Stochastic rounding (see (5) above), for the fp16 master and the stored moments alike
 
 MANTISSA_BITS = {torch.float16: 10, E4M3.dtype: 3}
-SMALLEST_NORMAL = {torch.float16: 2.0**-14, E4M3.dtype: E4M3.min_normal}
 
 
-def rounding_noise(like, dtype, generator):
-    """One integer per element of `like`, uniform in [-2^(d-1), 2^(d-1)), where d = 23 - the
-    mantissa bits of `dtype` is how many more significand bits fp32 has: half a spacing of
-    `dtype`, counted in units of fp32's last bit (see round_stochastic)."""
-    half = 1 << (22 - MANTISSA_BITS[dtype])
-    return torch.randint(-half, half, like.shape, generator=generator, device=like.device, dtype=torch.int32)
-
-
-def round_stochastic_all(ys, noises, dtype, out=None):
-    """fp32 tensors ys -> tensors of `dtype` (fp16 or E4M3, values in its range), each value
-    rounded to one of its two neighbours there, the upper one with probability equal to the
-    value's distance from the lower one, in spacings: the stored value is unbiased.
+def round_stochastic(y, noise, fmt):
+    """fp32 y -> fmt's dtype (fp16 or E4M3, values in its range), each value rounded to one of
+    its two neighbours there, the upper one with probability equal to the value's distance from
+    the lower one, in spacings: the stored value is unbiased.
 
     How: add to |y| a dither uniform in [-1/2, 1/2) of a spacing, then round to nearest (the
     cast). The value lands above the midpoint between its neighbours exactly as often as it should
-    land on the upper one. The dither is made without knowing the spacing: the noise (rounding_noise)
-    is added to the fp32 bit pattern of |y|, whose last d bits are what `dtype` does not keep, so
-    it moves |y| by up to half a spacing at |y|'s own exponent. Below the format's smallest normal
-    the spacing stops shrinking (subnormals are evenly spaced), so there the dither is taken at
-    1.5 times the smallest normal, whose spacing that is. A value of 0 stays 0; a value far below
-    a spacing becomes 0 or the smallest subnormal, unbiased. noises: from rounding_noise. out:
-    tensors of `dtype` to write into (else new ones)."""
-    mag = torch._foreach_abs(ys)
-    at = torch._foreach_clamp_min(mag, 1.5 * SMALLEST_NORMAL[dtype])  # where the dither is measured
-    moved = torch._foreach_add([a.view(torch.int32) for a in at], noises)
-    dither = torch._foreach_sub([m.view(torch.float32) for m in moved], at)
-    torch._foreach_add_(mag, dither)
-    torch._foreach_mul_(mag, torch._foreach_sign(ys))
-    if dtype == E4M3.dtype:  # |y| <= 448 plus a dither: above 448 it rounds to 448 anyway
-        torch._foreach_clamp_min_(mag, -E4M3.max)
-        torch._foreach_clamp_max_(mag, E4M3.max)
-    out = out if out is not None else [torch.empty(y.shape, dtype=dtype, device=y.device) for y in ys]
-    torch._foreach_copy_(out, mag)  # the cast rounds to nearest
-    return out
-
-
-def round_stochastic(y, noise, dtype):
-    """round_stochastic_all for one tensor."""
-    return round_stochastic_all([y], [noise], dtype)[0]
-
-
-GRAD_ACCUM = ("fp16", "fp8")
+    land on the upper one. The dither is made without knowing the spacing: the noise (Fp8AdamW.rounding_noise)
+    is added to the fp32 bit pattern of |y|, whose last d bits are what the format does not keep,
+    so it moves |y| by up to half a spacing at |y|'s own exponent. Below the format's smallest
+    normal the spacing stops shrinking (subnormals are evenly spaced), so there the dither is taken
+    at 1.5 times the smallest normal, whose spacing that is. A value of 0 stays 0; a value far
+    below a spacing becomes 0 or the smallest subnormal, unbiased."""
+    mag = y.abs()
+    at = mag.clamp_min(1.5 * fmt.min_normal)  # where the dither is measured
+    dither = (at.view(torch.int32) + noise).view(torch.float32) - at
+    # |y| <= max plus a dither: above max it rounds to max anyway
+    return (mag + dither).mul_(y.sign()).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
 
 
 # -----------------------------------------------------------------------------
 # Stored state with one scale per block of values (see (7) above)
-
-STATE_BLOCK = 128  # values per scale of the FP8 weight gradient, Adam m and Adam v
-STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls (see the top)
-
-
-def step_chunks(tensors):
-    """The step's runs: consecutive slices [i, j) of `tensors` holding at most STEP_CHUNK values
-    each (a tensor larger than that alone)."""
-    runs, start, n = [], 0, 0
-    for i, t in enumerate(tensors):
-        if i > start and n + t.numel() > STEP_CHUNK:
-            runs.append((start, i))
-            start, n = i, 0
-        n += t.numel()
-    return runs + ([(start, len(tensors))] if start < len(tensors) else [])
 
 
 def state_block(numel):
@@ -233,31 +210,32 @@ def state_block(numel):
     return math.gcd(numel, STATE_BLOCK)
 
 
-def _blocks(t, scale):
-    """t as (blocks, values per block) for its scale: one row per scale (shape (blocks, 1)), or
-    one row for a single scale (shape (), as the masters and older checkpoints' moments have)."""
-    return t.reshape(scale.shape[0] if scale.dim() else 1, -1)
-
-
 def quantize_wgrad(x):
     """The FP8 form of a weight gradient: E4M3, one scale per block of state_block values, as an
     Fp8Tensor of "row" granularity over the (blocks, values per block) view (dequantize gives
     back x's shape)."""
-    b = state_block(x.numel())
-    return replace(quantize(x.reshape(-1, b), E4M3, "row"), shape=x.shape, dtype=torch.float32)
+    fmt = STATE_FORMATS["fp16"].grad  # (the same for either v_format)
+    return replace(quantize(x.reshape(-1, state_block(x.numel())), fmt, "row"), shape=x.shape, dtype=torch.float32)
 
 
-def stored(t, fmt, noise=None):
-    """(data, scale) of one moment tensor in its storage format, "fp8" (E4M3) or "fp16", with one
-    scale per block (scale shape (blocks, 1)): rounded to nearest, or stochastically with `noise`
-    (rounding_noise for the format's dtype)."""
-    return stored_all([t], fmt, None if noise is None else [noise])[0]
+def quantize_blocks(x, fmt, noise=None):
+    """(data, scale): fp32 x stored in `fmt` (E4M3, or FP16 under a scale), with one fp32 scale per
+    block of state_block values (scale shape (blocks, 1)): rounded to nearest, or stochastically
+    with `noise` (Fp8AdamW.rounding_noise's for fmt). The values are finite (the step checked the
+    gradients, and m and v are made from them), so the cast needs no NaN guard."""
+    y = x.reshape(-1, state_block(x.numel()))
+    amax = y.abs().amax(1, keepdim=True)
+    scale = fp16_scale(amax, FP16_MAX / 4) if fmt.dtype == torch.float16 else compute_scale(amax, fmt)
+    y = y * scale
+    data = y.clamp(-fmt.max, fmt.max).to(fmt.dtype) if noise is None else round_stochastic(y, noise.view(y.shape), fmt)
+    return data.view(x.shape), scale
 
 
-def dequantize_stored(data, scale):
-    """The fp32 values of a stored tensor (a moment, the master, the fp16 gradient sum) in data's
-    shape, whether its scale is per block or one for the tensor."""
-    return (fp8_to_float(_blocks(data, scale)) * scale.reciprocal()).view(data.shape)
+def dequantize_blocks(data, scale):
+    """The fp32 values of a stored tensor (a moment, the master, the fp16 gradient sum, an FP8
+    gradient) in data's shape, whether its scale is one per block or one for the tensor."""
+    blocks = data.reshape(scale.shape[0] if scale.dim() else 1, -1)
+    return (blocks.float() * scale.reciprocal()).view(data.shape)
 
 
 # -----------------------------------------------------------------------------
@@ -293,22 +271,13 @@ def fp8_grad(p):
     if h is None:
         return None
     if h.acc is not None:
-        h.q, h.acc = quantize_wgrad(dequantize_stored(*h.acc)), None
+        h.q, h.acc = quantize_wgrad(dequantize_blocks(*h.acc)), None
     return h.q
 
 
 def set_fp8_grad(p, q):
     """Replace the FP8 gradient of p (an O2/O3 weight) with the Fp8Tensor q; None clears it."""
     p._held_grad.q, p._held_grad.acc = q, None
-
-
-def fp8_grad_nbytes(p):
-    """Bytes p's FP8 gradient holds now (the E4M3 tensor and its scale, or the fp16 buffer while
-    accumulating), without ending an accumulation; 0 for a parameter whose gradient is .grad."""
-    h = getattr(p, "_held_grad", None)
-    if h is None:
-        return 0
-    return sum(_nbytes(t) for t in h.acc) if h.acc is not None else _fp8_nbytes(h.q)
 
 
 def fp8_grad_hook(p, hook):
@@ -355,7 +324,7 @@ class O2Linear(Fp8Linear):
         return new
 
     # The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through
-    # free_weight_cache) right after it writes the new master; the casts W (N, K) and W^T (K, N)
+    # set_weight) right after it writes the new master; the casts W (N, K) and W^T (K, N)
     # stay in buffers (not saved: they are made from the master) until the next step. A forward
     # takes them as they are, also a compiled one: dynamo reads buffers as graph inputs, and the
     # cast stays out of the graph. (Fp8Linear's own cache is keyed on the weight's version, which
@@ -426,7 +395,7 @@ class O2Linear(Fp8Linear):
         hands it back here, outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the
         graph break.)"""
         if torch.compiler.is_compiling() and self.weight.dtype == torch.float16:
-            s = _fp16_scale(dw.detach().abs().amax(), FP16_MAX / 4)
+            s = fp16_scale(dw.detach().abs().amax(), FP16_MAX / 4)
             self.wgrad_in_scale.copy_(s)
             return (dw.float() * s).half()
         dw, h = dw.float(), self.weight._held_grad
@@ -438,7 +407,7 @@ class O2Linear(Fp8Linear):
                 self.observer.observe_wgrad(self, dw, h.q)
         else:
             if h.acc is not None:
-                dw = dw + dequantize_stored(*h.acc)
+                dw = dw + dequantize_blocks(*h.acc)
             elif h.q is not None:  # a sum already cast (read mid-accumulation): go on from it
                 dw = dw + dequantize(h.q, torch.float32)
             h.q, h.acc = None, to_fp16_scaled(dw, FP16_MAX / 4)
@@ -479,13 +448,13 @@ class O2Linear(Fp8Linear):
             self.take_wgrad(g.float() * self.wgrad_in_scale.reciprocal())
 
     @torch.no_grad()
-    def set_weight(self, w, generator=None):
-        """Store a new fp32 weight as the scaled fp16 master (bumps the version: FP8 recast),
-        rounded stochastically with `generator` if given."""
-        master, s = to_fp16_scaled(w, generator=generator)
+    def set_weight(self, w, noise=None):
+        """Store a new fp32 weight as the scaled fp16 master, rounded stochastically with `noise`
+        if given (Fp8AdamW.rounding_noise's for the master), and cast it to FP8 for the next forward."""
+        master, s = to_fp16_scaled(w, noise=noise)
         self.weight.copy_(master)
         self.weight_scale.copy_(s)
-        self.free_weight_cache()
+        self.refresh_fp8_weight()
 
 
 def convert_to_o2(model, cls=None, grad_accum="fp16"):
@@ -508,22 +477,29 @@ def convert_to_o2(model, cls=None, grad_accum="fp16"):
 # The optimizer
 
 
+# -----------------------------------------------------------------------------
+# The optimizer
+
+
 class Fp8AdamW(torch.optim.Optimizer):
     """AdamW over a model converted with convert_to_o2: O2Linear weights get the decoupled
     state of the table above, every other parameter plain fp32 AdamW (the same math).
 
-    State per O2 weight: exp_avg (E4M3) + exp_avg_scale, exp_avg_sq (fp16, or E4M3 holding
-    sqrt(v) when v_format="fp8") + exp_avg_sq_scale, step. Other parameters: exp_avg,
-    exp_avg_sq (fp32), step. `seed` picks the stream of stochastic rounding (see (5) above)."""
+    State per O2 weight: exp_avg (m) + exp_avg_scale, exp_avg_sq (v, or sqrt(v)) +
+    exp_avg_sq_scale, step, in the formats STATE_FORMATS[v_format]. Other parameters: exp_avg,
+    exp_avg_sq (fp32), step. `seed` picks the stream of stochastic rounding (see (5) above).
+    foreach: True (or None, the default) runs the step on nanofp8/optim_foreach.py, False on the
+    loop of step() below: the same bits."""
 
     rank = 0  # O3 (nanofp8/dist.py) sets its data-parallel rank: each shard rounds differently
 
     def __init__(self, params, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 v_format="fp16", seed=0):
-        if v_format not in ("fp16", "fp8"):
-            raise ValueError(f"v_format={v_format!r}; expected 'fp16' or 'fp8'")
+                 v_format="fp16", seed=0, foreach=None):
+        if v_format not in STATE_FORMATS:
+            raise ValueError(f"v_format={v_format!r}; expected one of {tuple(STATE_FORMATS)}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.v_format, self.seed = v_format, seed
+        self.v_format, self.formats, self.seed = v_format, STATE_FORMATS[v_format], seed
+        self.foreach = foreach is None or foreach
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         for m in self.o2.values():
             m.ensure_grad_hook()
@@ -533,15 +509,21 @@ class Fp8AdamW(torch.optim.Optimizer):
     def rounding_noise(self, index, step, like):
         """The noise of the three stochastic roundings of parameter number `index` (counted over
         the param groups) at `step`: for its master, its m and its v, each shaped as `like` (see
-        round_stochastic_all), drawn right after seeding a generator with (seed, step, index, rank)
+        round_stochastic), drawn right after seeding a generator with (seed, step, index, rank)
         alone: a resumed run draws the same numbers, whatever else used the global generator."""
         gen = self._generators.get(like.device)
         if gen is None:
             gen = self._generators[like.device] = torch.Generator(device=like.device)
         key = ((self.seed * 1_000_003 + int(step)) * 1_000_003 + index) * 1_000_003 + self.rank
         gen.manual_seed(key % 2**63)
-        v_dtype = E4M3.dtype if self.v_format == "fp8" else torch.float16
-        return [rounding_noise(like, dtype, gen) for dtype in (torch.float16, E4M3.dtype, v_dtype)]
+        # One integer per element, uniform in [-2^(d-1), 2^(d-1)), where d = 23 - the format's
+        # mantissa bits is how many more significand bits fp32 has: half a spacing of the format,
+        # counted in units of fp32's last bit (see round_stochastic).
+        noises = []
+        for fmt in (self.formats.master, self.formats.m, self.formats.v):
+            half = 1 << (22 - MANTISSA_BITS[fmt.dtype])
+            noises.append(torch.randint(-half, half, like.shape, generator=gen, device=like.device, dtype=torch.int32))
+        return noises
 
     def state_dict(self):
         return {**super().state_dict(), "v_format": self.v_format}  # how exp_avg_sq is stored
@@ -571,15 +553,10 @@ class Fp8AdamW(torch.optim.Optimizer):
                     set_fp8_grad(p, None)
 
     def grads_finite(self):
-        """One flag for all gradients, one sync. O2 gradients are judged by their amax, which is
-        non-finite exactly when the fp32 gradient was; the others by their largest magnitude
-        (one foreach reduction: NaN propagates through it, and an inf is its own maximum)."""
-        flag = self.grads_finite_flag()
-        return True if flag is None else bool(flag)
-
-    def grads_finite_flag(self):
-        """grads_finite() as a 0-dim bool tensor on the device, without the sync (None: no
-        gradient at all). train.py folds it into the one read of its step."""
+        """Whether every gradient is finite: a 0-dim bool tensor on the device, read by the step
+        (the one device sync), or by train.py with the other values of its step. O2 gradients are
+        judged by their amax, which is non-finite exactly when the fp32 gradient was; the others
+        by their largest magnitude (NaN propagates through it, and an inf is its own maximum)."""
         amaxes, plain = [], []
         for g in self.param_groups:
             for p in g["params"]:
@@ -589,7 +566,9 @@ class Fp8AdamW(torch.optim.Optimizer):
                 elif p.grad is not None:
                     plain.append(p.grad)
         amaxes += [a.float() for a in amax_each(plain)]
-        return torch.isfinite(torch.stack(amaxes)).all() if amaxes else None
+        if not amaxes:
+            return torch.ones((), dtype=torch.bool, device=self.param_groups[0]["params"][0].device)
+        return torch.isfinite(torch.stack(amaxes)).all()
 
     def _init_state(self, p):
         """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight. The
@@ -599,171 +578,83 @@ class Fp8AdamW(torch.optim.Optimizer):
         st["step"] = torch.zeros((), dtype=torch.float32)
         zeros = torch.zeros_like(p, dtype=torch.float32)
         if p in self.o2:
-            st["exp_avg"], st["exp_avg_scale"] = stored(zeros, "fp8")
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = stored(zeros, self.v_format)
+            st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(zeros, self.formats.m)
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(zeros, self.formats.v)
         else:
             st["exp_avg"], st["exp_avg_sq"] = zeros, zeros.clone()
 
-    @staticmethod
-    def _count_steps(sts):
-        """Advance the step counters of these states (one foreach add) and return them as Python
-        numbers (one read of host memory for all of them, no .item() per parameter)."""
-        steps = [st["step"] for st in sts]
-        if not steps:
-            return []
-        torch._foreach_add_(steps, 1)
-        return torch.stack(steps).tolist()
-
-    def _decoupled_update(self, sts, ws, gs, group, ts, noises):
-        """One AdamW step of fp32 weights ws from FP8 m and fp16 (or FP8 sqrt) v held in the
-        states sts, each at its step count in ts, for all of them at once (foreach): stores the
-        new moments into the states, rounded stochastically with noises[i][1] (m) and
-        noises[i][2] (v) (rounding_noise), and returns the new weights (fp32, not yet rounded)."""
-        # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
-        ms = dequantize_stored_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
-                                   [st["exp_avg_scale"] for st in sts])
-        vs = dequantize_stored_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
-                                   [st["exp_avg_sq_scale"] for st in sts])
-        ws = [w.view(g.shape) for w, g in zip(ws, gs)]
-        if self.v_format == "fp8":
-            vs = torch._foreach_pow(vs, 2)  # stored as sqrt(v)
-        adam_moments(ms, vs, gs, group["betas"])
-        # (3): no |m| beyond what Adam's recursion allows next to this v (m = 0 where v is 0)
-        lim = torch._foreach_sqrt(vs)
-        torch._foreach_mul_(lim, [adam_ratio_bound(t, *group["betas"]) for t in ts])
-        torch._foreach_minimum_(ms, lim)
-        torch._foreach_neg_(lim)
-        torch._foreach_maximum_(ms, lim)
-        ws = adamw_apply(ws, ms, vs, ts, group)
-        for st, (data, scale) in zip(sts, stored_all(ms, "fp8", [n[1] for n in noises])):
-            st["exp_avg"], st["exp_avg_scale"] = data, scale
-        if self.v_format == "fp8":
-            vs = torch._foreach_sqrt(vs)
-        for st, (data, scale) in zip(sts, stored_all(vs, self.v_format, [n[2] for n in noises])):
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = data, scale
-        return ws
-
-    def _fp32_update(self, ps, gs, group):
-        """torch.optim.AdamW on ordinary parameters, all of them at once (foreach)."""
-        sts = [self.state[p] for p in ps]
-        ts = self._count_steps(sts)
-        ws = adamw_math([p.float() for p in ps], gs, [st["exp_avg"] for st in sts],
-                        [st["exp_avg_sq"] for st in sts], ts, group)
-        torch._foreach_copy_(ps, ws)
-
-    def _o2_update(self, ps, gs, group, number):
-        """The O2 weights ps of one param group: AdamW on dequantized copies, the new moments and
-        each new weight (its fp16 master) rounded stochastically with its own noise (see (5))."""
-        mods, sts = [self.o2[p] for p in ps], [self.state[p] for p in ps]
-        ts = self._count_steps(sts)
-        noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(ps, ts, gs)]
-        ws = dequantize_stored_all([m.weight for m in mods], [m.weight_scale for m in mods])
-        ws = self._decoupled_update(sts, ws, gs, group, ts, noises)
-        set_weights(mods, ws, [n[0] for n in noises])
-
     @torch.no_grad()
     def step(self, closure=None, grads_finite=None):
-        """One AdamW step over every parameter with a gradient, in a handful of foreach kernels
-        per param group (plus, per O2 weight, the draws of its rounding noise and the block amaxes
-        of its moments). Returns whether it
-        was taken. grads_finite: the caller's verdict on the gradients (train.py has one from its
-        own single sync); None: check them here (one sync)."""
-        if grads_finite is None:
-            grads_finite = self.grads_finite()
-        if not grads_finite:
-            self.skipped_steps += 1
+        """One AdamW step over every parameter with a gradient. Returns whether it was taken.
+        grads_finite: the caller's verdict on the gradients (train.py has one from its own single
+        sync); None: check them here (one sync)."""
+        if not bool(self.grads_finite() if grads_finite is None else grads_finite):
+            self.skipped_steps += 1  # a NaN or inf gradient: nothing changes
             return False
-        number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        if self.foreach:
+            from nanofp8 import optim_foreach  # (the twin of the loop below; it imports this file)
+            optim_foreach.step(self)
+            return True
+        index = -1  # parameters are numbered over the param groups (the rounding noise's seed)
         for group in self.param_groups:
-            o2, grads, plain = [], [], []
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
+                index += 1
                 q = fp8_grad(p)
-                if q is None and (holds_fp8_grad(p) or p.grad is None):
-                    continue
-                if not self.state[p]:
+                if q is None and (p in self.o2 or p.grad is None):
+                    continue  # no gradient this step
+                st = self.state[p]
+                if not st:
                     self._init_state(p)
+                st["step"] += 1
+                t = st["step"].item()  # (host memory: no device sync)
+                if q is None:  # fp32 state: torch.optim.AdamW's own update
+                    w, g, m, v = p.float(), p.grad, st["exp_avg"], st["exp_avg_sq"]
+                else:  # an O2 weight: its gradient, master and moments in fp32
+                    mod = self.o2[p]
+                    g = dequantize_blocks(q.data, q.scale).view(p.shape)
+                    noise_w, noise_m, noise_v = self.rounding_noise(index, t, g)
+                    w = dequantize_blocks(mod.weight, mod.weight_scale)
+                    m = dequantize_blocks(st["exp_avg"].view(p.shape), st["exp_avg_scale"])
+                    v = dequantize_blocks(st["exp_avg_sq"].view(p.shape), st["exp_avg_sq_scale"])
+                    if self.formats.v_sqrt:
+                        v = v.pow(2)
+                # Adam's moments and update, in torch.optim.AdamW's operations and order
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                if q is not None:  # (3): no |m| beyond what Adam allows beside this v
+                    lim = v.sqrt().mul_(adam_ratio_bound(t, b1, b2))
+                    m = m.minimum(lim).maximum(lim.neg_())
+                w = w * (1 - lr * wd)  # decoupled weight decay
+                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+                w.addcdiv_(m, denom, value=-lr / (1 - b1**t))
                 if q is None:
-                    plain.append(p)
-                else:
-                    o2.append(p)
-                    grads.append(q)
-            if plain:
-                self._fp32_update(plain, [p.grad for p in plain], group)
-            for i, j in step_chunks(o2):  # the FP8 gradients, dequantized (foreach), run by run
-                gs = dequantize_stored_all([q.data for q in grads[i:j]], [q.scale for q in grads[i:j]])
-                self._o2_update(o2[i:j], [g.view(p.shape) for g, p in zip(gs, o2[i:j])], group, number)
+                    p.copy_(w)
+                    continue
+                # the new m, v and master in their formats, rounded stochastically (5)
+                st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(m, self.formats.m, noise_m)
+                v = v.sqrt() if self.formats.v_sqrt else v
+                st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(v, self.formats.v, noise_v)
+                mod.set_weight(w, noise_w)  # the fp16 master, and its FP8 cast for the next forward
         return True
 
+    # The foreach path's pieces, which O3 (ZeroFp8AdamW, nanofp8/dist.py) runs on its shards.
 
-# -----------------------------------------------------------------------------
-# The update, on lists of tensors: every elementwise operation is one foreach call over all the
-# tensors of a kind, and each tensor gets the same operations, in the same order, as a one-tensor
-# update would (the CPU runs foreach ops tensor by tensor with the ordinary kernels, so the two are
-# bit-identical; tests/test_optim.py holds the fp32 parameters to torch.optim.AdamW's bits).
+    @staticmethod
+    def _count_steps(sts):
+        from nanofp8 import optim_foreach
+        return optim_foreach.count_steps(sts)
 
+    def _fp32_update(self, ps, gs, group):
+        from nanofp8 import optim_foreach
+        optim_foreach.fp32_update(ps, gs, [self.state[p] for p in ps], group)
 
-def dequantize_stored_all(datas, scales):
-    """[dequantize_stored(data, scale)] for stored tensors of one dtype: a foreach cast (copy into
-    fp32) and a foreach multiply by the reciprocal scales, per block or per tensor."""
-    out = [torch.empty(_blocks(d, s).shape, dtype=torch.float32, device=d.device) for d, s in zip(datas, scales)]
-    torch._foreach_copy_(out, [_blocks(d, s) for d, s in zip(datas, scales)])
-    torch._foreach_mul_(out, torch._foreach_reciprocal(scales))
-    return [o.view(d.shape) for o, d in zip(out, datas)]
-
-
-def _amaxes(xs):
-    """The amax of every tensor, stacked (one foreach reduction, one stack)."""
-    return torch.stack([a.float() for a in amax_each(xs)])
-
-
-def stored_all(xs, fmt, noises=None):
-    """stored for a list of fp32 tensors: [(data, scale)], one scale per block (state_block),
-    computed for all blocks of all tensors at once. Rounded to nearest, or stochastically with
-    `noises`. The values are finite (the step checked the gradients, and m and v are made from
-    them), so the E4M3 cast needs no NaN guard (quantize has one)."""
-    views = [x.reshape(-1, state_block(x.numel())) for x in xs]
-    amax = [a.amax(1, keepdim=True) for a in torch._foreach_abs(views)]  # one reduction per tensor
-    every = torch.cat(amax)
-    if fmt == "fp8":
-        every, dtype = compute_scale(every, E4M3), E4M3.dtype
-    else:
-        every, dtype = _fp16_scale(every, FP16_MAX / 4), torch.float16
-    scales = list(every.split([len(a) for a in amax]))
-    ys = torch._foreach_mul(views, scales)
-    if noises is not None:
-        datas = round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], dtype)
-    else:
-        if fmt == "fp8":
-            torch._foreach_clamp_min_(ys, -E4M3.max)
-            torch._foreach_clamp_max_(ys, E4M3.max)
-        datas = [torch.empty(y.shape, dtype=dtype, device=y.device) for y in ys]
-        torch._foreach_copy_(datas, ys)
-    return [(d.view(x.shape), s) for d, x, s in zip(datas, xs, scales)]
-
-
-def _scaled_all(xs, target):
-    """The power-of-two fp16 scale of every tensor (to_fp16_scaled's) and the tensors times it."""
-    scales = list(_fp16_scale(_amaxes(xs), target).unbind())
-    return torch._foreach_mul(xs, scales), scales
-
-
-def to_fp16_scaled_all(xs, noises, target=MASTER_HEADROOM):
-    """[to_fp16_scaled(x, target, rounded stochastically)] for lists of tensors and their noises
-    (rounding_noise for fp16)."""
-    ys, scales = _scaled_all(xs, target)
-    return list(zip(round_stochastic_all(ys, noises, torch.float16), scales))
-
-
-@torch.no_grad()
-def set_weights(mods, ws, noises):
-    """O2Linear.set_weight for many modules: each new fp32 weight stored as its scaled fp16
-    master, rounded stochastically with its own noise."""
-    ys, scales = _scaled_all(ws, MASTER_HEADROOM)
-    round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], torch.float16,
-                         out=[m.weight for m in mods])
-    torch._foreach_copy_([m.weight_scale for m in mods], scales)
-    for m in mods:
-        m.free_weight_cache()
+    def _decoupled_update(self, sts, ws, gs, group, ts, noises):
+        """The O2 update of fp32 weights ws (gradients gs, steps ts) whose moments are held in
+        the states sts: stores the new moments, rounded with noises[i][1] and noises[i][2], and
+        returns the new weights (fp32, not yet stored)."""
+        from nanofp8 import optim_foreach
+        return optim_foreach.decoupled_update(self.formats, sts, ws, gs, group, ts, noises)
 
 
 def adam_ratio_bound(t, b1, b2):
@@ -775,37 +666,6 @@ def adam_ratio_bound(t, b1, b2):
     r = b1 * b1 / b2
     terms = t if r == 1 else (1 - r**t) / (1 - r)
     return (1 - b1) / math.sqrt(1 - b2) * math.sqrt(terms)
-
-
-def adam_moments(m, v, g, betas):
-    """Adam's moment recursions, in place, in torch.optim.AdamW's operations and order. m, v, g:
-    tensors, or lists of tensors (one foreach call per operation)."""
-    if torch.is_tensor(m):
-        m, v, g = [m], [v], [g]
-    b1, b2 = betas
-    torch._foreach_lerp_(m, g, 1 - b1)
-    torch._foreach_mul_(v, b2)
-    torch._foreach_addcmul_(v, g, g, value=1 - b2)
-
-
-def adamw_apply(ws, ms, vs, ts, group):
-    """The AdamW update of the weights ws from the moments after steps ts (lists, one step
-    count per tensor), decay first, as torch does. Returns the new weights (new tensors)."""
-    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    ws = torch._foreach_mul(ws, 1 - lr * wd)
-    denom = torch._foreach_sqrt(vs)
-    torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(ws, ms, denom, [-lr / (1 - b1**t) for t in ts])
-    return ws
-
-
-def adamw_math(ws, gs, ms, vs, ts, group):
-    """AdamW on lists of fp32 tensors: updates ms and vs in place, returns the new weights. The
-    operations and their order are torch.optim.AdamW's (single-tensor path), one foreach call
-    each, so fp32 parameters come out bit-identical to it."""
-    adam_moments(ms, vs, gs, group["betas"])
-    return adamw_apply(ws, ms, vs, ts, group)
 
 
 @torch.no_grad()
@@ -828,77 +688,3 @@ def clip_grad_norm(model, max_norm):
         q.amax = q.amax * coef
     return norm
 
-
-# -----------------------------------------------------------------------------
-# Memory accounting: real storage bytes, walked, not computed from a formula
-
-
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
-def _fp8_nbytes(q):
-    return 0 if q is None else _nbytes(q.data) + _nbytes(q.scale)
-
-
-def training_state_bytes(model, optimizer, is_block_linear=None):
-    """Bytes held per parameter by the training state, split into block Linear weights and the
-    whole model. Call it after backward (gradients present) and after at least one step
-    (optimizer state present). Returns a dict of dicts:
-
-        {"linear": {"params", "weight", "grad", "optimizer", "gemm_weight", "per_param"},
-         "model":  {... the same over every parameter ...}}
-
-    weight = the stored (master) weight, grad = gradients (fp32, bf16 or FP8 + scale), optimizer
-    = every tensor of the optimizer state, gemm_weight = the FP8 weight copies an Fp8Linear holds
-    from its first forward of a step to the optimizer step, an O2Linear from one step to the next
-    (reported, not in per_param)."""
-    if is_block_linear is None:
-        is_block_linear = lambda fqn, m: isinstance(m, nn.Linear) and not fqn.endswith("lm_head")
-    owner = {}
-    for fqn, m in model.named_modules():
-        if isinstance(m, nn.Linear) and is_block_linear(fqn, m):
-            owner[m.weight] = m
-    out = {k: dict(params=0, weight=0, grad=0, optimizer=0, gemm_weight=0) for k in ("linear", "model")}
-    seen = set()
-    for p in model.parameters():
-        if id(p) in seen:  # tied weights count once
-            continue
-        seen.add(id(p))
-        m = owner.get(p)
-        row = dict(params=p.numel(), weight=_nbytes(p), grad=0, optimizer=0, gemm_weight=0)
-        if p.grad is not None:
-            row["grad"] += _nbytes(p.grad)
-        row["grad"] += fp8_grad_nbytes(p)  # without ending an accumulation
-        if isinstance(m, O2Linear):  # the master's scale; the step's casts, held until the next step
-            row["weight"] += _nbytes(m.weight_scale)
-            own = {p.untyped_storage().data_ptr()}  # (O3: the forward's W is the stored weight)
-            row["gemm_weight"] += sum(_nbytes(t) for t in {getattr(m, k) for k in ("fp8_w", "fp8_w_scale", "fp8_wt", "fp8_wt_scale")}
-                                      if t.untyped_storage().data_ptr() not in own)
-        elif isinstance(m, Fp8Linear) and m._w_cache is not None:
-            row["gemm_weight"] += sum(_fp8_nbytes(q) for q in m._w_cache[1] if q is not None)
-        for v in optimizer.state.get(p, {}).values():
-            if torch.is_tensor(v):
-                row["optimizer"] += _nbytes(v)
-        for key in ["model"] + (["linear"] if m is not None else []):
-            for k, val in row.items():
-                out[key][k] += val
-    for d in out.values():
-        n = max(d["params"], 1)
-        d["per_param"] = (d["weight"] + d["grad"] + d["optimizer"]) / n
-    return out
-
-
-def activation_bytes(fn):
-    """Bytes of the tensors autograd saves for backward while fn() runs (the forward pass),
-    counted once per storage. Returns (bytes, result of fn)."""
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[(s.data_ptr(), t.device)] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        res = fn()
-    return sum(storages.values()), res
