@@ -13,108 +13,68 @@ it tolerates, as FP8-LM (MS-AMP) does. For the Linear weights of the transformer
                                     total:  16 B  ->  7.06 B per parameter between backward and step,
                                                       6.09 B once the step has read the gradient
 
-`v_format="fp8"` takes 1 B off v, `grad_accum="fp8"` 1 B off the gradient sum (at a price in
-accuracy, (6)): 5.09 B with both. `bench.py memory` measures every combination.
-
-Embeddings, norms, biases and the LM head are few parameters and numerically touchy; they keep
-fp32 master weights and fp32 Adam state, and their AdamW is bit-identical to torch.optim.AdamW.
+`v_format="fp8"` takes 1 B off v, `grad_accum="fp8"` 1 B off the gradient sum (at a price, (6)):
+5.09 B with both (STATE_FORMATS below; `bench.py memory` measures each). Embeddings, norms, biases
+and the LM head (few, touchy) keep fp32 state, bit-identical to torch.optim.AdamW.
 
 (1) Master weights need mantissa, not range. fp16 has 11 significant bits; the range is what the
     scale is for: the master is stored as w * s, with s a power of two that puts amax(w) near
     2^12 (far below fp16's max 65504, and 2^26 above its smallest normal). Powers of two rescale
     exactly.
 (2) The weight gradient only feeds Adam, which normalizes it: the update is m / sqrt(v), so a
-    relative error in g of a few percent moves the update by a few percent, the order of the
-    noise of a mini-batch gradient. E4M3 (about 31.5 dB) is enough, with scales fine enough for
-    its range (7): tests/test_optim.py measures the summed update of 30 steps at more than 22 dB
-    SQNR against fp32 AdamW's.
-(3) m is a running average of gradients and enters the update only through m / sqrt(v): E4M3,
-    as for the gradient. But m and v round independently, each under its own scales, and after a
-    spike they disagree: v's scale follows the spike for ~1/(1-b2) steps, m's for ~1/(1-b1), so
-    an entry can hold a stored m != 0 next to a stored v of 0. If its next gradient is 0 (an
-    E4M3 gradient flushes small entries beside a spike), the update is lr * m_hat / eps:
-    hundreds of thousands of times AdamW's. The guard costs no byte: after the moment updates
-    (in fp32), m is clamped to +-adam_ratio_bound(t) * sqrt(v), the largest ratio |m| / sqrt(v)
-    that Adam's recursions can reach from any gradient sequence (a Cauchy-Schwarz bound, below).
-    An update is then never larger than one fp32 AdamW can make, and where v is 0, m is 0. fp32
-    moments obey the bound (a gradient growing by b2/b1 per step meets it), so the clamp only
-    moves moments that disagree. tests/test_o2_numerics.py checks the bound and replays the
-    spike, and 20 seeded adversarial sequences, against fp32 AdamW.
-(4) v is a running average of g^2, twice the dynamic range of g in binades, and it sits in a
-    denominator. fp16 (40 binades with subnormals) with a scale holds it. Option v_format="fp8"
-    (beyond FP8-LM) stores sqrt(v) in E4M3 instead: the square root halves the dynamic range back
-    to that of g, and the update needs only sqrt(v). What underflows either format is covered by
-    the bound of (3).
-(5) Rounding to nearest drops every change below half a spacing, and a stored tensor that is
-    updated a little at a time then stops following its fp32 value:
-      * the fp16 master: its spacing is 2^-11 to 2^-12 of the weight, so an update of 1e-4 of
-        the weight, and every step of weight decay at GPT-2's lr * wd = 6e-6, would vanish
-        (FP8-LM's fp16 master has this flaw);
-      * the moments: once a gradient stops (a dead unit, an input feature that no longer
-        occurs), m decays by b1 = 0.9 per step until it reaches E4M3's smallest codes, where
-        0.9 * k rounds back to k (k <= 4, in units of 2^-9), and v by b2 until fp16's, where
-        0.95 * k rounds back to k (k <= 10, in units of 2^-24). sqrt(v) in E4M3 sticks at any
-        size: when its gradient stops (and its block's largest value does not) it changes by
-        1 - sqrt(b2) per step (2.5% at b2 = 0.95), less while gradients shrink slowly, and half a
-        spacing is 3-6% there. With m stuck and v decaying, |m| / sqrt(v) climbs to the bound of
-        (3), and the weight goes on moving where AdamW's update has decayed to nothing: 43x
-        AdamW's movement over the 1000 steps after an input feature stopped (tests/
-        test_o2_numerics.py, section 6, rounding to nearest). A v stuck above its fp32 value
-        does the opposite: with sqrt(v) in E4M3, columns whose gradient shrank 100x moved 0.17x
-        as far as AdamW's.
-    So the master, m and v are rounded stochastically: to one of the two neighbours, the upper
-    one with probability equal to the distance from the lower one, in spacings. Every stored
-    value is then its fp32 value on average: small updates and decay add up, a decaying moment
-    decays at AdamW's rate in expectation, and reaches 0 (which rounds to 0) as AdamW's does.
-    round_stochastic_all does it with a dither: half a spacing of uniform noise, added through
-    the fp32 bit pattern, then the cast's round-to-nearest (subnormals included). Tests: 1e-4
-    relative updates kept to within 10%, 1000 steps of decay within 5% of fp32's shrink, and
-    every movement of section 6 within 2x of fp32 AdamW's. The random numbers come from a
-    generator seeded by (seed, step, parameter number, rank), never the global one, one draw per
-    rounded tensor (master, m, v), so a resumed run draws the same numbers and is bit-identical
-    to one that never stopped. No byte is stored for it.
-(6) Gradient accumulation. Re-quantizing an FP8 running sum after every micro-step adds one
-    rounding error per micro-step, of the size of the partial sum: over 16 equal micro-steps
-    the sum comes out about 9 dB worse than one E4M3 cast of the fp32 sum. By default
-    (grad_accum="fp16") micro-steps are summed in a scaled fp16 buffer (7 more significant bits
-    than E4M3), and the sum is cast to E4M3 once, when something first reads `fp8_grad(p)`
-    (clipping, communication, the step): within 1.5 dB of one cast at 1, 4, 16 and 40 micro-
-    steps, also with rows 1e6 apart. The buffer costs 1 B per parameter while micro-steps
-    accumulate. grad_accum="fp8" keeps the gradient at 1 B throughout, and its error compounds
-    as above.
+    relative error in g of a few percent moves the update by a few percent, the order of a
+    mini-batch's noise. E4M3 (about 31.5 dB) is enough, with scales fine enough for its range
+    (7): tests/test_optim.py measures the summed update of 30 steps at more than 22 dB SQNR
+    against fp32 AdamW's.
+(3) m enters the update only through m / sqrt(v): E4M3, as for the gradient. But m and v round
+    under their own scales, and after a spike they disagree (v's scale follows it for ~1/(1-b2)
+    steps, m's for ~1/(1-b1)): a stored m != 0 can sit next to a stored v of 0, and a next
+    gradient of 0 then makes an update lr * m_hat / eps, ~1e5 times AdamW's. The guard costs no
+    byte: after the moment updates (in fp32), m is clamped to +-adam_ratio_bound(t) * sqrt(v), the
+    largest |m| / sqrt(v) Adam's recursions reach from any gradients, which fp32 moments obey: no
+    update is larger than one fp32 AdamW can make, and where v is 0, m is 0.
+    tests/test_o2_numerics.py replays the spike, and 20 seeded adversarial sequences.
+(4) v, a running average of g^2, has twice g's dynamic range in binades: fp16 (40 binades with
+    subnormals) with a scale holds it. v_format="fp8" (beyond FP8-LM) stores sqrt(v) in E4M3:
+    the root halves the range back to g's, and the update needs only sqrt(v).
+(5) Rounding to nearest drops every change below half a spacing: an update of 1e-4 of a weight,
+    or GPT-2's decay lr * wd = 6e-6, vanishes in the fp16 master (FP8-LM's has this flaw), and a
+    moment whose gradient stopped sticks (m at E4M3's smallest codes, where 0.9 * k rounds back
+    to k; sqrt(v) in E4M3 at any size, 1 - sqrt(b2) = 2.5% being under half a spacing). With m
+    stuck and v decaying, |m| / sqrt(v) climbs to the bound of (3): 43x AdamW's movement after an
+    input feature stopped (tests/test_o2_numerics.py, section 6). So the master, m and v are
+    rounded stochastically, to the upper neighbour with probability equal to the distance from
+    the lower one, in spacings: every stored value is its fp32 value on average, and small updates
+    and decay add up (tests: 1e-4 updates within 10%, 1000 steps of decay within 5% of fp32's,
+    section 6 within 2x of AdamW). The noise comes from a generator seeded by (seed, step,
+    parameter number, rank), one draw per rounded tensor: a resumed run is bit-identical to one
+    that never stopped, and no byte is stored for it.
+(6) Gradient accumulation. Re-quantizing an FP8 running sum after every micro-step adds a
+    rounding error of the size of the partial sum each time: 16 micro-steps come out about 9 dB
+    worse than one E4M3 cast of the fp32 sum. grad_accum="fp16" (the default) sums micro-steps in
+    a scaled fp16 buffer (1 B more per parameter meanwhile), cast to E4M3 once, when something
+    first reads `fp8_grad(p)`: within 1.5 dB of one cast at 1 to 40 micro-steps, also with rows
+    1e6 apart. grad_accum="fp8" keeps 1 B throughout, and its error compounds.
 (7) Scales for the range of rows. One scale per tensor lets E4M3 cover about 2^18 below the
     tensor's largest value, and rows of a layer's gradient can lie further apart (output units
-    that learn at different rates, a unit that is almost dead). Rows 1e6 apart: the smaller
-    rows' gradient, m and v flush to zero, and those rows get no update at all (0x AdamW's
-    movement, tests/test_o2_numerics.py, section 6). So the FP8 gradient, m and v carry one fp32
-    scale per block of 128 consecutive values of the flattened tensor (state_block; v in fp16
-    too). The block size comes from `bench.py state` (results/o2_state_cpu.json), which measures
-    the fraction of values each granularity flushes to zero. On the README model's real
-    gradients and moments it is small at any granularity (one scale per tensor: at most 0.4% of
-    a gradient, finer scales 0.0%); the adversaries decide. Blocks must not span two rows: 128
-    divides every block Linear's width in config/ (128 for shakespeare_char, 768, 2048), while
-    256-value blocks span two rows of the README model's 128-wide layers and flush all of the
-    smaller rows 1e6 apart there. Within a row, finer blocks flush less of a gradient whose
-    magnitudes are lognormal (log2 |g| with a std of 4.9: section 6's first step over 2^35):
-    83% of it with one scale per tensor, 12% with 128 values per scale, 8% with 64 (at twice the
-    bytes). The scales cost 4/128 = 1/32 B per value of each of the three tensors. A block still
-    holds only E4M3's range: a value 1e7 above its 127 neighbours (a spike) freezes them for
-    tens of steps, as one scale per tensor froze the whole tensor.
+    that learn at different rates, an almost dead unit). Rows 1e6 apart under one scale: the
+    smaller rows' gradient, m and v flush to zero: no update at all (tests/test_o2_numerics.py,
+    section 6). So the FP8 gradient, m and v carry one fp32 scale per block of 128 consecutive
+    values of the flattened tensor (state_block; v in fp16 too), 1/32 B per value; 128 divides
+    every block Linear's width in config/, so no block spans two rows. Of a lognormal gradient
+    (log2 |g| with a std of 4.9) one scale per tensor flushes 83%, 128 values per scale 12%, 64
+    8% at twice the bytes (`bench.py state`, results/o2_state_cpu.json). A value 1e7 above its
+    127 neighbours (a spike) still freezes them for tens of steps.
 
-Non-finite gradients: before any state is touched, one check over every gradient (a single
-device-to-host sync per step, or the caller's verdict: train.py has one from its own single sync)
-decides whether the step is taken. If any is NaN or inf, the step is skipped and counted
-(`optimizer.skipped_steps`), and no scale, moment or weight changes. A scale computed from a tiny
-amax stays a finite power of two (at most 2^126).
+Non-finite gradients: before any state is touched, one check over every gradient (one device
+sync, or the caller's verdict) decides whether the step is taken. If any is NaN or inf, the step
+is skipped and counted (`skipped_steps`): no scale, moment or weight changes.
 
-
-The step is one loop over the parameters (Fp8AdamW.step, foreach=False), read top to bottom:
-dequantize the FP8 gradient, the master and the moments to fp32; Adam's recursions and update in
-torch.optim.AdamW's operations and order; round the new m, v and master back to their formats.
-Its twin, nanofp8/optim_foreach.py (foreach=True, the default), does the same operations for all
-tensors of a param group at once, in a number of kernel launches that does not grow with the
-model's depth: torch.optim's own pair, _single_tensor_adamw and _multi_tensor_adamw. The two give
-the same bits (tests/test_optim.py).
+The step (Fp8AdamW.step, foreach=False) is one loop over the parameters: gradient, master and
+moments dequantized to fp32, Adam in torch.optim.AdamW's operations and order, the new m, v and
+master rounded into their formats. Its twin, nanofp8/optim_foreach.py (foreach=True, the default),
+makes the same operations on all tensors of a param group at once, in a number of launches that
+does not grow with depth: torch.optim's _single_tensor_adamw / _multi_tensor_adamw, bit-equal.
 """
 
 import math
@@ -123,8 +83,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import (E4M3, WEIGHT, Fp8Format, Fp8Linear, amax_each, compute_scale, dequantize, pack_saved,
-                         quantize, unpack_saved)
+from nanofp8.fp8 import E4M3, Fp8Format, Fp8Linear, amax_each, compute_scale, dequantize, quantize
+from nanofp8.o2_compile import O2CompileParts
 
 # -----------------------------------------------------------------------------
 # The stored formats: one table (see the table at the top)
@@ -172,10 +132,7 @@ def to_fp16_scaled(x, target=MASTER_HEADROOM, noise=None):
     return (y.half() if noise is None else round_stochastic(y, noise.view(y.shape), FP16)), s
 
 
-# -----------------------------------------------------------------------------
-# Stochastic rounding (see (5) above), for the fp16 master and the stored moments alike
-
-MANTISSA_BITS = {torch.float16: 10, E4M3.dtype: 3}
+MANTISSA_BITS = {torch.float16: 10, E4M3.dtype: 3}  # (for the noise of stochastic rounding)
 
 
 def round_stochastic(y, noise, fmt):
@@ -204,9 +161,8 @@ def round_stochastic(y, noise, fmt):
 
 def state_block(numel):
     """Values per scale of a stored tensor of numel values: STATE_BLOCK, or the largest power of
-    two below it that divides numel (an FP8 layer's numel is a multiple of 256: 128 there). The
-    blocks are runs of consecutive values of the flattened tensor (row-major): a row of a matrix
-    whose width is a multiple of the block holds whole blocks, and no block spans two rows."""
+    two below it that divides numel. Blocks are runs of consecutive values of the flattened
+    (row-major) tensor: a row whose width is a multiple of the block holds whole blocks."""
     return math.gcd(numel, STATE_BLOCK)
 
 
@@ -282,10 +238,9 @@ def set_fp8_grad(p, q):
 
 def fp8_grad_hook(p, hook):
     """Set the "weight gradient ready" hook of p, called as hook(p) after every micro-step's
-    gradient is added (not while torch.compile traces the backward). Data parallelism launches
-    the reduction from it while backward goes on: the FP8 gradient never enters .grad, so
-    autograd's own post-accumulate-grad hooks never see it. One hook per weight: setting a
-    second one is an error; None removes the hook and returns it."""
+    gradient is added (the FP8 gradient never enters .grad, so autograd's own hooks never see
+    it): data parallelism launches the reduction from it while backward goes on. One hook per
+    weight: a second one is an error; None removes the hook and returns it."""
     old = p._held_grad.ready
     if hook is not None and old is not None:
         raise ValueError("this weight's FP8 gradient is already reduced by another wrapper (it "
@@ -294,7 +249,7 @@ def fp8_grad_hook(p, hook):
     return old
 
 
-class O2Linear(Fp8Linear):
+class O2Linear(O2CompileParts, Fp8Linear):
     """Fp8Linear whose weight is stored as an fp16 master (values * weight_scale) and whose weight
     gradient is kept in FP8 on the weight, fp8_grad(self.weight), instead of in `.weight.grad`.
 
@@ -323,77 +278,13 @@ class O2Linear(Fp8Linear):
         new.register_load_state_dict_post_hook(O2Linear._loaded_state)
         return new
 
-    # The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through
-    # set_weight) right after it writes the new master; the casts W (N, K) and W^T (K, N)
-    # stay in buffers (not saved: they are made from the master) until the next step. A forward
-    # takes them as they are, also a compiled one: dynamo reads buffers as graph inputs, and the
-    # cast stays out of the graph. (Fp8Linear's own cache is keyed on the weight's version, which
-    # only eager code can read, so it is off under torch.compile.) Eager mode also notices a
-    # weight changed some other way (a load, a copy, a move to another device) and casts again.
-
-    @torch.no_grad()
-    def refresh_fp8_weight(self, record=True):
-        """Cast the weight to FP8 now and keep W and W^T in buffers. record=False (a weight that
-        was loaded or moved, not stepped): under delayed scaling, cast with the scale the weight
-        last had and record no amax, as the step that made this weight already did (a weight
-        never cast in training has no such scale: its own amax makes it, as for a first cast)."""
-        r = self.recipe
-        if record or r.scaling == "current":
-            qw, qwt = self.cast_weight()
-        else:
-            w = self.hp_weight().detach()
-            own = compute_scale(w.abs().amax(), r.fwd_fmt, r.margin, r.power_of_two)
-            scale = torch.where(self.history_count[WEIGHT] > 0, self.scale[WEIGHT], own)
-            qw = quantize(w, r.fwd_fmt, "tensor", scale=scale)
-            qwt = qw.t()
-        meta = []
-        for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
-            (data, scale), m = pack_saved(q)
-            meta.append(m)
-            for key, t in ((name, data), (name + "_scale", scale)):
-                # a new tensor, not a copy into the old one: a graph saved for backward may
-                # still hold the old one (autograd would refuse it after an in-place write)
-                self.register_buffer(key, t if t is not self.weight_scale else t.clone(), persistent=False)
-        self._fp8_meta = tuple(meta)
-        self._fp8_key = (self.weight._version, self.weight.data_ptr())
-        self._w_cache = None
-
-    def _fp8_operands(self):
-        return (unpack_saved((self.fp8_w, self.fp8_w_scale), self._fp8_meta[0]),
-                unpack_saved((self.fp8_wt, self.fp8_wt_scale), self._fp8_meta[1]))
-
-    def weight_operands(self):
-        """FP8 W and W^T for the forward and dgrad GEMMs: the casts of the last step."""
-        if torch.compiler.is_compiling():
-            return self._fp8_operands()
-        key = (self.weight._version, self.weight.data_ptr())
-        if self._fp8_key != key:
-            self.refresh_fp8_weight(record=False)
-        if self._w_cache is None:  # the same objects for every micro-step of a step
-            self._w_cache = (key, self._fp8_operands())
-        return self._w_cache[1]
-
-    def free_weight_cache(self):
-        """Called by the optimizer once it wrote a new weight: cast it, once for this step."""
-        self.refresh_fp8_weight()
-
-    @staticmethod
-    def _loaded_state(module, incompatible_keys):
-        module.refresh_fp8_weight(record=False)  # the loaded weight, with its loaded scale
-
     def hp_weight(self):
         return self.weight.float() * self.weight_scale.reciprocal()
 
     def take_wgrad(self, dw):
-        """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum.
-
-        Under torch.compile this runs while dynamo traces the backward, where storing on the
-        weight would be a side effect it cannot keep in the graph (a graph break around every
-        layer). There the gradient goes to autograd instead, as the weight's own gradient: scaled
-        by a power of two into fp16 (the weight's dtype; the scale in a buffer, written in place,
-        which dynamo keeps), and a hook on the weight, run by autograd once it has the gradient,
-        hands it back here, outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the
-        graph break.)"""
+        """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum. (Under
+        torch.compile it goes to autograd instead, scaled into fp16, and comes back here through
+        a hook: nanofp8/o2_compile.py, _grad_from_autograd.)"""
         if torch.compiler.is_compiling() and self.weight.dtype == torch.float16:
             s = fp16_scale(dw.detach().abs().amax(), FP16_MAX / 4)
             self.wgrad_in_scale.copy_(s)
@@ -421,10 +312,9 @@ class O2Linear(Fp8Linear):
         return None  # nothing for autograd: .weight.grad stays None
 
     def ensure_grad_hook(self):
-        """Give the weight what its FP8 gradient needs, if this weight has none yet (a deep copy
-        of the module has a new weight, without hooks or attributes): the place the gradient is
-        kept (fp8_grad) and the hook of take_wgrad's compiled path. Called at conversion, after a
-        copy, by every eager forward, and by Fp8AdamW for the weights it updates."""
+        """Give the weight, if it has none yet (a deep copy has a new weight), the place its FP8
+        gradient is kept (fp8_grad) and the hook of take_wgrad's compiled path. Called at
+        conversion, after a copy, by every eager forward, and by Fp8AdamW."""
         if not holds_fp8_grad(self.weight):
             self.weight._held_grad = _HeldGrad()
         if getattr(self, "_hooked", None) != id(self.weight):
@@ -439,13 +329,6 @@ class O2Linear(Fp8Linear):
         if not torch.compiler.is_compiling():
             self.ensure_grad_hook()
         return super().forward(x)
-
-    @torch.no_grad()
-    def _grad_from_autograd(self, weight):
-        """The hook of take_wgrad's compiled path: take the gradient back out of .grad."""
-        g, weight.grad = weight.grad, None
-        if g is not None:  # (autograd also runs it when eager take_wgrad gave it no gradient)
-            self.take_wgrad(g.float() * self.wgrad_in_scale.reciprocal())
 
     @torch.no_grad()
     def set_weight(self, w, noise=None):
@@ -477,19 +360,14 @@ def convert_to_o2(model, cls=None, grad_accum="fp16"):
 # The optimizer
 
 
-# -----------------------------------------------------------------------------
-# The optimizer
-
-
 class Fp8AdamW(torch.optim.Optimizer):
     """AdamW over a model converted with convert_to_o2: O2Linear weights get the decoupled
     state of the table above, every other parameter plain fp32 AdamW (the same math).
 
     State per O2 weight: exp_avg (m) + exp_avg_scale, exp_avg_sq (v, or sqrt(v)) +
-    exp_avg_sq_scale, step, in the formats STATE_FORMATS[v_format]. Other parameters: exp_avg,
-    exp_avg_sq (fp32), step. `seed` picks the stream of stochastic rounding (see (5) above).
-    foreach: True (or None, the default) runs the step on nanofp8/optim_foreach.py, False on the
-    loop of step() below: the same bits."""
+    exp_avg_sq_scale, step, in the formats STATE_FORMATS[v_format]; other parameters: exp_avg,
+    exp_avg_sq (fp32), step. `seed` picks the stream of stochastic rounding (5). foreach: True
+    or None (the default) steps on nanofp8/optim_foreach.py, False on the loop of step()."""
 
     rank = 0  # O3 (nanofp8/dist.py) sets its data-parallel rank: each shard rounds differently
 
@@ -516,9 +394,8 @@ class Fp8AdamW(torch.optim.Optimizer):
             gen = self._generators[like.device] = torch.Generator(device=like.device)
         key = ((self.seed * 1_000_003 + int(step)) * 1_000_003 + index) * 1_000_003 + self.rank
         gen.manual_seed(key % 2**63)
-        # One integer per element, uniform in [-2^(d-1), 2^(d-1)), where d = 23 - the format's
-        # mantissa bits is how many more significand bits fp32 has: half a spacing of the format,
-        # counted in units of fp32's last bit (see round_stochastic).
+        # uniform in [-2^(d-1), 2^(d-1)), d = 23 - the format's mantissa bits: half a spacing of
+        # the format, in units of fp32's last bit (see round_stochastic)
         noises = []
         for fmt in (self.formats.master, self.formats.m, self.formats.v):
             half = 1 << (22 - MANTISSA_BITS[fmt.dtype])
@@ -566,9 +443,7 @@ class Fp8AdamW(torch.optim.Optimizer):
                 elif p.grad is not None:
                     plain.append(p.grad)
         amaxes += [a.float() for a in amax_each(plain)]
-        if not amaxes:
-            return torch.ones((), dtype=torch.bool, device=self.param_groups[0]["params"][0].device)
-        return torch.isfinite(torch.stack(amaxes)).all()
+        return torch.isfinite(torch.stack(amaxes or [torch.zeros(())])).all()
 
     def _init_state(self, p):
         """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight. The
@@ -585,15 +460,13 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grads_finite=None):
-        """One AdamW step over every parameter with a gradient. Returns whether it was taken.
-        grads_finite: the caller's verdict on the gradients (train.py has one from its own single
-        sync); None: check them here (one sync)."""
+        """One AdamW step over every parameter with a gradient; returns whether it was taken.
+        grads_finite: the caller's verdict on the gradients; None: check them here (one sync)."""
         if not bool(self.grads_finite() if grads_finite is None else grads_finite):
             self.skipped_steps += 1  # a NaN or inf gradient: nothing changes
             return False
-        if self.foreach:
-            from nanofp8 import optim_foreach  # (the twin of the loop below; it imports this file)
-            optim_foreach.step(self)
+        if self.foreach:  # the twin of the loop below
+            _foreach().step(self)
             return True
         index = -1  # parameters are numbered over the param groups (the rounding noise's seed)
         for group in self.param_groups:
@@ -617,8 +490,7 @@ class Fp8AdamW(torch.optim.Optimizer):
                     w = dequantize_blocks(mod.weight, mod.weight_scale)
                     m = dequantize_blocks(st["exp_avg"].view(p.shape), st["exp_avg_scale"])
                     v = dequantize_blocks(st["exp_avg_sq"].view(p.shape), st["exp_avg_sq_scale"])
-                    if self.formats.v_sqrt:
-                        v = v.pow(2)
+                    v = v.pow(2) if self.formats.v_sqrt else v  # (stored as sqrt(v))
                 # Adam's moments and update, in torch.optim.AdamW's operations and order
                 m.lerp_(g, 1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -638,23 +510,21 @@ class Fp8AdamW(torch.optim.Optimizer):
                 mod.set_weight(w, noise_w)  # the fp16 master, and its FP8 cast for the next forward
         return True
 
-    # The foreach path's pieces, which O3 (ZeroFp8AdamW, nanofp8/dist.py) runs on its shards.
-
+    # The foreach path's pieces, which O3 (ZeroFp8AdamW) runs on its shards: see optim_foreach.py
     @staticmethod
     def _count_steps(sts):
-        from nanofp8 import optim_foreach
-        return optim_foreach.count_steps(sts)
+        return _foreach().count_steps(sts)
 
     def _fp32_update(self, ps, gs, group):
-        from nanofp8 import optim_foreach
-        optim_foreach.fp32_update(ps, gs, [self.state[p] for p in ps], group)
+        _foreach().fp32_update(ps, gs, [self.state[p] for p in ps], group)
 
     def _decoupled_update(self, sts, ws, gs, group, ts, noises):
-        """The O2 update of fp32 weights ws (gradients gs, steps ts) whose moments are held in
-        the states sts: stores the new moments, rounded with noises[i][1] and noises[i][2], and
-        returns the new weights (fp32, not yet stored)."""
-        from nanofp8 import optim_foreach
-        return optim_foreach.decoupled_update(self.formats, sts, ws, gs, group, ts, noises)
+        return _foreach().decoupled_update(self.formats, sts, ws, gs, group, ts, noises)
+
+
+def _foreach():
+    from nanofp8 import optim_foreach  # (here, not at the top: optim_foreach imports this file)
+    return optim_foreach
 
 
 def adam_ratio_bound(t, b1, b2):
