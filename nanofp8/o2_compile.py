@@ -69,7 +69,8 @@ class O2CompileParts:
         return self._w_cache[1]
 
     def free_weight_cache(self):
-        """Called by the optimizer once it wrote a new weight: cast it, once for this step."""
+        """Fp8Linear's call for a weight just written (O3's set_fp8_weight makes it): cast it, once
+        for this step."""
         self.refresh_fp8_weight()
 
     @staticmethod

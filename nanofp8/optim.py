@@ -377,7 +377,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             raise ValueError(f"v_format={v_format!r}; expected one of {tuple(STATE_FORMATS)}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.v_format, self.formats, self.seed = v_format, STATE_FORMATS[v_format], seed
-        self.foreach = foreach is None or foreach
+        self.foreach = True if foreach is None else bool(foreach)
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         for m in self.o2.values():
             m.ensure_grad_hook()
