@@ -1,12 +1,13 @@
 """
 What an O2/O3 layer (nanofp8/optim.py's O2Linear) needs to run under torch.compile as in eager mode.
 
-The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through O2Linear.set_weight) right after it writes the new
-master; the casts W (N, K) and W^T (K, N) stay in buffers (not saved: they are made from the
-master) until the next step. A forward takes them as they are, also a compiled one: dynamo reads
-buffers as graph inputs, and the cast stays out of the graph. (Fp8Linear's own cache is keyed on the weight's version, which
-only eager code can read, so it is off under torch.compile.) Eager mode also notices a
-weight changed some other way (a load, a copy, a move to another device) and casts again.
+The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through
+O2Linear.set_weight) right after it writes the new master; the casts W (N, K) and W^T (K, N) stay
+in buffers (not saved: they are made from the master) until the next step. A forward takes them
+as they are, also a compiled one: dynamo reads buffers as graph inputs, and the cast stays out of
+the graph. (Fp8Linear's own cache is keyed on the weight's version, which only eager code can
+read, so it is off under torch.compile.) Eager mode also notices a weight changed some other way
+(a load, a copy, a move to another device) and casts again.
 
 The weight gradient, handed over through autograd. O2Linear.take_wgrad runs, under torch.compile,
 while dynamo traces the backward, where storing on the weight would be a side effect it cannot

@@ -126,7 +126,7 @@ def fp16_scale(amax, target):
 
 def to_fp16_scaled(x, target=MASTER_HEADROOM, noise=None):
     """(x * s in fp16, s) with s a power of two: exact rescaling, no subnormals for the bulk.
-    Rounds to nearest, or stochastically with `noise` (Fp8AdamW.rounding_noise's for the master, see (5))."""
+    Rounds to nearest, or stochastically with `noise` (see (5): Fp8AdamW.rounding_noise)."""
     s = fp16_scale(x.abs().amax(), target)
     y = x.float() * s
     return (y.half() if noise is None else round_stochastic(y, noise.view(y.shape), FP16)), s
@@ -142,9 +142,9 @@ def round_stochastic(y, noise, fmt):
 
     How: add to |y| a dither uniform in [-1/2, 1/2) of a spacing, then round to nearest (the
     cast). The value lands above the midpoint between its neighbours exactly as often as it should
-    land on the upper one. The dither is made without knowing the spacing: the noise (Fp8AdamW.rounding_noise)
-    is added to the fp32 bit pattern of |y|, whose last d bits are what the format does not keep,
-    so it moves |y| by up to half a spacing at |y|'s own exponent. Below the format's smallest
+    land on the upper one. The dither is made without knowing the spacing: the noise
+    (Fp8AdamW.rounding_noise) is added to the fp32 bit pattern of |y|, whose last d bits are what
+    the format does not keep, so it moves |y| by up to half a spacing at |y|'s own exponent. Below the format's smallest
     normal the spacing stops shrinking (subnormals are evenly spaced), so there the dither is taken
     at 1.5 times the smallest normal, whose spacing that is. A value of 0 stays 0; a value far
     below a spacing becomes 0 or the smallest subnormal, unbiased."""
