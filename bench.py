@@ -52,7 +52,8 @@ import torch.nn as nn
 
 from nanofp8.fp8 import GRANULARITIES, Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
-from nanofp8.optim import activation_bytes, fp8_grad, training_state_bytes
+from nanofp8.memory import activation_bytes, training_state_bytes
+from nanofp8.optim import fp8_grad
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 

@@ -128,7 +128,7 @@ def fp32_moments(ckpt):
     """{parameter name: {step, exp_avg, exp_avg_sq}} in fp32, from the optimizer state of a
     single-device checkpoint of any level: torch AdamW's fp32 moments, O2's E4M3 m and fp16 (or
     E4M3 sqrt) v with their scales, O3's shards of those glued back. None if there is none."""
-    from nanofp8.optim import dequantize_stored
+    from nanofp8.optim import STATE_FORMATS, dequantize_blocks
 
     opt = ckpt.get("optimizer")
     if not isinstance(opt, dict) or "param_groups" not in opt and "zero_shards" not in opt:
@@ -138,10 +138,10 @@ def fp32_moments(ckpt):
     index = [i for g in shards[0]["param_groups"] for i in g["params"]]
     if len(index) != len(names):
         return None
-    sqrt_v = ckpt["config"].get("o2_v_format") == "fp8"  # O2/O3 weights then store sqrt(v)
+    sqrt_v = STATE_FORMATS[ckpt["config"].get("o2_v_format", "fp16")].v_sqrt  # O2/O3 weights' v
 
-    def load(st, key):  # (a scale per block of values, or one per tensor: optim.dequantize_stored)
-        return dequantize_stored(st[key], st[key + "_scale"]) if key + "_scale" in st else st[key].float()
+    def load(st, key):  # (a scale per block of values, or one per tensor: optim.dequantize_blocks)
+        return dequantize_blocks(st[key], st[key + "_scale"]) if key + "_scale" in st else st[key].float()
 
     out = {}
     for i, name in zip(index, names):
@@ -166,7 +166,7 @@ def load_moments(optimizer, model, moments):
     formats: fp32 for torch AdamW, E4M3 m and fp16 (or E4M3 sqrt) v for O2 weights, this rank's
     shard of those for O3. Parameters are matched by name; a shape mismatch is an error."""
     from nanofp8.dist import held_shard_len
-    from nanofp8.optim import Fp8AdamW, stored
+    from nanofp8.optim import Fp8AdamW, quantize_blocks
     from nanofp8.zero import ZeroFp8AdamW
 
     trained = {p for g in optimizer.param_groups for p in g["params"]}
@@ -184,9 +184,9 @@ def load_moments(optimizer, model, moments):
                 c, r = held_shard_len(p, optimizer.world), optimizer.rank
                 m, v = (F.pad(t.reshape(-1), (0, optimizer.world * c - p.numel()))[r * c : (r + 1) * c]
                         for t in (m, v))
-            st["exp_avg"], st["exp_avg_scale"] = stored(m, "fp8")
-            sq = v.sqrt() if optimizer.v_format == "fp8" else v
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = stored(sq, optimizer.v_format)
+            f = optimizer.formats
+            st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(m, f.m)
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(v.sqrt() if f.v_sqrt else v, f.v)
         else:
             st["exp_avg"], st["exp_avg_sq"] = m.clone(), v.clone()
         # torch's fused AdamW wants its step counter on the parameter's device, the others on the CPU

@@ -277,16 +277,16 @@ class Fp8Stats:
     def _moment_records(self, it, optimizer):
         """O2/O3: the Adam moments as stored after the step (FP8 m; fp16 or FP8 sqrt(v))."""
         o2 = getattr(optimizer, "o2", None)
-        if not o2 or not hasattr(optimizer, "v_format"):
+        if not o2 or not hasattr(optimizer, "formats"):
             return []
         out = []
         for p, mod in o2.items():
             st = optimizer.state.get(p)
             if not st or "exp_avg_scale" not in st:
                 continue
-            vfmt = E4M3 if optimizer.v_format == "fp8" else FP16
-            for name, data, scale, fmt in (("m", st["exp_avg"], st["exp_avg_scale"], E4M3),
-                                           ("v", st["exp_avg_sq"], st["exp_avg_sq_scale"], vfmt)):
+            f = optimizer.formats
+            for name, data, scale, fmt in (("m", st["exp_avg"], st["exp_avg_scale"], f.m),
+                                           ("v", st["exp_avg_sq"], st["exp_avg_sq_scale"], f.v)):
                 rec = {"iter": it, "layer": mod.fqn, "operand": name, "format": fmt.name}
                 rec.update(stored_stats(data, scale, fmt))
                 out.append(rec)

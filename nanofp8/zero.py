@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from .dist import (COMM, Fp8Chunks, all_gather_fp8, any_nonfinite, gather_wgrads, held_grad_chunks,
                    held_shard_len, reduce_scatter_fp8)
 from .fp8 import BLOCK, E4M3, Fp8Tensor, _tile_amax, compute_scale, dequantize, expand_tiles, quantize
-from .optim import (Fp8AdamW, O2Linear, convert_to_o2, dequantize_stored_all, holds_fp8_grad, state_block,
-                    step_chunks, stored, to_fp16_scaled, to_fp16_scaled_all)
+from .optim import Fp8AdamW, O2Linear, convert_to_o2, holds_fp8_grad, quantize_blocks, state_block, to_fp16_scaled
+from .optim_foreach import dequantize_blocks_all, step_chunks, to_fp16_scaled_all
 
 
 class O3Linear(O2Linear):
@@ -131,8 +131,8 @@ class ZeroFp8AdamW(Fp8AdamW):
             st["step"] = torch.zeros((), dtype=torch.float32)
             st["master"], st["master_scale"] = to_fp16_scaled(full[self.rank * c : (self.rank + 1) * c])
             zeros = torch.zeros(c, device=p.device)
-            st["exp_avg"], st["exp_avg_scale"] = stored(zeros, "fp8")
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = stored(zeros, self.v_format)
+            st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(zeros, self.formats.m)
+            st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(zeros, self.formats.v)
 
     def state_dict(self):
         sd = super().state_dict()
@@ -228,7 +228,7 @@ class ZeroFp8AdamW(Fp8AdamW):
                 ts = self._count_steps(sts)
                 gs = [shards[index[p]] for p in part]
                 noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(part, ts, gs)]
-                ws = dequantize_stored_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
+                ws = dequantize_blocks_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
                 ws = self._decoupled_update(sts, ws, gs, group, ts, noises)
                 for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, [n[0] for n in noises])):
                     st["master"], st["master_scale"] = master, scale

@@ -32,7 +32,7 @@ from nanofp8.fp8 import E4M3, quantize, sqnr
 from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable
 from nanofp8.model import GPT, GPTConfig
 from nanofp8.ckptfile import CheckpointError, load_checkpoint, load_model_state
-from nanofp8.optim import dequantize_stored
+from nanofp8.optim import dequantize_blocks
 
 from conftest import newest_checkpoint
 from nanofp8.run import MODEL_KEYS
@@ -180,8 +180,8 @@ def test_moments_between_levels(v_format):
     moments = fp32_moments(ckpt)
     lin = o2.blocks[1].mlp.c_fc
     st = opt.state[lin.weight]
-    m = dequantize_stored(st["exp_avg"], st["exp_avg_scale"])  # (one scale per 128 values)
-    v = dequantize_stored(st["exp_avg_sq"], st["exp_avg_sq_scale"])
+    m = dequantize_blocks(st["exp_avg"], st["exp_avg_scale"])  # (one scale per 128 values)
+    v = dequantize_blocks(st["exp_avg_sq"], st["exp_avg_sq_scale"])
     v = v.square() if v_format == "fp8" else v
     bf16, opt32 = built("bf16")
     load_moments(opt32, bf16, moments)
@@ -192,8 +192,8 @@ def test_moments_between_levels(v_format):
     back, opt2 = built("O2")
     load_moments(opt2, back, fp32_moments({**ckpt, "optimizer": opt32.state_dict(), "config": {}}))
     st2 = opt2.state[back.blocks[1].mlp.c_fc.weight]
-    assert sqnr(m, dequantize_stored(st2["exp_avg"], st2["exp_avg_scale"])) > 40  # E4M3 of E4M3 values
-    v2 = dequantize_stored(st2["exp_avg_sq"], st2["exp_avg_sq_scale"])
+    assert sqnr(m, dequantize_blocks(st2["exp_avg"], st2["exp_avg_scale"])) > 40  # E4M3 of E4M3 values
+    v2 = dequantize_blocks(st2["exp_avg_sq"], st2["exp_avg_sq_scale"])
     assert sqnr(v, v2.square() if v_format == "fp8" else v2) > 40
 
 

@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from conftest import spawn
 from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, dequantize, quantize, sqnr
-from nanofp8.optim import (Fp8AdamW, O2Linear, adam_moments, adam_ratio_bound, convert_to_o2, fp8_grad,
-                           to_fp16_scaled)
+from nanofp8.optim import Fp8AdamW, O2Linear, adam_ratio_bound, convert_to_o2, fp8_grad, to_fp16_scaled
+from nanofp8.optim_foreach import adam_moments
 
 N = 128
 BETAS = (0.9, 0.95)  # GPT-2's (train.py)

@@ -10,8 +10,9 @@ import torch.nn as nn
 
 from nanofp8 import fp8
 from nanofp8.fp8 import E4M3, Fp8Tensor, Recipe, convert_to_fp8, dequantize, quantize, sqnr
-from nanofp8.optim import (STATE_BLOCK, Fp8AdamW, O2Linear, activation_bytes, clip_grad_norm, convert_to_o2,
-                           fp8_grad, fp8_grad_nbytes, holds_fp8_grad, set_fp8_grad, training_state_bytes)
+from nanofp8.memory import activation_bytes, fp8_grad_nbytes, training_state_bytes
+from nanofp8.optim import (STATE_BLOCK, Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2, fp8_grad, holds_fp8_grad,
+                           set_fp8_grad)
 
 
 def mlp(seed=0):
@@ -161,7 +162,7 @@ def test_checkpoint_round_trip_resumes_exactly():
 def test_optimizer_state_with_one_scale_per_tensor_still_loads():
     """Optimizer state saved when m and v had one scale per tensor (shape ()) loads and steps: the
     step reads it under that scale and stores it back with one scale per block."""
-    from nanofp8.optim import dequantize_stored
+    from nanofp8.optim import dequantize_blocks
 
     x = torch.randn(32, 64)
     a, opt_a = o2_twin(mlp())
@@ -169,7 +170,7 @@ def test_optimizer_state_with_one_scale_per_tensor_still_loads():
     sd = copy.deepcopy(opt_a.state_dict())
     for st in sd["state"].values():
         if "exp_avg_scale" in st:
-            m, v = dequantize_stored(st["exp_avg"], st["exp_avg_scale"]), dequantize_stored(st["exp_avg_sq"], st["exp_avg_sq_scale"])
+            m, v = dequantize_blocks(st["exp_avg"], st["exp_avg_scale"]), dequantize_blocks(st["exp_avg_sq"], st["exp_avg_sq_scale"])
             q = quantize(m, E4M3)  # the old form: one scale per tensor
             st["exp_avg"], st["exp_avg_scale"] = q.data.view(m.shape), q.scale
             st["exp_avg_sq"] = (v * (s := 2.0 ** -torch.floor(torch.log2(v.abs().amax() / 16376)))).half()
@@ -183,8 +184,8 @@ def test_optimizer_state_with_one_scale_per_tensor_still_loads():
         assert opt.step()
     st_a, st_b = opt_a.state[a[0].weight], opt_b.state[b[0].weight]
     assert st_b["exp_avg_scale"].shape == (b[0].weight.numel() // STATE_BLOCK, 1)
-    assert sqnr(dequantize_stored(st_a["exp_avg"], st_a["exp_avg_scale"]),
-                dequantize_stored(st_b["exp_avg"], st_b["exp_avg_scale"])) > 25
+    assert sqnr(dequantize_blocks(st_a["exp_avg"], st_a["exp_avg_scale"]),
+                dequantize_blocks(st_b["exp_avg"], st_b["exp_avg_scale"])) > 25
     assert sqnr(a[0].hp_weight(), b[0].hp_weight()) > 50
 
 
@@ -315,7 +316,7 @@ def test_step_bounds_its_temporaries_by_running_in_chunks(monkeypatch):
     step takes more values than that (a larger weight alone). The runs change no bit."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from nanofp8 import optim
+    from nanofp8 import optim_foreach
 
     class Widest(TorchDispatchMode):
         widest = 0
@@ -326,7 +327,7 @@ def test_step_bounds_its_temporaries_by_running_in_chunks(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     def run(chunk):
-        monkeypatch.setattr(optim, "STEP_CHUNK", chunk, raising=False)
+        monkeypatch.setattr(optim_foreach, "STEP_CHUNK", chunk)
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 6 O2 weights of 4,096 values
         o2, opt = o2_twin(model)
@@ -431,3 +432,145 @@ def test_the_package_docstring_reads_one_o2_weight_in_three_files():
     for must in ("Fp8Linear.forward", "_Fp8LinearFunction.backward", "O2Linear.take_wgrad",
                  "Fp8DataParallel.sync_gradients", "Fp8AdamW.step"):
         assert must in names
+
+
+def _adversarial_grad(shape, step, gen):
+    """A gradient of `shape` for step `step`, cycling through the adversaries of the numerics
+    standard: Gaussians over 10 decades, a spike 1e7 above its neighbours, all zeros, tiny values
+    (fp16's and E4M3's subnormals after scaling), rows 1e6 apart, and a gradient vanishing by
+    half per step with one input feature (column) stopped for good."""
+    g = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-6, 2, (), generator=gen)
+    kind = step % 6
+    if kind == 1:
+        g.view(-1)[torch.randint(0, g.numel(), (), generator=gen)] *= 1e7
+    elif kind == 2:
+        g.zero_()
+    elif kind == 3:
+        g *= 1e-30
+    elif kind == 4 and g.dim() == 2:
+        g *= 10 ** torch.linspace(-3, 3, shape[0])[:, None]
+    elif kind == 5:
+        g *= 0.5**step
+    if g.dim() == 2:
+        g[:, 3] = 0  # an input feature that never occurs again
+    return g
+
+
+def _bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("v_format,grad_accum,steps", [("fp8", "fp8", 13),
+                                                       pytest.param("fp16", "fp16", 40, marks=pytest.mark.slow),
+                                                       pytest.param("fp8", "fp16", 40, marks=pytest.mark.slow),
+                                                       pytest.param("fp16", "fp8", 40, marks=pytest.mark.slow)])
+def test_loop_and_foreach_steps_are_bit_equal(v_format, grad_accum, steps):
+    """Fp8AdamW(foreach=False), the per-parameter loop of optim.py, and foreach=True,
+    nanofp8/optim_foreach.py, give the same bits: weights, fp16 masters and their scales, FP8 m,
+    v and their scales, step counters, over 13 or 40 steps of adversarial gradients (_adversarial_grad)
+    summed over 2 micro-steps through the layer's take_wgrad, with clipping on every third step
+    and a NaN step that both skip. Bit-equal weights and moments also mean the same rounding
+    noise: a different draw would round some value the other way."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 64))
+    twins = []
+    for foreach in (False, True):
+        m = convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe()), grad_accum=grad_accum)
+        groups = [{"params": [p for p in m.parameters() if p.dim() == 2]},
+                  {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        twins.append((m, Fp8AdamW(groups, m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                                  v_format=v_format, foreach=foreach)))
+    assert twins[0][1].foreach is False and twins[1][1].foreach is True
+    draws = {False: [], True: []}  # (parameter number, step, shape) of every noise drawn
+    for _, opt in twins:
+        def spy(index, step, like, opt=opt, draw=opt.rounding_noise):
+            draws[opt.foreach].append((index, step, tuple(like.shape)))
+            return draw(index, step, like)
+        opt.rounding_noise = spy
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        grads = [[_adversarial_grad(p.shape, step, gen) for p in twins[0][0].parameters()] for _ in range(2)]
+        if step == 8:
+            grads[1][0][5, 7] = float("nan")
+        taken = []
+        for m, opt in twins:
+            for micro in grads:
+                for (name, p), g in zip(m.named_parameters(), micro):
+                    if holds_fp8_grad(p):
+                        m[int(name.split(".")[0])].take_wgrad(g)
+                    else:
+                        p.grad = g.clone() if p.grad is None else p.grad + g
+            if step % 3 == 0:
+                clip_grad_norm(m, 1.0)
+            taken.append(opt.step())
+            opt.zero_grad()
+        assert taken == [step != 8] * 2
+        (m0, opt0), (m1, opt1) = twins
+        for (k, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
+            assert _same_bits(a, b), (step, k)
+        for p0, p1 in zip(m0.parameters(), m1.parameters()):
+            st0, st1 = opt0.state[p0], opt1.state[p1]
+            assert st0.keys() == st1.keys()
+            for k in st0:
+                assert _same_bits(st0[k], st1[k]), (step, k)
+    assert opt0.skipped_steps == opt1.skipped_steps == 1
+    assert sorted(draws[False]) == sorted(draws[True]) and len(draws[False]) == 2 * (steps - 1)
+    assert opt0.state[m0[0].weight]["exp_avg_sq"].dtype == (torch.float16 if v_format == "fp16" else E4M3.dtype)
+
+
+def step_functions(**opt_kw):
+    """The distinct project functions (code objects in files under the repository, comprehensions
+    aside) one O2 step runs, counted with sys.setprofile: a small O2 model after a warm-up step
+    and the next backward, step() called with no verdict. Returns (the step's own, those of the
+    FP8 cast of each new weight for the next forward: refresh_fp8_weight and what it calls), as
+    sets of (file, qualified name)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch.manual_seed(0)
+    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)), Recipe()))
+    opt = Fp8AdamW(model.parameters(), model, **opt_kw)
+    x = torch.randn(8, 64)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    own, cast, depth = set(), set(), [0]
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if not code.co_filename.startswith(root) or code.co_name.startswith("<"):
+            return
+        is_cast = code.co_name == "refresh_fp8_weight"
+        if event == "call":
+            depth[0] += is_cast
+            (cast if depth[0] else own).add((os.path.relpath(code.co_filename, root), code.co_qualname))
+        elif event == "return":
+            depth[0] -= is_cast
+
+    sys.setprofile(profile)
+    try:
+        assert opt.step()
+    finally:
+        sys.setprofile(None)
+    return own, cast - own
+
+
+def test_the_readable_step_calls_few_functions():
+    """One O2 step on the readable path (foreach=False) runs at most 20 distinct project
+    functions of its own (step_functions). The FP8 cast of each new weight for the next forward,
+    which the step also makes, is counted apart, as the operator count above leaves it out: it is
+    fp8.py's cast (Fp8Linear.cast_weight). Printed with -s, beside the foreach path's counts."""
+    own, cast = step_functions(foreach=False)
+    for name, (o, c) in (("loop", (own, cast)), ("foreach", step_functions(foreach=True))):
+        print(f"{name}: {len(o)} functions of the step's own, {len(c)} more in the weights' FP8 cast")
+    for f in sorted(own | cast):
+        print(*f)
+    assert ("nanofp8/optim.py", "Fp8AdamW.step") in own and ("nanofp8/o2_compile.py", "O2CompileParts.refresh_fp8_weight") in cast
+    assert len(own) <= 20
+    assert len(own | cast) <= 30

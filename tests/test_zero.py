@@ -10,11 +10,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import spawn
 
-from nanofp8 import optim
+from nanofp8 import optim_foreach
 from nanofp8.dist import Fp8DataParallel, comm_stats
 from nanofp8.zero import O3Linear, ZeroFp8AdamW, convert_to_o3
 from nanofp8.fp8 import Recipe, convert_to_fp8
-from nanofp8.optim import Fp8AdamW, convert_to_o2, holds_fp8_grad, training_state_bytes
+from nanofp8.memory import training_state_bytes
+from nanofp8.optim import Fp8AdamW, convert_to_o2, holds_fp8_grad
 
 STEPS, BATCH, LR = 12, 64, 2e-3
 
@@ -106,10 +107,10 @@ def worker(rank, world, outdir):  # run by conftest.spawn: the process group is 
     model2, dp2, opt2 = build_o3(world)
     model2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
-    # the resumed run updates each weight's shard in a run of its own (optim.step_chunks): the same bits
-    chunk, optim.STEP_CHUNK = optim.STEP_CHUNK, 1
+    # the resumed run updates each weight's shard in a run of its own (optim_foreach.step_chunks): the same bits
+    chunk, optim_foreach.STEP_CHUNK = optim_foreach.STEP_CHUNK, 1
     resumed = [o3_step(model2, dp2, opt2, x[i], y[i], rank, world)[0] for i in (1, 2)]
-    optim.STEP_CHUNK = chunk
+    optim_foreach.STEP_CHUNK = chunk
     resumed_same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
     if rank == 0:
         torch.save(dict(losses=losses, same=same, stats=stats, acc=acc, skipped=skipped,

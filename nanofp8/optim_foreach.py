@@ -1,0 +1,219 @@
+"""
+Fp8AdamW's foreach step: the same update as the per-parameter loop of nanofp8/optim.py, for all
+tensors of a param group at once. Fp8AdamW(foreach=True), the default, runs it; foreach=False runs
+the loop. This is torch.optim's own pair, _multi_tensor_adamw beside _single_tensor_adamw, and
+tests/test_optim.py holds the two bit-equal over many steps of adversarial gradients.
+
+Each elementwise operation is one torch._foreach_* call over every O2 weight (or every fp32
+parameter) of a run, so the update is ~140 operator calls whatever the model's depth, plus five per
+O2 weight: the three draws of its seeded rounding noise and the block amaxes of m and v
+(tests/test_optim.py counts them). Each tensor gets the same operations in the same order as in
+the loop, so the results are the same bits (the CPU runs a foreach op tensor by tensor with the
+ordinary kernels).
+
+The price is transient memory: the fp32 copies of w, m, v and g, the int32 rounding noise of three
+tensors and the update's intermediates come to several dozen bytes per value while a foreach call
+runs, ten times the state O2 keeps. So the step takes the O2 weights of a group in runs of at most
+STEP_CHUNK = 2^25 values (a larger weight alone), which changes no bit (tests/test_optim.py): the
+step's temporaries stay a few GB whatever the model's size, at the price of ~140 more operator
+calls per run.
+
+O3 (ZeroFp8AdamW) updates its shards with these functions too.
+"""
+
+import math
+
+import torch
+
+from nanofp8.fp8 import E4M3, amax_each, compute_scale
+from nanofp8.optim import FP16, FP16_MAX, MASTER_HEADROOM, fp16_scale, adam_ratio_bound, state_block
+
+STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls
+
+
+def step_chunks(tensors):
+    """The step's runs: consecutive slices [i, j) of `tensors` holding at most STEP_CHUNK values
+    each (a tensor larger than that alone)."""
+    runs, start, n = [], 0, 0
+    for i, t in enumerate(tensors):
+        if i > start and n + t.numel() > STEP_CHUNK:
+            runs.append((start, i))
+            start, n = i, 0
+        n += t.numel()
+    return runs + ([(start, len(tensors))] if start < len(tensors) else [])
+
+
+def _blocks(t, scale):
+    """t as (blocks, values per block) for its scale: one row per scale (shape (blocks, 1)), or
+    one row for a single scale (shape (), as the masters and older checkpoints' moments have)."""
+    return t.reshape(scale.shape[0] if scale.dim() else 1, -1)
+
+
+def round_stochastic_all(ys, noises, fmt, out=None):
+    """optim.round_stochastic for lists of tensors (out: tensors of fmt's dtype to write into)."""
+    mag = torch._foreach_abs(ys)
+    at = torch._foreach_clamp_min(mag, 1.5 * fmt.min_normal)  # where the dither is measured
+    moved = torch._foreach_add([a.view(torch.int32) for a in at], noises)
+    dither = torch._foreach_sub([m.view(torch.float32) for m in moved], at)
+    torch._foreach_add_(mag, dither)
+    torch._foreach_mul_(mag, torch._foreach_sign(ys))
+    if fmt.dtype != torch.float16:  # (fp16 values are far below its max: 4x under, at most)
+        torch._foreach_clamp_min_(mag, -fmt.max)
+        torch._foreach_clamp_max_(mag, fmt.max)
+    out = out if out is not None else [torch.empty(y.shape, dtype=fmt.dtype, device=y.device) for y in ys]
+    torch._foreach_copy_(out, mag)  # the cast rounds to nearest
+    return out
+
+
+def dequantize_blocks_all(datas, scales):
+    """[optim.dequantize_blocks(data, scale)] for stored tensors of one dtype: a foreach cast (copy
+    into fp32) and a foreach multiply by the reciprocal scales, per block or per tensor."""
+    out = [torch.empty(_blocks(d, s).shape, dtype=torch.float32, device=d.device) for d, s in zip(datas, scales)]
+    torch._foreach_copy_(out, [_blocks(d, s) for d, s in zip(datas, scales)])
+    torch._foreach_mul_(out, torch._foreach_reciprocal(scales))
+    return [o.view(d.shape) for o, d in zip(out, datas)]
+
+
+def quantize_blocks_all(xs, fmt, noises=None):
+    """[optim.quantize_blocks(x, fmt, noise)] for a list of fp32 tensors: the scales of all blocks of
+    all tensors computed at once. The values are finite (the step checked the gradients, and m and
+    v are made from them), so the cast needs no NaN guard (fp8.quantize has one)."""
+    views = [x.reshape(-1, state_block(x.numel())) for x in xs]
+    amax = [a.amax(1, keepdim=True) for a in torch._foreach_abs(views)]  # one reduction per tensor
+    every = torch.cat(amax)
+    every = fp16_scale(every, FP16_MAX / 4) if fmt.dtype == torch.float16 else compute_scale(every, fmt)
+    scales = list(every.split([len(a) for a in amax]))
+    ys = torch._foreach_mul(views, scales)
+    if noises is not None:
+        datas = round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], fmt)
+    else:
+        if fmt.dtype != torch.float16:
+            torch._foreach_clamp_min_(ys, -fmt.max)
+            torch._foreach_clamp_max_(ys, fmt.max)
+        datas = [torch.empty(y.shape, dtype=fmt.dtype, device=y.device) for y in ys]
+        torch._foreach_copy_(datas, ys)
+    return [(d.view(x.shape), s) for d, x, s in zip(datas, xs, scales)]
+
+
+def _scaled_all(xs, target):
+    """The power-of-two fp16 scale of every tensor (optim.to_fp16_scaled's) and the tensors times it."""
+    scales = list(fp16_scale(torch.stack([a.float() for a in amax_each(xs)]), target).unbind())
+    return torch._foreach_mul(xs, scales), scales
+
+
+def to_fp16_scaled_all(xs, noises, target=MASTER_HEADROOM):
+    """[optim.to_fp16_scaled(x, target, noise)] for lists of tensors and their noises (fp16's)."""
+    ys, scales = _scaled_all(xs, target)
+    return list(zip(round_stochastic_all(ys, noises, FP16), scales))
+
+
+@torch.no_grad()
+def set_weights(mods, ws, noises):
+    """O2Linear.set_weight for many modules: each new fp32 weight stored as its scaled fp16
+    master, rounded stochastically with its own noise, then cast to FP8 for the next forward."""
+    ys, scales = _scaled_all(ws, MASTER_HEADROOM)
+    round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], FP16, out=[m.weight for m in mods])
+    torch._foreach_copy_([m.weight_scale for m in mods], scales)
+    for m in mods:
+        m.refresh_fp8_weight()
+
+
+def adam_moments(m, v, g, betas):
+    """Adam's moment recursions, in place, in torch.optim.AdamW's operations and order. m, v, g:
+    tensors, or lists of tensors (one foreach call per operation)."""
+    if torch.is_tensor(m):
+        m, v, g = [m], [v], [g]
+    b1, b2 = betas
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, value=1 - b2)
+
+
+def adamw_apply(ws, ms, vs, ts, group):
+    """The AdamW update of the weights ws from the moments after steps ts (lists, one step
+    count per tensor), decay first, as torch does. Returns the new weights (new tensors)."""
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    ws = torch._foreach_mul(ws, 1 - lr * wd)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(ws, ms, denom, [-lr / (1 - b1**t) for t in ts])
+    return ws
+
+
+def count_steps(sts):
+    """Advance the step counters of these states (one foreach add) and return them as Python
+    numbers (one read of host memory for all of them, no .item() per parameter)."""
+    steps = [st["step"] for st in sts]
+    if not steps:
+        return []
+    torch._foreach_add_(steps, 1)
+    return torch.stack(steps).tolist()
+
+
+def fp32_update(ps, gs, sts, group):
+    """torch.optim.AdamW on ordinary parameters, all of them at once."""
+    ts = count_steps(sts)
+    ws = [p.float() for p in ps]
+    adam_moments([st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], gs, group["betas"])
+    ws = adamw_apply(ws, [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], ts, group)
+    torch._foreach_copy_(ps, ws)
+
+
+def decoupled_update(formats, sts, ws, gs, group, ts, noises):
+    """Fp8AdamW._decoupled_update: the loop's O2 update for lists of weights. Stores the new
+    moments into the states sts (rounded with noises[i][1] and noises[i][2]) and returns the new
+    fp32 weights (not yet stored)."""
+    # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
+    ms = dequantize_blocks_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
+                               [st["exp_avg_scale"] for st in sts])
+    vs = dequantize_blocks_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
+                               [st["exp_avg_sq_scale"] for st in sts])
+    ws = [w.view(g.shape) for w, g in zip(ws, gs)]
+    if formats.v_sqrt:
+        vs = torch._foreach_pow(vs, 2)
+    adam_moments(ms, vs, gs, group["betas"])
+    lim = torch._foreach_sqrt(vs)
+    torch._foreach_mul_(lim, [adam_ratio_bound(t, *group["betas"]) for t in ts])
+    torch._foreach_minimum_(ms, lim)
+    torch._foreach_neg_(lim)
+    torch._foreach_maximum_(ms, lim)
+    ws = adamw_apply(ws, ms, vs, ts, group)
+    for st, (data, scale) in zip(sts, quantize_blocks_all(ms, formats.m, [n[1] for n in noises])):
+        st["exp_avg"], st["exp_avg_scale"] = data, scale
+    if formats.v_sqrt:
+        vs = torch._foreach_sqrt(vs)
+    for st, (data, scale) in zip(sts, quantize_blocks_all(vs, formats.v, [n[2] for n in noises])):
+        st["exp_avg_sq"], st["exp_avg_sq_scale"] = data, scale
+    return ws
+
+
+def step(opt):
+    """Fp8AdamW.step's update on the foreach path (the gradients are known to be finite)."""
+    from nanofp8.optim import fp8_grad, holds_fp8_grad
+    number = {p: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+    for group in opt.param_groups:
+        o2, grads, plain = [], [], []
+        for p in group["params"]:
+            q = fp8_grad(p)
+            if q is None and (holds_fp8_grad(p) or p.grad is None):
+                continue
+            if not opt.state[p]:
+                opt._init_state(p)
+            if q is None:
+                plain.append(p)
+            else:
+                o2.append(p)
+                grads.append(q)
+        if plain:
+            fp32_update(plain, [p.grad for p in plain], [opt.state[p] for p in plain], group)
+        for i, j in step_chunks(o2):  # the FP8 gradients, dequantized (foreach), run by run
+            ps, sts = o2[i:j], [opt.state[p] for p in o2[i:j]]
+            gs = dequantize_blocks_all([q.data for q in grads[i:j]], [q.scale for q in grads[i:j]])
+            gs = [g.view(p.shape) for g, p in zip(gs, ps)]
+            ts = count_steps(sts)
+            noises = [opt.rounding_noise(number[p], t, g) for p, t, g in zip(ps, ts, gs)]
+            mods = [opt.o2[p] for p in ps]
+            ws = dequantize_blocks_all([m.weight for m in mods], [m.weight_scale for m in mods])
+            ws = decoupled_update(opt.formats, sts, ws, gs, group, ts, noises)
+            set_weights(mods, ws, [n[0] for n in noises])
