@@ -111,7 +111,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, fp8_to_float, quantize
+from .emulate import fp8_to_float
+from .fp8 import BLOCK, E4M3, E5M2, Fp8Format, Fp8Tensor, compute_scale, dequantize, quantize
 from .optim import (Fp8AdamW, O2Linear, convert_to_o2, dequantize_stored_all, fp8_grad, fp8_grad_hook,
                     holds_fp8_grad, quantize_wgrad, set_fp8_grad, state_block, step_chunks, stored, to_fp16_scaled,
                     to_fp16_scaled_all)

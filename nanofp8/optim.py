@@ -127,8 +127,8 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import (E4M3, WEIGHT, Fp8Linear, amax_each, compute_scale, dequantize, fp8_to_float, pack_saved,
-                         quantize, unpack_saved)
+from nanofp8.emulate import amax_each, fp8_to_float
+from nanofp8.fp8 import E4M3, WEIGHT, Fp8Linear, compute_scale, dequantize, pack_saved, quantize, unpack_saved
 
 FP16_MAX = 65504.0
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16

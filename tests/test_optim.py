@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanofp8 import fp8
+from nanofp8 import emulate
 from nanofp8.fp8 import E4M3, Fp8Tensor, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.optim import (STATE_BLOCK, Fp8AdamW, O2Linear, activation_bytes, clip_grad_norm, convert_to_o2,
                            fp8_grad, fp8_grad_nbytes, holds_fp8_grad, set_fp8_grad, training_state_bytes)
@@ -291,7 +291,7 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
             counter = Count()
             counter.ops = {}
             with monkeypatch.context() as patch, counter:
-                patch.setattr(fp8, "_emulating", lambda t: False)
+                patch.setattr(emulate, "handles", lambda t: False)
                 # Not counted: each weight's FP8 cast for the next forward, which the step makes
                 # (O2Linear.refresh_fp8_weight), as the first forward of a step used to.
                 patch.setattr(O2Linear, "refresh_fp8_weight", lambda self, record=True: None)
