@@ -410,7 +410,6 @@ RECIPES = {  # the named presets: what each recipe of the field sets
 # 5. The FP8 linear layer: one autograd.Function for the three GEMMs
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
-ACT_BLOCK = (1, BLOCK)  # the default act_tile: one token, 128 channels
 
 
 def pack_saved(q):  # Fp8Tensor -> (tensors for save_for_backward, metadata for ctx)

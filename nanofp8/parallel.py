@@ -119,8 +119,7 @@ import torch.nn.functional as F
 
 from . import dist as D
 from .dist import COMM, Fp8Rows
-from .fp8 import (ACT_BLOCK, E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear,
-                  Fp8Tensor, compute_scale, quantize)
+from .fp8 import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8Tensor, quantize
 from .layout import Layout, make_layout
 from .model import GPT
 
@@ -161,7 +160,7 @@ def _shared_scale(x2, mod, fmt):
     amax = x2.detach().abs().amax().float().reshape(1)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mod.group)
     COMM.add("amax_max", 4, 8 * (mod.tp - 1) / mod.tp)
-    return compute_scale(amax[0], fmt, mod.recipe.margin, mod.recipe.power_of_two)
+    return mod.recipe.scale_rule(amax[0], fmt, mod.recipe.margin, mod.recipe.power_of_two)
 
 
 def _gather_operand(x, mod, fmt, role):
@@ -178,7 +177,8 @@ def _gather_operand(x, mod, fmt, role):
         q = quantize(x2, fmt, "tensor", scale=_shared_scale(x2, mod, fmt))
         rows = Fp8Rows(q.data.view(1, -1), q.scale.view(1, 1), x2.numel())
     else:  # row / block: each token's own scales, computed exactly as on one device
-        q = quantize(x2, fmt, r.granularity, ACT_BLOCK, margin=r.margin, power_of_two=r.power_of_two)
+        q = quantize(x2, fmt, r.granularity, r.act_tile, margin=r.margin, power_of_two=r.power_of_two,
+                     scale_rule=r.scale_rule)
         rows = Fp8Rows(q.data, q.scale.view(B * Tl, -1), K)
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
