@@ -815,7 +815,7 @@ class O3Linear(O2Linear):
     def set_fp8_weight(self, data, scale):
         self.weight.copy_(data.view(self.weight.shape))
         self.weight_scale.copy_(scale)
-        self.free_weight_cache()
+        self.weight_changed()
 
 
 def convert_to_o3(model):

@@ -1,8 +1,8 @@
 """
 FP8 training, from the bits up: formats, scaling, and the FP8 linear layer.
 
-This file is meant to be read top to bottom. It is everything nanofp8 needs to run the
-GEMMs of a Linear layer in 8-bit floating point, and it doubles as a lesson.
+This file is meant to be read top to bottom: it is everything nanofp8 needs to run the GEMMs of a
+Linear layer in 8-bit floating point, and it doubles as a lesson.
 
 1. Two 8-bit formats
 --------------------
@@ -15,57 +15,50 @@ An 8-bit float has 1 sign bit and 7 bits to split between exponent (range) and m
          2^-14, smallest subnormal 2^-16. Has +-inf, like a shortened fp16.
 
 Each spans only about 18 (E4M3) or 32 (E5M2) binades, against fp32's 277. Weights and
-activations have a fairly tame spread, and they benefit from the extra mantissa bit, so they
-use E4M3. Gradients are spikier (a few large values next to many tiny ones), and losing a
-tiny gradient to underflow is worse than rounding a large one, so they get E5M2's range.
+activations have a fairly tame spread and benefit from the extra mantissa bit: E4M3. Gradients
+are spikier, and losing a tiny gradient to underflow is worse than rounding a large one: E5M2.
 That split is the "hybrid" convention (Transformer Engine, MS-AMP, torchao tensorwise).
-Fine-grained recipes (DeepSeek-V3) give every 128 values their own scale, which makes range
-much less of a problem, so they use E4M3 everywhere: `Recipe(formats="e4m3")`.
+Fine-grained recipes (DeepSeek-V3, torchao rowwise) give every row or 128 values their own
+scale, which makes range much less of a problem, so they use E4M3 everywhere (formats="e4m3").
 
 2. Scaling: putting a tensor's values where the format has room
 ---------------------------------------------------------------
-FP8's range is tiny, so a tensor is multiplied by a scale before the cast, chosen to bring its
-largest magnitude (amax) up to the format's max:
+A tensor is multiplied by a scale before the cast, chosen to bring its largest magnitude (amax)
+up to the format's max:
 
     scale = fp8_max / amax          x_fp8 = saturate(x * scale)          x ~= x_fp8 / scale
 
-THE CONVENTION, stated once: in nanofp8 `scale` is always the multiply-before-cast factor (as in
-Transformer Engine and torchao). Dequantizing multiplies by `inv_scale = 1 / scale`, and that
-inverse is what `torch._scaled_mm` (and our Triton kernel) take as `scale_a` / `scale_b`: they
-compute (a_fp8 * inv_a) @ (b_fp8 * inv_b).
+THE CONVENTION, stated once: `scale` is always the multiply-before-cast factor (as in Transformer
+Engine and torchao). Dequantizing multiplies by `inv_scale = 1 / scale`, and that inverse is what
+`torch._scaled_mm` (and our Triton kernel) take as scale_a / scale_b: (a_fp8 * inv_a) @ (b_fp8 * inv_b).
 
 Details that matter:
-  * amax is taken in float64 before the division. fp8_max / amax in fp32 can round differently
-    depending on how the compiler fuses it; float64 then one rounding to fp32 gives the same
+  * amax is taken in float64 before the division: fp8_max / amax in fp32 can round differently
+    depending on how a compiler fuses it, and float64 then one rounding to fp32 gives the same
     scale in eager, compiled and Triton code (torchao's trick), so every backend multiplies the
-    very same FP8 bytes and scales (only the fp32 summation order of the GEMM may differ).
-  * amax is clamped to >= 1e-12 so an all-zero tensor gets a large finite scale, not inf.
+    very same FP8 bytes and scales.
+  * amax is clamped to >= 1e-12, so an all-zero tensor gets a large finite scale, not inf.
   * Optional power-of-two scales (rounded down, as MS-AMP always does): multiplying by 2^k is
-    exact, so scaling itself adds no rounding error and the scale survives any re-encoding.
-  * margin m divides the scale by 2^m: headroom for values that grow before the next amax.
-  * Casts saturate: a finite value never becomes inf or NaN (we clamp to +-fp8_max first;
-    E5M2 would otherwise overflow to inf). A non-finite input is NOT hidden: torch's E4M3
-    cast would turn inf into 448, so we map inf/NaN to NaN explicitly and let it propagate
-    to the loss, where the training loop sees it and skips the step.
+    exact, so scaling adds no rounding error. A margin m divides the scale by 2^m (headroom).
+  * Casts saturate: a finite value never becomes inf or NaN (clamped to +-fp8_max first; E5M2
+    would overflow to inf). A non-finite input is NOT hidden (E4M3's cast would turn inf into
+    448): it becomes NaN and propagates to the loss, where the training loop skips the step.
   * A NaN or inf amax never becomes a scale: the previous scale (or 1.0) is kept instead.
 
 Where the amax comes from:
-  * current ("just-in-time") scaling: the amax of the very tensor being cast. Always fits,
+  * current ("just-in-time") scaling: the amax of the very tensor being cast. Always fits, and
     costs one extra read of the tensor.
   * delayed scaling: the amax of the last H steps (the history), as Transformer Engine does.
-    The scale used at step t comes only from steps before t; the amax of step t is recorded
-    afterwards, by the same pass that casts. Values can outgrow a stale scale, and then they
-    saturate: every layer counts the values it clipped, per tensor role, and train.py logs them
-    on the step it happens. The first cast of a role has no history: it measures the tensor
-    itself (Transformer Engine starts from a scale of 1.0, which flushes a gradient of 1e-6 to
-    zero), so the history starts from a true value.
+    The scale of step t comes only from steps before t; the amax of step t is recorded by the
+    pass that casts. Values can outgrow a stale scale and saturate: every layer counts the values
+    it clipped, per tensor role. The first cast of a role measures the tensor itself (TE starts
+    from a scale of 1.0, which flushes a gradient of 1e-6 to zero).
 
-How many scales:
+How many scales (a Recipe's granularity):
   * "tensor": one scale for the whole tensor.
   * "row":    one scale per row of the GEMM operand, along the contraction dimension.
-  * "block":  one scale per tile: 1x128 for activations and gradients (one token, 128
-              channels), 128x128 for weights, as in DeepSeek-V3. One outlier then only costs
-              precision to its own 128 neighbours, not to the whole tensor.
+  * "block":  one scale per tile: 1x128 for activations and gradients (one token, 128 channels),
+              128x128 for weights, as in DeepSeek-V3. An outlier costs precision to its own tile.
 
 3. The three GEMMs of a Linear layer
 ------------------------------------
@@ -75,47 +68,29 @@ For y = x W^T (x: M x K tokens by features, W: N x K), training runs three GEMMs
     dgrad    dx = dy @ W       E5M2 x E4M3   contraction over N
     wgrad    dW = dy^T @ x     E5M2 x E4M3   contraction over M (the tokens)
 
-Every GEMM here is written in one form, out = A @ B^T with A: (rows, k), B: (cols, k), both
-quantized along k. That matters twice. First, scales must sit along the non-contracted
-dimensions (a row scale of A and a row scale of B factor out of the dot product; a scale that
-varied along k would not), so each GEMM quantizes its operands along its own contraction
-dimension: the row-scaled x of the forward pass cannot be reused for wgrad, where the
-contraction is over tokens. Second, FP8 tensor cores (and torch._scaled_mm) want the first
-operand row-major and the second column-major, which is exactly what B (cols, k) row-major
-viewed as B^T is.
+Every GEMM here has one form, out = A @ B^T with A: (rows, k), B: (cols, k), both quantized
+along k. Scales must sit along the non-contracted dims (a row scale of A and one of B factor out
+of the dot product; a scale varying along k would not), so each GEMM quantizes its operands along
+its own contraction dim: the row-scaled x of the forward pass cannot serve wgrad, which contracts
+over tokens. And FP8 tensor cores want the first operand row-major and the second column-major,
+which is exactly B (cols, k) row-major viewed as B^T.
 
-What is saved for backward are the FP8 operands the backward GEMMs need (x^T and W^T, quantized
-along M and N respectively), not the high-precision x and W: an activation saved for backward
-then costs 1 byte per element instead of 2 or 4, which is most of the activation memory of a
-transformer. With tensor scaling these are plain transposes of the forward copies; with row and
-block scaling they are re-quantized from the high-precision values while those are still at hand.
+Saved for backward are the FP8 operands of the backward GEMMs (x^T and W^T, quantized along M
+and N), not x and W: an activation then costs 1 byte per element instead of 2 or 4, most of a
+transformer's activation memory. With tensor scales (and square tiles) these are transposes of
+the forward copies; row and 1x128 scales re-quantize them while the high-precision x is at hand.
+Fast accumulation (Hopper's cheaper FP8 accumulate) is used only in the forward GEMM; gradients,
+whose errors compound over training, always get the careful path.
 
-Fast accumulation (Hopper's cheaper, less precise FP8 accumulate) is used only in the forward
-GEMM; gradients, whose errors compound over training, always get the careful path.
-
-4. What a cast did: the statistics (nanofp8/stats.py, train.py's fp8_stats_interval)
-------------------------------------------------------------------------------------
-A cast loses information in three ways, and each has its own number per layer and operand:
-  * saturation: values the clamp changed, because they lay beyond the format's max at this
-    scale. Current scaling cannot saturate (the scale is made from this very amax); delayed
-    scaling does when a tensor outgrows its history.
-  * underflow and subnormals: values too small for the scale, flushed to zero or kept with
-    fewer mantissa bits. One outlier under current scaling pushes the other values towards them.
-  * rounding: the rest keep 3 (E4M3) or 2 (E5M2) mantissa bits. The SQNR of the FP8 copy
-    against its source measures the total: about 31 and 25 dB on well-scaled data.
-The SQNR is dominated by the largest values, so it can stay near 31 dB while the small ones
-drop into subnormals; read it together with the fractions. With row and block scales, the
-spread of the scales (log2 of the largest over the smallest) says how much range a single
-tensor scale would have needed. Every Linear's FP8 status is listed at start-up, and a GEMM
-that falls back to high precision at run time is counted (device.fallbacks), or refused (strict).
-
-5. What runs where
-------------------
-This file computes everything in plain torch: quantize, dequantize, the fp32 reference GEMM
-(backend "emulate") and one torch._scaled_mm call. Beside it, behind two seams (device.gemm
-and device.cast), nanofp8/device.py holds torch._scaled_mm's CUDA contract, its fallbacks and
-the Triton glue (backends "torch" and "triton"), and nanofp8/emulate.py the CPU's fast twin of
-the reference (backend "cpu"), bit for bit the same numbers.
+4. What a cast did, and what runs where
+---------------------------------------
+nanofp8/stats.py measures what each cast lost, per layer and operand: values clipped at the max,
+values flushed to zero or into subnormals, and the SQNR of the FP8 copy (about 31 dB for E4M3,
+25 for E5M2). This file computes everything in plain torch: quantize, dequantize, the fp32
+reference GEMM (backend "emulate") and one torch._scaled_mm call. Behind two seams (device.gemm,
+device.cast), nanofp8/device.py holds torch._scaled_mm's CUDA contract, its fallbacks and the
+Triton glue (backends "torch", "triton"), and nanofp8/emulate.py the reference's fast CPU twin
+(backend "cpu", train.py's default on a CPU): the same numbers, bit for bit.
 """
 
 import math
@@ -211,7 +186,10 @@ class Fp8Tensor:
             raise ValueError("row-scaled FP8 data cannot be transposed: re-quantize the transpose")
         scale = self.scale if self.granularity == "tensor" else self.scale.t().contiguous()
         rows, cols = self.data.shape
-        data_t = self.data.t() if self.data_t is None else self.data_t
+        data_t = self.data_t
+        if data_t is None:  # a view; under torch.compile a copy (dynamo's capture of an autograd
+            # Function refuses to save a view made inside its graph)
+            data_t = self.data.t().contiguous() if torch.compiler.is_compiling() else self.data.t()
         return Fp8Tensor(data_t, scale, self.fmt, self.granularity, self.block[::-1],
                          torch.Size((cols, rows)), self.dtype, self.amax,
                          _inv=self._inv if self.granularity == "tensor" else None)

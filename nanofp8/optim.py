@@ -355,7 +355,7 @@ class O2Linear(Fp8Linear):
         return new
 
     # The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through
-    # free_weight_cache) right after it writes the new master; the casts W (N, K) and W^T (K, N)
+    # weight_changed) right after it writes the new master; the casts W (N, K) and W^T (K, N)
     # stay in buffers (not saved: they are made from the master) until the next step. A forward
     # takes them as they are, also a compiled one: dynamo reads buffers as graph inputs, and the
     # cast stays out of the graph. (Fp8Linear's own cache is keyed on the weight's version, which
@@ -404,7 +404,7 @@ class O2Linear(Fp8Linear):
             self._w_cache = (key, self._fp8_operands())
         return self._w_cache[1]
 
-    def free_weight_cache(self):
+    def weight_changed(self):
         """Called by the optimizer once it wrote a new weight: cast it, once for this step."""
         self.refresh_fp8_weight()
 
@@ -485,7 +485,7 @@ class O2Linear(Fp8Linear):
         master, s = to_fp16_scaled(w, generator=generator)
         self.weight.copy_(master)
         self.weight_scale.copy_(s)
-        self.free_weight_cache()
+        self.weight_changed()
 
 
 def convert_to_o2(model, cls=None, grad_accum="fp16"):
@@ -763,7 +763,7 @@ def set_weights(mods, ws, noises):
                          out=[m.weight for m in mods])
     torch._foreach_copy_([m.weight_scale for m in mods], scales)
     for m in mods:
-        m.free_weight_cache()
+        m.weight_changed()
 
 
 def adam_ratio_bound(t, b1, b2):

@@ -527,7 +527,7 @@ def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
     w[:8] *= 1e5  # outlier rows: a per-tensor scale pushes the other rows into E4M3's subnormals
     m.weight.data.copy_(quantize(w, E4M3, gran, (BLOCK, BLOCK)).data)
     m.weight_scale = quantize(w, E4M3, gran, (BLOCK, BLOCK)).scale
-    m.free_weight_cache()
+    m.weight_changed()
     qw, qw_t = m.weight_operands()
     once = quantize(w, E4M3, gran, (BLOCK, BLOCK))
     assert qw.granularity == gran and torch.equal(qw.data.view(torch.uint8), once.data.view(torch.uint8))
