@@ -292,13 +292,10 @@ def gemm_scaled_mm(a, b, out_dtype, bias, fast_accum):
     # carry their scale behind them) is not, so it is copied (free when already contiguous).
     mat1, mat2 = a.data.contiguous(), b.data.contiguous().t()
     sa, sb = a.inv_scale, b.inv_scale
-    if a.granularity == "row" or b.granularity == "row":
-        # a tensor scale next to a row scale is repeated per row: row x row is a mode, mixed is not
-        # (a fresh column, not expand().contiguous(): with one row that keeps a stride of 0,
-        # which _scaled_mm refuses)
-        per_row = lambda q, s: s if q.granularity == "row" else s.reshape(1, 1) * torch.ones(  # noqa: E731
-            len(q.data), 1, device=s.device)
-        sa, sb = per_row(a, sa), per_row(b, sb).t()  # (M, 1), (1, N)
+    if a.granularity == "row" or b.granularity == "row":  # row x row is a mode, mixed is not: a
+        # tensor scale is repeated per row (a fresh column: expand() keeps a stride of 0, refused)
+        sa = sa if a.granularity == "row" else sa.reshape(1, 1) * torch.ones(len(a.data), 1, device=sa.device)
+        sb = (sb if b.granularity == "row" else sb.reshape(1, 1) * torch.ones(len(b.data), 1, device=sb.device)).t()
     in_gemm = bias is not None and out_dtype != torch.float32  # CUDA: no bias with fp32 output
     out = torch._scaled_mm(mat1, mat2, scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_gemm else None,
                            out_dtype=out_dtype, use_fast_accum=fast_accum)
@@ -368,8 +365,7 @@ class Recipe:
         object.__setattr__(self, "bwd_fmt", bwd)
 
     @classmethod
-    def from_name(cls, name, **overrides):
-        """A named preset (RECIPES), with single knobs overriding it."""
+    def from_name(cls, name, **overrides):  # a named preset (RECIPES), single knobs overriding it
         if name not in RECIPES:
             raise ValueError(f"unknown FP8 recipe {name!r}; expected one of {tuple(RECIPES)}")
         return replace(RECIPES[name], **overrides)
@@ -377,8 +373,7 @@ class Recipe:
 
 RECIPES = {  # the named presets: what each recipe of the field sets
     "tensorwise": Recipe(),  # one scale per tensor, E4M3 forward, E5M2 gradients (torchao, TE)
-    # one scale per row, E4M3 for the gradients too, as torchao's rowwise
-    "rowwise": Recipe(granularity="row", formats="e4m3"),
+    "rowwise": Recipe(granularity="row", formats="e4m3"),  # E4M3 gradients too, as torchao's
     "blockwise": Recipe(granularity="block", formats="e4m3"),  # DeepSeek-V3: 1x128 / 128x128 tiles
     "delayed": Recipe(scaling="delayed"),  # amax history (Transformer Engine, MS-AMP)
 }
@@ -405,9 +400,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mod, out_dtype):
-        # Autocast is off inside, where every dtype is chosen here (out_dtype is autocast's where it
-        # was on). Turned off here, not around .apply: dynamo fails a compiled region that changes
-        # the global autocast state around a Function ("Global autocast state changed").
+        # Autocast off inside, where every dtype is chosen here (out_dtype is autocast's). Not around
+        # .apply: dynamo fails a region that changes the global autocast state around a Function.
         with torch.autocast(x.device.type, enabled=False):
             r = mod.recipe
             x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
@@ -486,21 +480,18 @@ def _count_clips_from_zero(module, state_dict, prefix, *args):
 
 
 class Fp8Linear(nn.Linear):
-    """nn.Linear whose three GEMMs run in FP8. Same parameters, same state_dict keys, plus
-    the scaling state of its three tensor roles (input, weight, grad-output) as buffers:
+    """nn.Linear whose three GEMMs run in FP8. Same parameters and state_dict keys, plus the
+    scaling state of its three tensor roles (input, weight, grad-output) as buffers:
 
         amax_history (3, H)  newest first, zeros where not yet filled
         history_count (3,)   how many entries are valid (0: the stored scale is used)
         scale        (3,)    the scale last used (what a NaN amax falls back to)
         nonfinite    (3,)    how many non-finite amaxes were seen and kept out of the history
         clipped      (3,)    how many values a delayed-scaling cast clipped at the FP8 max
+        cast_values  (3,)    (not saved) how many values delayed scaling cast: clipped's denominator
 
-    and, not saved, cast_values (3,): how many values delayed scaling cast, the denominator of
-    `clipped`. A state_dict saved before `clipped` existed loads with the count at 0.
-
-    Extension points: precision decoupling (nanofp8/optim.py's O2Linear) overrides hp_weight,
-    take_wgrad, weight_operands and weight_changed; O3 (nanofp8/dist.py) cast_weight and hp_weight.
-    """
+    Extension points: O2Linear (nanofp8/optim.py) overrides hp_weight, take_wgrad,
+    weight_operands and weight_changed; O3Linear (nanofp8/dist.py) cast_weight and hp_weight."""
 
     # A tensor-parallel shard (nanofp8/parallel.py) exchanges operands with the other shards before
     # and after the forward GEMM (gemm_input, gemm_output) and the dgrad GEMM (dgrad_input,

@@ -25,13 +25,13 @@ import torch.nn as nn
 
 from cuda_contract import CudaScaledMM
 from nanofp8 import device, fp8
-from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, scaled_gemm, sqnr
+from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, scaled_gemm, sqnr
 
 DEVICES = {"h100": dict(sm=(9, 0), cublaslt=(12, 9)),
            "h100-cuda12.6": dict(sm=(9, 0), cublaslt=(12, 6)),
            "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_version=(2, 10)),
            "sm89": dict(sm=(8, 9), cublaslt=(12, 9))}
-RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in ("tensor", "row", "block")
+RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in GRANULARITIES
            for f in ("hybrid", "e4m3")] + [dict(scaling="delayed", formats=f) for f in ("hybrid", "e4m3")]
 
 
@@ -351,7 +351,7 @@ def test_tp_sp_layers_obey_the_contract(contract, one_rank_group):
     from nanofp8.model import GPT, GPTConfig
     from nanofp8.parallel import TPLinear, shard_linears, tp_plan
 
-    for gran in ("tensor", "row", "block"):
+    for gran in GRANULARITIES:
         for sp in (False, True):
             for dtype in (torch.float32, torch.bfloat16):
                 torch.manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8 import device, emulate, fp8
-from nanofp8.fp8 import (E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, Recipe, convert_to_fp8,
+from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, Recipe, convert_to_fp8,
                          dequantize, quantize, scaled_gemm, sqnr)
 
 ML = {E4M3.name: ml_dtypes.float8_e4m3fn, E5M2.name: ml_dtypes.float8_e5m2}
@@ -300,7 +300,7 @@ def _gemm_bound(a, b, bias, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+@pytest.mark.parametrize("gran", list(GRANULARITIES))
 def test_torch_backend_bit_exact_against_emulate_on_exact_arithmetic(fmt, gran):
     # Small integers (at most 3 significant bits: exact in E4M3 and E5M2) and power-of-two
     # scales: every product and partial sum is exact in fp32, so any summation order gives the

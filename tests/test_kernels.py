@@ -241,7 +241,7 @@ def test_errors():
         kernels.INTERPRET = interp
 
 
-@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+@pytest.mark.parametrize("gran", list(fp8.GRANULARITIES))
 def test_fp8_linear_with_triton_backend(gran):
     """The whole layer (forward, dgrad, wgrad) on the Triton kernels agrees with the reference."""
     from nanofp8.fp8 import Recipe, convert_to_fp8

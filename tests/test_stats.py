@@ -14,7 +14,7 @@ import bench
 import conftest
 import train
 from nanofp8 import device, emulate, stats
-from nanofp8.fp8 import BLOCK, E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, sqnr
+from nanofp8.fp8 import BLOCK, E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 
 pytestmark = pytest.mark.usefixtures("shakespeare")  # the training runs at the end
@@ -190,7 +190,7 @@ def test_current_scaling_leaves_nothing_saturated():
     for seed in range(20):
         x = torch.randn(64, 96, generator=torch.Generator().manual_seed(seed)) * 10.0 ** (seed - 10)
         for fmt in (E4M3, E5M2):
-            for gran in ("tensor", "row", "block"):
+            for gran in GRANULARITIES:
                 got = stats.summarize(*stats.cast_stats(x, quantize(x, fmt, gran)))
                 assert got["saturation"] == 0, (seed, fmt.name, gran)
 
