@@ -4,10 +4,10 @@ through two seams only: `gemm` (scaled_gemm for backend "torch", "triton" or "cp
 (Fp8Linear.quantize_operand for the same backends). Backend "emulate", the fp32 reference, never
 comes here.
 
-Every choice made here gives the bytes and the numbers the lesson's plain code gives (quantize,
-gemm_reference, gemm_scaled_mm): the Triton quantizers are bit-exact with quantize
-(tests/test_kernels.py), the CPU emulation (nanofp8/emulate.py) with the reference
-(tests/test_emulation.py), and a GEMM torch._scaled_mm cannot run goes to a named alternative.
+Every cast chosen here writes the FP8 bytes and scales quantize writes (the Triton quantizers:
+tests/test_kernels.py; the CPU emulation, nanofp8/emulate.py: tests/test_emulation.py), and every
+GEMM multiplies them as gemm_reference does, up to the fp32 summation order of a GPU kernel (on a
+CPU: bit for bit). A GEMM torch._scaled_mm cannot run goes to a named alternative.
 """
 
 import os

@@ -111,9 +111,11 @@ def _scaled(q):
 def gemm_reference(a, b, out_dtype, bias):
     """fp8.gemm_reference, bit for bit, with the fast decoding."""
     a32, b32 = _scaled(a), _scaled(b)
-    if a.granularity == "block":
-        k = a32.shape[1]
-        out = sum(a32[:, k0 : k0 + K_STEP] @ b32[:, k0 : k0 + K_STEP].t() for k0 in range(0, k, K_STEP))
+    if a.granularity == "block":  # sum() of the K_STEP slices' products, added in place: sum()
+        out = None                # starts from 0, so the first partial sum is p0 + 0 (-0 -> +0)
+        for k0 in range(0, a32.shape[1], K_STEP):
+            part = a32[:, k0 : k0 + K_STEP] @ b32[:, k0 : k0 + K_STEP].t()
+            out = part.add_(0) if out is None else out.add_(part)
     else:
         out = a32 @ b32.t()
     out = out if bias is None else out + bias.float()
