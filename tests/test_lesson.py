@@ -83,7 +83,7 @@ def test_rowwise_preset_gradients_are_e4m3_and_more_accurate():
     x = torch.randn(256, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (256, 1), generator=g).float())
     w, dy = torch.randn(96, 128, generator=g) * 0.05, torch.randn(256, 96, generator=g)
     dx_ref, dw_ref = dy.double() @ w.double(), dy.double().t() @ x.double()
-    rowwise = _grads(RECIPES["rowwise"].__class__.from_name("rowwise", backend="emulate"), x, w, dy)
+    rowwise = _grads(Recipe.from_name("rowwise", backend="emulate"), x, w, dy)
     hybrid = _grads(Recipe(granularity="row", backend="emulate"), x, w, dy)
     for new, old, ref in zip(rowwise, hybrid, (dx_ref, dw_ref)):
         assert sqnr(ref, new) > 27 and sqnr(ref, new) > sqnr(ref, old) + 2
@@ -158,3 +158,18 @@ def test_cpu_emulation_never_meets_subclasses_or_compile():
 
     f(torch.ones(3))
     assert seen == [False]
+
+
+def test_train_picks_a_preset_by_name_and_knobs_override_it():
+    import train
+
+    cfg = dict(train.load_config(["precision=O1"]))
+    assert train.fp8_recipe(cfg, "cpu") == Recipe(backend="cpu")  # no name: the knobs, as before
+    assert train.fp8_recipe(cfg, "cuda").backend == "torch"
+    r = train.fp8_recipe(dict(cfg, fp8_recipe="rowwise", fp8_margin=2), "cpu")
+    assert r == Recipe.from_name("rowwise", margin=2, backend="cpu")
+    r = train.fp8_recipe(dict(cfg, fp8_recipe="blockwise", fp8_formats="e4m3", fp8_backend="emulate"), "cpu")
+    assert r == Recipe(granularity="block", formats="e4m3", backend="emulate")
+    from nanofp8.configurator import ConfigError, check_train_config
+    with pytest.raises(ConfigError, match="fp8_recipe"):
+        check_train_config(dict(cfg, fp8_recipe="mxfp8"))

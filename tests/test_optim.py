@@ -262,7 +262,7 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
     4 O2 weights. (The old tensor-by-tensor step took about 550 per block of 4 O2 weights and 8
     small fp32 tensors: 617 operators for one block, 2261 for four.) No operator reads
     a device value (_local_scalar_dense: .item(), bool(t)) when the caller gives the verdict.
-    Counted with the CPU emulation's shortcuts off (fp8._emulating), as a GPU runs the step."""
+    Counted with the CPU emulation off (emulate.handles), as a GPU runs the step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from nanofp8.model import GPT, GPTConfig, apply_fp8
