@@ -12,7 +12,7 @@ Nothing here runs on a GPU. Two steps:
    micro-step (forward and backward under bf16 autocast) and one optimizer step run under a
    TorchDispatchMode that records every ATen operator: its FLOPs if it is a GEMM or attention,
    and the tensors it reads and writes. nanofp8 takes the decisions of an H100
-   (fp8.scaled_mm_support), its CPU emulation is off, and the casts are quantize()'s torch
+   (device.scaled_mm_support), its CPU emulation is off, and the casts are quantize()'s torch
    operations: the code that train.py compiles by default on CUDA.
 2. Price, with a roofline whose assumptions are printed (HARDWARE below). A GEMM takes
    max(FLOPs / (peak x efficiency), bytes / bandwidth). Everything else is memory-bound, and is
@@ -103,16 +103,16 @@ def _io(t):
 def cuda_decisions():
     """nanofp8 as train.py runs it compiled on an H100: CUDA's GEMM rules, no CPU emulation, the
     casts in torch operations (what inductor fuses), not kernels.py's eager quantizers."""
-    from nanofp8 import fp8
+    from nanofp8 import device, emulate
 
-    saved = fp8.scaled_mm_support, fp8._emulating, fp8.one_pass_cast
-    fp8.scaled_mm_support = lambda device: fp8.ScaledMMSupport("cuda", True, True, True, True)
-    fp8._emulating = lambda t: False
-    fp8.one_pass_cast = lambda t: False
+    saved = device.scaled_mm_support, emulate.handles, device.one_pass_cast
+    device.scaled_mm_support = lambda dev: device.ScaledMMSupport("cuda", True, True, True, True)
+    emulate.handles = lambda t: False
+    device.one_pass_cast = lambda t: False
     try:
         yield
     finally:
-        fp8.scaled_mm_support, fp8._emulating, fp8.one_pass_cast = saved
+        device.scaled_mm_support, emulate.handles, device.one_pass_cast = saved
 
 
 def count_step(model_args, level, batch, seq, recipe=()):

@@ -33,6 +33,7 @@ from nanofp8.checkpoint import freeze_fp8, load_for_inference, weight_bytes
 from nanofp8.configurator import ConfigError, check_choice, check_device, configure, defaults_of, read_dataset_meta
 from nanofp8.data import EVAL_STREAMS, batch_generator, data_dir, get_batch
 from nanofp8.ckptfile import CheckpointError
+from nanofp8.fp8 import GRANULARITIES
 
 # -----------------------------------------------------------------------------
 out_dir = "out"  # a training run's out_dir (its newest checkpoint set), one set (out/ckpt-00000020), an export
@@ -66,7 +67,7 @@ def val_loss(model, val_data, batch_size, block_size, iters, autocast, device):
 
 def check_args(cfg):
     """The settings' ranges, checked before the checkpoint is read; each mistake names its key."""
-    check_choice(cfg, "fp8_weight_granularity", ("tensor", "row", "block"))
+    check_choice(cfg, "fp8_weight_granularity", GRANULARITIES)
     for key, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0), ("fp8_eval_iters", 1)):
         if cfg[key] < low:
             raise ConfigError(f"config key '{key}' must be >= {low}, got {cfg[key]}")

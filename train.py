@@ -170,10 +170,17 @@ def load_config(argv):
 
 
 def fp8_recipe(cfg, device_type):
-    backend = cfg["fp8_backend"] or ("torch" if device_type == "cuda" else "emulate")
-    return fp8.Recipe(scaling=cfg["fp8_scaling"], granularity=cfg["fp8_granularity"],
-                      formats=cfg["fp8_formats"], history_len=cfg["fp8_history_len"],
-                      amax_algo=cfg["fp8_amax_algo"], margin=cfg["fp8_margin"], backend=backend)
+    """The FP8 layers' Recipe: the preset fp8_recipe names (fp8.RECIPES), where one is named, with
+    every fp8_* knob set away from its default overriding it; else the knobs themselves. The
+    backend: torch._scaled_mm on CUDA, the fp32 reference's fast CPU twin ("cpu") on a CPU."""
+    backend = cfg["fp8_backend"] or ("torch" if device_type == "cuda" else "cpu")
+    knobs = dict(scaling=cfg["fp8_scaling"], granularity=cfg["fp8_granularity"], formats=cfg["fp8_formats"],
+                 history_len=cfg["fp8_history_len"], amax_algo=cfg["fp8_amax_algo"], margin=cfg["fp8_margin"])
+    if cfg.get("fp8_recipe") is None:
+        return fp8.Recipe(**knobs, backend=backend)
+    plain = fp8.Recipe()
+    given = {k: v for k, v in knobs.items() if v != getattr(plain, k)}
+    return fp8.Recipe.from_name(cfg["fp8_recipe"], **given, backend=backend)
 
 
 def setup_precision(model, cfg, device_type):

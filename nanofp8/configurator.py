@@ -31,6 +31,7 @@ from dataclasses import fields
 
 import torch
 
+from .fp8 import BACKENDS, GRANULARITIES, RECIPES
 from .model import GPTConfig
 from .stats import Alarms
 
@@ -154,13 +155,15 @@ def check_train_config(cfg):
                               f"init_from=resume to continue the run in out_dir)")
     check_choice(cfg, "arch", ("gpt2", "llama"))
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
-    check_choice(cfg, "fp8_granularity", ("tensor", "row", "block"))
+    check_choice(cfg, "fp8_granularity", GRANULARITIES)
+    if "fp8_recipe" in cfg:  # a named preset (fp8.RECIPES) that the fp8_* knobs override
+        check_choice(cfg, "fp8_recipe", (None, *RECIPES))
     if cfg["fp8_scaling"] == "delayed" and cfg["fp8_granularity"] != "tensor":
         raise ConfigError(f"fp8_scaling='delayed' needs fp8_granularity='tensor', got "
                           f"{cfg['fp8_granularity']!r}: an activation's per-row or per-tile amax history "
                           "says nothing about the next step's rows (use fp8_scaling='current')")
     check_choice(cfg, "fp8_formats", ("hybrid", "e4m3"))
-    check_choice(cfg, "fp8_backend", (None, "torch", "emulate", "triton"))
+    check_choice(cfg, "fp8_backend", (None, *BACKENDS))
     check_triton(cfg)
     check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))
     check_choice(cfg, "compile", (None, True, False))

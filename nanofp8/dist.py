@@ -95,7 +95,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .counter import COMM, comm_stats  # noqa: F401 (comm_stats: part of this module's interface)
-from .fp8 import E4M3, E5M2, Fp8Format, Fp8Linear, Fp8Tensor, fp8_to_float, quantize
+from .emulate import fp8_to_float
+from .fp8 import E4M3, E5M2, Fp8Format, Fp8Linear, Fp8Tensor, quantize
 from .optim import fp8_grad, fp8_grad_hook, holds_fp8_grad, quantize_wgrad, set_fp8_grad, state_block
 from .overlap import InOrder, Pending, plan_buckets
 

@@ -69,7 +69,7 @@ class O2CompileParts:
             self._w_cache = (key, self._fp8_operands())
         return self._w_cache[1]
 
-    def free_weight_cache(self):
+    def weight_changed(self):
         """Fp8Linear's call for a weight just written (O3's set_fp8_weight makes it): cast it, once
         for this step."""
         self.refresh_fp8_weight()

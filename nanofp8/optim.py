@@ -83,7 +83,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, Fp8Format, Fp8Linear, amax_each, compute_scale, dequantize, quantize
+from nanofp8.emulate import amax_each
+from nanofp8.fp8 import E4M3, Fp8Format, Fp8Linear, compute_scale, dequantize, quantize
 from nanofp8.o2_compile import O2CompileParts
 
 # -----------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import math
 
 import torch
 
-from nanofp8.fp8 import E4M3, amax_each, compute_scale
+from nanofp8.emulate import amax_each
+from nanofp8.fp8 import compute_scale
 from nanofp8.optim import FP16, FP16_MAX, MASTER_HEADROOM, fp16_scale, adam_ratio_bound, state_block
 
 STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls

@@ -119,8 +119,7 @@ import torch.nn.functional as F
 
 from . import dist as D
 from .dist import COMM, Fp8Chunks
-from .fp8 import (ACT_BLOCK, E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear,
-                  Fp8Tensor, compute_scale, fp8_linear, quantize)
+from .fp8 import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8Tensor, quantize
 from .layout import Layout, make_layout
 from .model import GPT
 
@@ -161,7 +160,7 @@ def _shared_scale(x2, mod, fmt):
     amax = x2.detach().abs().amax().float().reshape(1)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mod.group)
     COMM.add("amax_max", 4, 8 * (mod.tp - 1) / mod.tp)
-    return compute_scale(amax[0], fmt, mod.recipe.margin, mod.recipe.power_of_two)
+    return mod.recipe.scale_rule(amax[0], fmt, mod.recipe.margin, mod.recipe.power_of_two)
 
 
 def _gather_operand(x, mod, fmt, role):
@@ -178,7 +177,8 @@ def _gather_operand(x, mod, fmt, role):
         q = quantize(x2, fmt, "tensor", scale=_shared_scale(x2, mod, fmt))
         rows = Fp8Chunks(q.data.view(1, -1), q.scale.view(1, 1), x2.numel())
     else:  # row / block: each token's own scales, computed exactly as on one device
-        q = quantize(x2, fmt, r.granularity, ACT_BLOCK, margin=r.margin, power_of_two=r.power_of_two)
+        q = quantize(x2, fmt, r.granularity, r.act_tile, margin=r.margin, power_of_two=r.power_of_two,
+                     scale_rule=r.scale_rule)
         rows = Fp8Chunks(q.data, q.scale.view(B * Tl, -1), K)
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
@@ -208,8 +208,8 @@ def _all_reduce(y, mod, fmt):
 # 3. The tensor-parallel FP8 linear layer
 #
 # fp8.py's Fp8Linear runs its three GEMMs through one autograd Function that calls four hooks of
-# the layer: before and after the forward GEMM, before and after the dgrad GEMM. A shard is an
-# Fp8Linear that fills in those four with the collectives of sections 1 and 3 (the wgrad GEMM
+# the layer where it has them: before and after the forward GEMM, before and after the dgrad GEMM
+# (an Fp8Linear on one device has none). A shard is an Fp8Linear that fills in those four with the collectives of sections 1 and 3 (the wgrad GEMM
 # needs none: a shard's weight gradient is its own):
 #
 #                 before forward GEMM      after it            before dgrad          after it
@@ -273,10 +273,13 @@ class TPLinear(Fp8Linear):
         return super().quantize_operand(role, x2, fmt)
 
     def gemm_input(self, x):
+        """Before the forward GEMM: x (..., K) -> (FP8 operand (M, K), the high-precision (M, K)
+        it was cast from or None, the leading dims of y)."""
         if self.parallel == "column" and self.sp:  # gather the sequence in FP8, into the GEMM
             qx, x2 = _gather_operand(x, self, self.recipe.fwd_fmt, INPUT)
             return qx, x2, (x.shape[0], x.shape[1] * self.tp)
-        return super().gemm_input(x)  # column: x is replicated; row: this rank's features
+        x2 = x.reshape(-1, x.shape[-1])  # column: x is replicated; row: this rank's features
+        return self.quantize_operand(INPUT, x2, self.recipe.fwd_fmt), x2, x.shape[:-1]
 
     def gemm_output(self, y):
         if self.parallel == "column":
@@ -287,7 +290,8 @@ class TPLinear(Fp8Linear):
     def dgrad_input(self, dy):
         if self.parallel == "row" and self.sp:  # backward of the reduce-scatter: gather dy (FP8)
             return _gather_operand(dy, self, self.recipe.bwd_fmt, GRAD_OUTPUT)
-        return super().dgrad_input(dy)  # column: this rank's features; row: dy is replicated
+        dy2 = dy.reshape(-1, dy.shape[-1])  # column: this rank's features; row: dy is replicated
+        return self.quantize_operand(GRAD_OUTPUT, dy2, self.recipe.bwd_fmt), dy2
 
     def dgrad_output(self, dx):
         if self.parallel == "row":
@@ -298,7 +302,7 @@ class TPLinear(Fp8Linear):
     def forward(self, x):
         if self.parallel == "column" or self.bias is None:
             return super().forward(x)
-        y = fp8_linear(x, self, None)  # row: the bias is added once, after the sum
+        y = super().forward(x, bias=False)  # row: the bias is added once, after the sum
         return y + self.bias.to(y.dtype)
 
     def extra_repr(self):

@@ -31,7 +31,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from . import fp8, parallel
+from . import device, emulate, parallel
 from .checkpoint import find_checkpoint, initial_weights, load_moments
 from .configurator import ConfigError
 from .data import DataError
@@ -221,8 +221,8 @@ def show_fp8_layers(model, strict, log):
     """Log which Linears run in FP8 and which do not, and why (nanofp8/stats.py); under
     fp8_strict a GEMM that would fall back to high precision is a ConfigError, not a surprise.
     Starts the count of run-time fallbacks that the end of the run reports."""
-    fp8.strict, rows = strict, linear_table(model)
-    fp8.fallbacks.clear()
+    device.strict, rows = strict, linear_table(model)
+    device.fallbacks.clear()
     log(format_linear_table(rows))
     if strict and any(r["fallback"] for r in rows):
         raise ConfigError(f"fp8_strict=True: {[r['layer'] for r in rows if r['fallback']]} cannot run "
@@ -254,16 +254,16 @@ def nonfinite_tensors(model):
 def weights_finite(model, layout):
     """Whether every rank's weights are finite, as a device tensor (1.0 or 0.0): all ranks stop
     together even if only one of them went bad. The training step reads it in its one sync. It is
-    the largest magnitude of every floating-point parameter and buffer (fp8.amax_each: NaN
+    the largest magnitude of every floating-point parameter and buffer (emulate.amax_each: NaN
     propagates through it, an inf is its own maximum); the ranks agree by a MIN."""
     by_dtype = {}
     for t in (*model.parameters(), *model.buffers()):
         if t.is_floating_point():
             t = t.detach()
             if t.element_size() == 1:
-                t = fp8.fp8_to_float(t)  # no FP8 kernels
+                t = emulate.fp8_to_float(t)  # no FP8 kernels
             by_dtype.setdefault(t.dtype, []).append(t)
-    amax = [a.float() for ts in by_dtype.values() for a in fp8.amax_each(ts)]
+    amax = [a.float() for ts in by_dtype.values() for a in emulate.amax_each(ts)]
     ok = torch.isfinite(torch.stack(amax)).all().float()
     if layout.world > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)

@@ -82,7 +82,7 @@ Checking costs nothing extra: a flag rides in the training step's one device-to-
 ------------------
 linear_table(model) lists every Linear: whether it is FP8, why not (the module filter, or a shape
 FP8 tensor cores cannot take), and its recipe and backend. fp8.py counts the GEMMs that fell back
-to high precision at run time (fp8.fallbacks, per layer); with fp8.strict = True a fallback
+to high precision at run time (device.fallbacks, per layer); with device.strict = True a fallback
 raises instead of warning once.
 """
 
@@ -94,7 +94,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from . import fp8
+from . import device
 from .fp8 import E4M3, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, clip_edge, dequantize
 
 FP16 = Fp8Format("fp16", torch.float16, 65504.0, 2.0**-14)  # O2's v: fp16 with a scale
@@ -401,14 +401,14 @@ class ClipLog:
 def linear_table(model):
     """One row per nn.Linear of `model`: is it FP8, and if not why not; recipe and backend.
     'fallback' marks an FP8 layer whose GEMMs the backend will refuse on this device: they run
-    in high precision (counted in fp8.fallbacks; an error under fp8.strict)."""
+    in high precision (counted in device.fallbacks; an error under device.strict)."""
     rows = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
             continue
         k, n = m.in_features, m.out_features
-        # FP8 tensor cores (cuBLASLt) take K and N in multiples of 16: fp8.py's
-        # _torch_backend_reason applies the same rule at run time.
+        # FP8 tensor cores (cuBLASLt) take K and N in multiples of 16: device.py's
+        # scaled_mm_refusal applies the same rule at run time.
         bad_shape = f"K={k}, N={n} not multiples of 16" if k % 16 or n % 16 else None
         row = {"layer": name, "shape": f"{k}->{n}", "fp8": isinstance(m, Fp8Linear),
                "recipe": "", "backend": "", "fallback": False}
@@ -438,11 +438,11 @@ def format_linear_table(rows):
 
 
 def fallback_line():
-    """The end-of-run count of GEMMs that fell back to high precision (fp8.fallbacks)."""
-    total = sum(fp8.fallbacks.values())
+    """The end-of-run count of GEMMs that fell back to high precision (device.fallbacks)."""
+    total = sum(device.fallbacks.values())
     if not total:
         return "FP8 GEMMs that fell back to high precision at run time: 0"
-    per = ", ".join(f"{k}: {v}" for k, v in sorted(fp8.fallbacks.items()))
+    per = ", ".join(f"{k}: {v}" for k, v in sorted(device.fallbacks.items()))
     return f"FP8 GEMMs that fell back to high precision at run time: {total} ({per})"
 
 

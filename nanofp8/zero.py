@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .dist import (COMM, Fp8Chunks, all_gather_fp8, any_nonfinite, gather_wgrads, held_grad_chunks,
                    held_shard_len, reduce_scatter_fp8)
-from .fp8 import BLOCK, E4M3, Fp8Tensor, _tile_amax, compute_scale, dequantize, expand_tiles, quantize
+from .fp8 import BLOCK, E4M3, Fp8Tensor, compute_scale, dequantize, expand_tiles, measure_amax, quantize
 from .optim import Fp8AdamW, O2Linear, convert_to_o2, holds_fp8_grad, quantize_blocks, state_block, to_fp16_scaled
 from .optim_foreach import dequantize_blocks_all, step_chunks, to_fp16_scaled_all
 
@@ -95,7 +95,7 @@ class O3Linear(O2Linear):
     def set_fp8_weight(self, data, scale):
         self.weight.copy_(data.view(self.weight.shape))
         self.weight_scale.copy_(scale)
-        self.free_weight_cache()
+        self.weight_changed()
 
 
 def convert_to_o3(model):
@@ -260,7 +260,7 @@ def _shard_amax(w, shape, granularity, lo):
     r1 = -(-(lo + n) // K) if n else r0
     window = F.pad(w[:n], (lo - r0 * K, r1 * K - lo - n)).view(r1 - r0, K) if n else None
     if n:
-        amax[r0 // tile[0] :][: -(-(r1 - r0) // tile[0])] = _tile_amax(window, tile)
+        amax[r0 // tile[0] :][: -(-(r1 - r0) // tile[0])] = measure_amax(window, "block", tile)
 
     def per_value(s):  # (padding: scale 1, its values are 0)
         if not n:

@@ -57,7 +57,7 @@ with a bias, block scales with an E5M2 operand on v1 (whose checks let it throug
 while v2 refuses it), and row-wise scales with an E5M2 mat1.               RuntimeError
 
 Use: `contract = CudaScaledMM(...)`; `contract.install(monkeypatch)` replaces torch._scaled_mm,
-torch.nn.functional.scaled_mm and nanofp8.fp8.scaled_mm_support; `contract.calls` lists (mode_a,
+torch.nn.functional.scaled_mm and nanofp8.device.scaled_mm_support; `contract.calls` lists (mode_a,
 mode_b, dtype_a, dtype_b, out_dtype, bias dtype or None, use_fast_accum, api "v1"/"v2") of every
 accepted call; `contract.refusals` every refused one (which nanofp8 must never make).
 """
@@ -65,7 +65,7 @@ accepted call; `contract.refusals` every refused one (which nanofp8 must never m
 import torch
 import torch.nn.functional as F
 
-from nanofp8 import fp8
+from nanofp8 import device as nanofp8_device
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 E4M3 = torch.float8_e4m3fn
@@ -143,17 +143,17 @@ class CudaScaledMM:
         self.calls, self.refusals, self.misreads = [], [], []
 
     def support(self, device=None):
-        """What nanofp8.fp8.scaled_mm_support would report on the simulated device."""
+        """What nanofp8.device.scaled_mm_support would report on the simulated device."""
         fp8_ok = self.sm >= (8, 9)
         new = self.cublaslt >= (12, 9)
-        return fp8.ScaledMMSupport("cuda", fp8=fp8_ok, rowwise=fp8_ok,
+        return nanofp8_device.ScaledMMSupport("cuda", fp8=fp8_ok, rowwise=fp8_ok,
                                    cublaslt_rowwise=new and self.sm[0] >= 9,
                                    block=self.sm[0] == 9 and new and self.torch_block)
 
     def install(self, monkeypatch):
         monkeypatch.setattr(torch, "_scaled_mm", self)
         monkeypatch.setattr(F, "scaled_mm", self.scaled_mm_v2)
-        monkeypatch.setattr(fp8, "scaled_mm_support", self.support)
+        monkeypatch.setattr(nanofp8_device, "scaled_mm_support", self.support)
         return self
 
     def __call__(self, mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
@@ -297,7 +297,7 @@ class CudaScaledMM:
 
     @staticmethod
     def _compute(mat1, mat2, scale_a, scale_b, bias, out_dtype, modes):
-        """fp32 dequantize-and-multiply, in the order nanofp8.fp8._gemm_emulate uses."""
+        """fp32 dequantize-and-multiply, in the order nanofp8.fp8.gemm_reference uses."""
         (M, K), N = mat1.shape, mat2.shape[1]
         b_nk = mat2.t()  # (N, K), row-major, like the Fp8Tensor it came from
 

@@ -33,7 +33,7 @@ from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
 from nanofp8 import zero as Z
-from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, sqnr
+from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.layout import make_layout
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.optim import (Fp8AdamW, clip_grad_norm, convert_to_o2, fp8_grad, fp8_grad_hook, holds_fp8_grad,
@@ -288,7 +288,7 @@ def shared_scale_gathers(rank):
     c = D.shard_len(full.numel(), 2)
     shard = F.pad(full.reshape(-1), (0, 2 * c - full.numel()))[rank * c : (rank + 1) * c]
     return {gran: Z.gather_shared_scale([shard], None, E4M3, layouts=[(full.shape, gran)])[0]
-            for gran in ("tensor", "row", "block")}, full
+            for gran in GRANULARITIES}, full
 
 
 def worker(rank, world, out_dir):  # run by conftest.spawn: the process group is up
@@ -514,7 +514,7 @@ def test_shared_scale_gather_equals_one_quantization_of_the_whole(ranks):
             assert torch.equal(data[: full.numel()].view(torch.uint8), ref.data.reshape(-1).view(torch.uint8)), gran
 
 
-@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+@pytest.mark.parametrize("gran", list(GRANULARITIES))
 def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
     """The forward GEMM's weight operand of an O3 layer is the stored FP8 weight, quantized once
     from the fp32 weight with the recipe's scales; before, a per-tensor E4M3 copy was quantized
@@ -528,7 +528,7 @@ def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
     w[:8] *= 1e5  # outlier rows: a per-tensor scale pushes the other rows into E4M3's subnormals
     m.weight.data.copy_(quantize(w, E4M3, gran, (BLOCK, BLOCK)).data)
     m.weight_scale = quantize(w, E4M3, gran, (BLOCK, BLOCK)).scale
-    m.free_weight_cache()
+    m.weight_changed()
     qw, qw_t = m.weight_operands()
     once = quantize(w, E4M3, gran, (BLOCK, BLOCK))
     assert qw.granularity == gran and torch.equal(qw.data.view(torch.uint8), once.data.view(torch.uint8))

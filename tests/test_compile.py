@@ -251,7 +251,7 @@ def test_triton_backend_compiles_to_one_opaque_gemm():
     custom op nanofp8::fp8_gemm, so dynamo traces no Triton launch. Traced, the autotuned GEMM
     crashed torch 2.11's dynamo on an H200 ("Can't construct an AttrSource without a valid base
     source", pytorch#178179): every compiled GEMM of backend=triton, and the block recipe's GEMMs
-    routed to Triton. The casts stay torch operations for inductor (fp8.triton_cast). Outputs and
+    routed to Triton. The casts stay torch operations for inductor (device.triton_cast). Outputs and
     gradients are bit-identical to eager's (the same kernels run)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -288,14 +288,14 @@ def test_a_gemm_routed_while_tracing_does_not_recompile(monkeypatch):
     recompile limit (8) at step 8 and ran eagerly from then on. Twelve calls: one compile."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from nanofp8 import fp8
+    from nanofp8 import device
 
-    monkeypatch.setattr(fp8, "fallbacks", {})
+    monkeypatch.setattr(device, "fallbacks", {})
     torch._dynamo.reset()
 
     def step(x):
-        fp8._fell_back("layer", "a rule of torch._scaled_mm")  # to a high-precision GEMM
-        fp8._fell_back("layer", "a rule of torch._scaled_mm", "the Triton GEMM (kernels.py)")
+        device._fell_back("layer", "a rule of torch._scaled_mm")  # to a high-precision GEMM
+        device._fell_back("layer", "a rule of torch._scaled_mm", "the Triton GEMM (kernels.py)")
         return x + 1
 
     counter = CompileCounterWithBackend("eager")
@@ -305,4 +305,4 @@ def test_a_gemm_routed_while_tracing_does_not_recompile(monkeypatch):
     assert counter.frame_count == 1, f"{counter.frame_count} compiles"
     with pytest.warns(UserWarning, match="falling back to a high-precision GEMM"):
         step(torch.ones(2))  # eager: counted and reported
-    assert fp8.fallbacks == {"layer": 1}, "only the high-precision GEMM is a fallback"
+    assert device.fallbacks == {"layer": 1}, "only the high-precision GEMM is a fallback"

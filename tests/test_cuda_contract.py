@@ -1,7 +1,7 @@
 """Every torch._scaled_mm call nanofp8 makes obeys the CUDA contract (tests/cuda_contract.py).
 
 Without a GPU, the calls an H100 would see are checked on CPU by a strict stand-in of the CUDA
-kernel, installed in place of torch._scaled_mm (and of fp8.scaled_mm_support, so nanofp8 takes
+kernel, installed in place of torch._scaled_mm (and of device.scaled_mm_support, so nanofp8 takes
 the decisions it would take on that device). For four simulated devices, H100 with cuBLASLt
 12.9 and torch >= 2.11 (native block scales), H100 with cuBLASLt 12.6 (CUDA 12.6 wheels: row-wise
 on CUTLASS, bf16/fp16 only), H100 with a torch without native block scales, and an SM89 GPU:
@@ -24,20 +24,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from cuda_contract import CudaScaledMM
-from nanofp8 import fp8
-from nanofp8.fp8 import E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, scaled_gemm, sqnr
+from nanofp8 import device, fp8
+from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, scaled_gemm, sqnr
 
 DEVICES = {"h100": dict(sm=(9, 0), cublaslt=(12, 9)),
            "h100-cuda12.6": dict(sm=(9, 0), cublaslt=(12, 6)),
            "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_version=(2, 10)),
            "sm89": dict(sm=(8, 9), cublaslt=(12, 9))}
-RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in ("tensor", "row", "block")
+RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in GRANULARITIES
            for f in ("hybrid", "e4m3")] + [dict(scaling="delayed", formats=f) for f in ("hybrid", "e4m3")]
 
 
 @pytest.fixture
 def contract(monkeypatch, request):
-    fp8._warned.clear()
+    device._warned.clear()
     return CudaScaledMM(**DEVICES[request.param]).install(monkeypatch)
 
 
@@ -88,22 +88,22 @@ def test_stand_in_refuses_what_cuda_refuses():
             out_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="Invalid scaling"):  # (M, 1) next to a scalar
         h100(ra.data, rb.data.t(), scale_a=ra.inv_scale, scale_b=s1, out_dtype=torch.bfloat16)
-    # block scales: the layouts of fp8._block_scale_arg are the ones accepted
+    # block scales: the layouts of device._block_scale_arg are the ones accepted
     ba, bw = _ops(gran="block", bb=(128, 128))
     _, bt = _ops(gran="block", bb=(1, 128))
-    sa = fp8._block_scale_arg(ba, "a")
+    sa = device._block_scale_arg(ba, "a")
     assert sa.shape == (64, 2) and sa.stride() == (1, 64)
-    sw = fp8._block_scale_arg(bw, "b")
+    sw = device._block_scale_arg(bw, "b")
     assert sw.shape == (2, 1) and sw.stride() == (1, 2)
     h100(ba.data, bw.data.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
-    h100(ba.data, bt.data.t(), scale_a=sa, scale_b=fp8._block_scale_arg(bt, "b"), out_dtype=torch.float32)
+    h100(ba.data, bt.data.t(), scale_a=sa, scale_b=device._block_scale_arg(bt, "b"), out_dtype=torch.float32)
     assert [c[:2] for c in h100.calls[-2:]] == [("1x128", "128x128"), ("1x128", "1x128")]
     with pytest.raises(RuntimeError, match="Invalid scaling"):  # (M, Kt) row-major: wrong strides
-        h100(ba.data, bt.data.t(), scale_a=ba.inv_scale, scale_b=fp8._block_scale_arg(bt, "b"),
+        h100(ba.data, bt.data.t(), scale_a=ba.inv_scale, scale_b=device._block_scale_arg(bt, "b"),
              out_dtype=torch.float32)
     with pytest.raises(RuntimeError, match="Invalid scaling"):  # 128x128 x 128x128 is no pair
         wa = quantize(torch.randn(128, 256), E4M3, "block", (128, 128))
-        h100(wa.data, bw.data.t(), scale_a=fp8._block_scale_arg(wa, "a"), scale_b=sw,
+        h100(wa.data, bw.data.t(), scale_a=device._block_scale_arg(wa, "a"), scale_b=sw,
              out_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="fast_accum"):
         h100(ba.data, bw.data.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=True)
@@ -120,7 +120,7 @@ def test_stand_in_computes_the_scaled_product():
         a, b = _ops(M=130, N=96, K=400, gran=gran, bb=bb)
         bias = torch.randn(96).to(torch.bfloat16) if gran != "block" else None  # (block + bias: untested)
         if gran == "block":  # K = 400: 4 K tiles, where the v1 and v2 layouts of 128x128 agree
-            sa, sb = fp8._block_scale_arg(a, "a"), fp8._block_scale_arg(b, "b")
+            sa, sb = device._block_scale_arg(a, "a"), device._block_scale_arg(b, "b")
         else:
             sa = a.inv_scale.expand(130, 1).contiguous()
             sb = b.inv_scale.expand(96, 1).t().contiguous()
@@ -144,12 +144,12 @@ def test_stand_in_reads_128x128_scales_padded(k):
     h100 = CudaScaledMM()
     a, w = _ops(M=64, N=256, K=k, gran="block", bb=(128, 128), seed=k)
     exact = dequantize(a).double() @ dequantize(w).double().t()
-    v2 = h100.scaled_mm_v2(a.data, w.data.t(), fp8._block_scale_arg(a, "a", padded=True),
-                           F.ScalingType.BlockWise1x128, fp8._block_scale_arg(w, "b", padded=True),
+    v2 = h100.scaled_mm_v2(a.data, w.data.t(), device._block_scale_arg(a, "a", padded=True),
+                           F.ScalingType.BlockWise1x128, device._block_scale_arg(w, "b", padded=True),
                            F.ScalingType.BlockWise128x128, output_dtype=torch.float32)
     assert sqnr(exact, v2) > 120 and not h100.misreads
-    v1 = h100(a.data, w.data.t(), scale_a=fp8._block_scale_arg(a, "a"),
-              scale_b=fp8._block_scale_arg(w, "b"), out_dtype=torch.float32)
+    v1 = h100(a.data, w.data.t(), scale_a=device._block_scale_arg(a, "a"),
+              scale_b=device._block_scale_arg(w, "b"), out_dtype=torch.float32)
     kt = -(-k // 128)
     if kt % 4 == 0:
         assert sqnr(exact, v1) > 120 and not h100.misreads
@@ -157,8 +157,8 @@ def test_stand_in_reads_128x128_scales_padded(k):
         assert h100.misreads == [(2, kt)] and not sqnr(exact, v1) > 20
     if kt % 4:  # and v2 refuses the unpadded grid
         with pytest.raises(ValueError, match="strides"):
-            h100.scaled_mm_v2(a.data, w.data.t(), fp8._block_scale_arg(a, "a", padded=True),
-                              F.ScalingType.BlockWise1x128, fp8._block_scale_arg(w, "b"),
+            h100.scaled_mm_v2(a.data, w.data.t(), device._block_scale_arg(a, "a", padded=True),
+                              F.ScalingType.BlockWise1x128, device._block_scale_arg(w, "b"),
                               F.ScalingType.BlockWise128x128, output_dtype=torch.float32)
 
 
@@ -166,7 +166,7 @@ def test_stand_in_refuses_what_pytorch_never_tests():
     h100 = CudaScaledMM()
     a, w = _ops(gran="block", bb=(128, 128))
     with pytest.raises(RuntimeError, match="block scales with a bias"):
-        h100(a.data, w.data.t(), scale_a=fp8._block_scale_arg(a, "a"), scale_b=fp8._block_scale_arg(w, "b"),
+        h100(a.data, w.data.t(), scale_a=device._block_scale_arg(a, "a"), scale_b=device._block_scale_arg(w, "b"),
              bias=torch.zeros(48, dtype=torch.bfloat16), out_dtype=torch.bfloat16)
     g, w = _ops(gran="row", fa=E5M2, fb=E4M3)
     with pytest.raises(RuntimeError, match="E5M2 mat1"):
@@ -187,16 +187,16 @@ def test_stand_in_block_recipes_take_e4m3_only():
         h100 = CudaScaledMM(torch_version=(2, 11))
         a, b = _ops(K=512, fa=fa, fb=fb, gran="block", bb=bb)
         with pytest.raises(ValueError, match="Invalid scaling configuration"):
-            h100.scaled_mm_v2(a.data, b.data.t(), fp8._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
-                              fp8._block_scale_arg(b, "b", padded=True), kinds[bb], output_dtype=torch.float32)
+            h100.scaled_mm_v2(a.data, b.data.t(), device._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
+                              device._block_scale_arg(b, "b", padded=True), kinds[bb], output_dtype=torch.float32)
         with pytest.raises(RuntimeError, match="E5M2 operand"):
-            h100(a.data, b.data.t(), scale_a=fp8._block_scale_arg(a, "a"),
-                 scale_b=fp8._block_scale_arg(b, "b"), out_dtype=torch.float32)
+            h100(a.data, b.data.t(), scale_a=device._block_scale_arg(a, "a"),
+                 scale_b=device._block_scale_arg(b, "b"), out_dtype=torch.float32)
         assert len(h100.refusals) == 2 and not h100.calls
     a, b = _ops(K=512, gran="block", bb=(128, 128))  # E4M3 x E4M3: taken by both
-    h100.scaled_mm_v2(a.data, b.data.t(), fp8._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
-                      fp8._block_scale_arg(b, "b", padded=True), kinds[(128, 128)], output_dtype=torch.float32)
-    h100(a.data, b.data.t(), scale_a=fp8._block_scale_arg(a, "a"), scale_b=fp8._block_scale_arg(b, "b"),
+    h100.scaled_mm_v2(a.data, b.data.t(), device._block_scale_arg(a, "a", padded=True), kinds[(1, 128)],
+                      device._block_scale_arg(b, "b", padded=True), kinds[(128, 128)], output_dtype=torch.float32)
+    h100(a.data, b.data.t(), scale_a=device._block_scale_arg(a, "a"), scale_b=device._block_scale_arg(b, "b"),
          out_dtype=torch.float32)
     assert [c[7] for c in h100.calls] == ["v2", "v1"]
 
@@ -235,7 +235,7 @@ def _cases(device):
 def test_every_recipe_obeys_the_contract_and_matches_emulate(contract, request):
     sim = contract.support()
     for kw, bias, dtype in _cases(request.node.callspec.params["contract"]):
-        fp8._warned.clear()
+        device._warned.clear()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             got = _run_layer(Recipe(**kw, backend="torch"), bias, dtype)
@@ -351,7 +351,7 @@ def test_tp_sp_layers_obey_the_contract(contract, one_rank_group):
     from nanofp8.model import GPT, GPTConfig
     from nanofp8.parallel import TPLinear, shard_linears, tp_plan
 
-    for gran in ("tensor", "row", "block"):
+    for gran in GRANULARITIES:
         for sp in (False, True):
             for dtype in (torch.float32, torch.bfloat16):
                 torch.manual_seed(0)
@@ -382,10 +382,10 @@ def test_triton_block_gemm_comes_before_the_loop(contract, monkeypatch):
 
     def triton_gemm(a, b, out_dtype, bias, fast_accum):
         used.append(a.granularity)
-        return fp8._gemm_emulate(a, b, out_dtype, bias)
+        return fp8.gemm_reference(a, b, out_dtype, bias)
 
-    monkeypatch.setattr(fp8, "_triton_available", lambda device: True)
-    monkeypatch.setattr(fp8, "_gemm_triton", triton_gemm)
+    monkeypatch.setattr(device, "_triton_available", lambda device: True)
+    monkeypatch.setattr(device, "gemm_triton", triton_gemm)
     layer = convert_to_fp8(nn.Linear(256, 128), Recipe(granularity="block"))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -405,9 +405,9 @@ def test_block_recipe_at_every_k_tile_count(contract, padded, monkeypatch):
     compiled code (padded_block_scales() False) calls torch._scaled_mm only where ceil(K/128) %
     4 == 0 and sends the other GEMMs elsewhere, reported. Either way the stand-in misreads no
     scale, refuses nothing, and the results are bit-exact with the fp32 reference."""
-    monkeypatch.setattr(fp8, "padded_block_scales", lambda: padded)
+    monkeypatch.setattr(device, "padded_block_scales", lambda: padded)
     for k in (640, 768, 896, 1024):
-        fp8._warned.clear()
+        device._warned.clear()
         contract.calls.clear()
         got, want = [], []
         for backend, out in (("torch", got), ("emulate", want)):
@@ -445,15 +445,15 @@ def test_block_hybrid_mlp_is_routed_by_the_rules(contract, padded, monkeypatch):
     call, so the kernel refuses nothing and no try/except decides (compiled code,
     padded_block_scales() False, has none that runs). The forward GEMMs stay on torch's (v1 only
     at ceil(K/128) % 4 == 0), and every number is the fp32 reference's, bit for bit."""
-    monkeypatch.setattr(fp8, "padded_block_scales", lambda: padded)
+    monkeypatch.setattr(device, "padded_block_scales", lambda: padded)
     routed = []
 
     def triton_gemm(a, b, out_dtype, bias, fast_accum):  # (CPU tensors: a recorder, not Triton)
         routed.append((a.fmt.name, b.fmt.name))
-        return fp8._gemm_emulate(a, b, out_dtype, bias)
+        return fp8.gemm_reference(a, b, out_dtype, bias)
 
-    monkeypatch.setattr(fp8, "_triton_available", lambda device: True)
-    monkeypatch.setattr(fp8, "_gemm_triton", triton_gemm)
+    monkeypatch.setattr(device, "_triton_available", lambda device: True)
+    monkeypatch.setattr(device, "gemm_triton", triton_gemm)
     got, want = [], []
     for backend, out in (("torch", got), ("emulate", want)):
         torch.manual_seed(0)

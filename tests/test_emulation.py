@@ -1,6 +1,7 @@
-"""Tests of fp8.py's CPU emulation: the same bits as torch's float8 conversions and CPU kernel.
+"""Tests of the CPU emulation (nanofp8/emulate.py): the same bits as fp8.py's plain torch code,
+torch's float8 conversions and torch's CPU kernel.
 
-On a CPU, fp8.py decodes FP8 with integer and fp16 operations (fp8_to_float), casts without
+On a CPU, emulate.py decodes FP8 with integer and fp16 operations (fp8_to_float), casts without
 isfinite/where when every amax is finite, and computes torch._scaled_mm's CPU arithmetic itself.
 Each must give the very bits of the slow path it replaces, on adversarial inputs; the references
 here are torch's own conversions (and ml_dtypes), and the GEMM references use the same fp32 matmul
@@ -12,8 +13,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanofp8 import fp8
-from nanofp8.fp8 import E4M3, E5M2, fp8_to_float, quantize, scaled_gemm
+from nanofp8 import emulate, fp8
+from nanofp8.emulate import fp8_to_float
+from nanofp8.fp8 import E4M3, E5M2, quantize, scaled_gemm
 
 FORMATS = [E4M3, E5M2]
 ML = {E4M3.name: ml_dtypes.float8_e4m3fn, E5M2.name: ml_dtypes.float8_e5m2}
@@ -108,8 +110,11 @@ class WhereCounter(TorchDispatchMode):
 def test_cast_bit_exact_against_the_old_cast_and_ml_dtypes(fmt, gran, block):
     x = adversarial(fmt)
     with WhereCounter(x.numel()) as counter:
-        q = quantize(x, fmt, gran, block)
+        q = emulate.quantize(x, fmt, gran, block)
     assert counter.calls == 0  # every amax finite: the shortcut ran
+    plain = quantize(x, fmt, gran, block)  # fp8.py's cast, the lesson's
+    assert_same_bits(q.data, plain.data)
+    assert_same_bits(q.scale, plain.scale)
     el = fp8.expand_tiles(q.scale, q.block, x.shape) if gran == "block" else q.scale
     assert_same_bits(q.data, old_cast(x, el, fmt))
     y = np.clip((x.double() * el.double()).float().double().numpy(), -fmt.max, fmt.max)
@@ -124,7 +129,7 @@ def test_cast_bit_exact_against_the_old_cast_and_ml_dtypes(fmt, gran, block):
 def test_cast_keeps_nonfinite_visible(fmt, gran, block):
     x = adversarial(fmt)[:512].clone()
     x[5, 7], x[200, 3], x[300, 100], x[301, 0] = float("nan"), float("inf"), -float("inf"), -float("nan")
-    q = quantize(x, fmt, gran, block)
+    q = emulate.quantize(x, fmt, gran, block)
     el = fp8.expand_tiles(q.scale, q.block, x.shape) if gran == "block" else q.scale
     assert_same_bits(q.data, old_cast(x, el, fmt))
     assert torch.equal(torch.isnan(q.data.float()), ~torch.isfinite(x))  # NaN exactly where x was not finite
@@ -136,7 +141,7 @@ def test_cast_keeps_nonfinite_visible(fmt, gran, block):
 
 def kernel_formula(a, b, out_dtype, bias):
     """torch._scaled_mm's CPU arithmetic (aten/src/ATen/native/Blas.cpp) with torch's own
-    conversions, and bias as fp8._gemm_torch hands it over."""
+    conversions, and bias as fp8.gemm_scaled_mm hands it over."""
     a32 = a.data.float() * a.inv_scale
     b32 = b.data.t().contiguous().float() * b.inv_scale
     out = a32 @ b32
@@ -184,8 +189,10 @@ def test_cpu_emulate_path_unchanged(gran, block, monkeypatch):
     x, w = torch.randn(64, 256), torch.randn(48, 256)
     a, b = quantize(x, E5M2, gran, block), quantize(w, E4M3, gran, block if gran != "block" else (128, 128))
     fast = scaled_gemm(a, b, torch.float32)
-    monkeypatch.setattr(fp8, "_emulating", lambda t: False)  # torch's conversions everywhere
-    assert_same_bits(fast, scaled_gemm(a, b, torch.float32, backend="emulate"))
+    assert_same_bits(fast, scaled_gemm(a, b, torch.float32, backend="cpu"))
+    assert_same_bits(fast, scaled_gemm(a, b, torch.float32, backend="emulate"))  # the plain reference
+    monkeypatch.setattr(emulate, "handles", lambda t: False)  # torch's conversions everywhere
+    assert_same_bits(fast, scaled_gemm(a, b, torch.float32, backend="cpu"))
 
 
 # -- the amax of each tensor (the non-finite checks) -----------------------------------
@@ -199,11 +206,11 @@ def test_amax_each_is_the_inf_norm(dtype):
           torch.tensor([1.0, float("nan"), -2.0]), torch.tensor([[1.0, -float("inf")]]), torch.tensor(-3.5),
           torch.tensor([2.0, float("inf"), float("nan")]), torch.randn(3, 4, generator=g).t() * 1e-6]
     xs = [x.to(dtype) for x in xs]
-    got, ref = fp8.amax_each(xs), torch._foreach_norm(xs, float("inf"))
+    got, ref = emulate.amax_each(xs), torch._foreach_norm(xs, float("inf"))
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and a.shape == ()
         assert_same_bits(a.reshape(1), b.reshape(1))
-    assert fp8.amax_each([]) == [] and fp8.amax_each([torch.empty(0, 3)])[0].item() == 0.0
+    assert emulate.amax_each([]) == [] and emulate.amax_each([torch.empty(0, 3)])[0].item() == 0.0
 
 
 def test_cpu_has_no_fp32_output_bf16_gemm():
@@ -226,3 +233,26 @@ def test_cpu_transpose_is_a_view_and_multiplies_the_same():
     dy = quantize(torch.randn(96, 80, generator=torch.Generator().manual_seed(5)), E5M2)
     for a, b in [(dy.t(), xt), (dy, wt)]:  # wgrad (a transposed view first) and dgrad (second)
         assert_same_bits(scaled_gemm(a, b, torch.float32), scaled_gemm(copy(a), copy(b), torch.float32))
+
+
+@pytest.mark.parametrize("shape", [(256, 384, 128), (200, 384, 130), (128, 256, 256), (96, 160, 200)])
+def test_block_tiles_whole_and_ragged_match_the_reference(shape):
+    # the CPU twin multiplies whole tiles through a reshape and ragged edges element by element:
+    # the reference's bits either way, for the forward, dgrad and wgrad operand layouts
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-9, 9, (m, 1), generator=g).float())
+    w = torch.randn(n, k, generator=g)
+    for fmt in FORMATS:
+        qx, qw = emulate.quantize(x, fmt, "block", (1, 128)), emulate.quantize(w, E4M3, "block", (128, 128))
+        plain_x, plain_w = quantize(x, fmt, "block", (1, 128)), quantize(w, E4M3, "block", (128, 128))
+        assert_same_bits(qx.data, plain_x.data)
+        assert_same_bits(qw.data, plain_w.data)
+        for a, b in [(qx, qw), (qx, qw.t().t())]:
+            assert_same_bits(scaled_gemm(a, b, torch.float32, backend="cpu"),
+                             scaled_gemm(a, b, torch.float32, backend="emulate"))
+        wt = qw.t()  # dgrad: dy (m, n) @ [W^T (k, n)]^T, W^T a transposed view of 128x128 tiles
+        dy = emulate.quantize(torch.randn(m, n, generator=g), fmt, "block", (1, 128))
+        assert_same_bits(scaled_gemm(dy, wt, torch.float32, backend="cpu"),
+                         scaled_gemm(dy, wt, torch.float32, backend="emulate"))
+        assert_same_bits(emulate._scaled(wt), fp8._scaled(wt))

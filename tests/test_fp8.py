@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanofp8 import fp8
-from nanofp8.fp8 import (E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, Recipe, convert_to_fp8,
+from nanofp8 import device, emulate, fp8
+from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, Recipe, convert_to_fp8,
                          dequantize, quantize, scaled_gemm, sqnr)
 
 ML = {E4M3.name: ml_dtypes.float8_e4m3fn, E5M2.name: ml_dtypes.float8_e5m2}
@@ -285,8 +285,9 @@ U32 = 2.0**-24
 
 def _gemm_bound(a, b, bias, k):
     """gamma_{K+3} * (|A| |B|^T + |bias|) in float64, from the exact (float64) dequantized operands."""
-    a64 = a.data.double() * fp8._per_element(a, a.inv_scale).double()
-    b64 = b.data.double() * fp8._per_element(b, b.inv_scale).double()
+    per_el = lambda q: fp8.expand_tiles(q.inv_scale, q.block, q.data.shape) if q.granularity == "block" else q.inv_scale  # noqa: E731
+    a64 = a.data.double() * per_el(a).double()
+    b64 = b.data.double() * per_el(b).double()
     if a.granularity == "block":
         exact = sum(a64[:, k0:k0 + 128] @ b64[:, k0:k0 + 128].t() for k0 in range(0, k, 128))
     else:
@@ -299,7 +300,7 @@ def _gemm_bound(a, b, bias, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+@pytest.mark.parametrize("gran", list(GRANULARITIES))
 def test_torch_backend_bit_exact_against_emulate_on_exact_arithmetic(fmt, gran):
     # Small integers (at most 3 significant bits: exact in E4M3 and E5M2) and power-of-two
     # scales: every product and partial sum is exact in fp32, so any summation order gives the
@@ -395,9 +396,9 @@ def test_fallback_warns_once_naming_the_layer(monkeypatch):
         raise RuntimeError("Expected both dimensions of mat2 to be divisible by 16")
 
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
-    # the CPU emulation computes torch's CPU kernel itself (fp8._gemm_cpu): off, to reach the kernel
-    monkeypatch.setattr(fp8, "_emulating", lambda t: False)
-    fp8._warned.clear()
+    # the CPU emulation computes torch's CPU kernel itself (emulate.gemm_kernel): off, to reach the kernel
+    monkeypatch.setattr(emulate, "handles", lambda t: False)
+    device._warned.clear()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         y1 = model(x)

@@ -241,7 +241,7 @@ def test_errors():
         kernels.INTERPRET = interp
 
 
-@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+@pytest.mark.parametrize("gran", list(fp8.GRANULARITIES))
 def test_fp8_linear_with_triton_backend(gran):
     """The whole layer (forward, dgrad, wgrad) on the Triton kernels agrees with the reference."""
     from nanofp8.fp8 import Recipe, convert_to_fp8
@@ -413,11 +413,13 @@ def test_triton_backend_casts_on_the_kernels(gran, casts, monkeypatch):
 def test_triton_backend_says_why_kernels_do_not_import(monkeypatch):
     import sys
 
+    from nanofp8 import device
+
     a = fp8.quantize(torch.randn(16, 128), fp8.E4M3)
     monkeypatch.setitem(sys.modules, "kernels", None)  # as if run from outside the repo root
     with pytest.raises(ImportError, match="kernels.py from the repo root .* not on sys.path"):
         fp8.scaled_gemm(a, a, torch.float32, backend="triton")
-    assert not fp8._triton_available(torch.device("cuda"))  # backend="torch" falls back elsewhere
+    assert not device._triton_available(torch.device("cuda"))  # backend="torch" falls back elsewhere
     monkeypatch.delitem(sys.modules, "kernels")
     monkeypatch.setitem(sys.modules, "triton", None)  # triton not installed
     with pytest.raises(ImportError, match="kernels.py needs the `triton` package"):

@@ -4,7 +4,7 @@ An H100 runs a small kernel in a few microseconds; launching one from Python tak
 A Linear whose micro-step is dozens of small kernels is then bound by the host, not the GPU: at
 GPT-2 124M, quantize() in plain torch ops (about a dozen launches per cast, four casts and three
 GEMMs per Linear) made an eager O1 step about twice as slow as bf16's. This test counts what an
-eager Linear launches on the path a CUDA device takes (fp8.one_pass_cast: the casts on kernels.py's
+eager Linear launches on the path a CUDA device takes (device.one_pass_cast: the casts on kernels.py's
 Triton quantizers, run here in the interpreter; the GEMMs on torch._scaled_mm; the CPU
 emulation's shortcuts off), under bf16 autocast, as train.py runs it at O1 (weight cast cached
 across the micro-steps of an optimizer step):
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from nanofp8 import fp8
+from nanofp8 import device, emulate, fp8
 from nanofp8.fp8 import Recipe, convert_to_fp8
 
 # Launches per Linear per micro-step, forward and backward, by granularity. tensor: 3 GEMMs, 2
@@ -94,8 +94,8 @@ def test_eager_fp8_linear_launches_per_micro_step(granularity, formats, monkeypa
     contract = CudaScaledMM().install(monkeypatch)
     monkeypatch.setattr(torch, "_scaled_mm", counted(contract, counter, "_scaled_mm"))
     monkeypatch.setattr(F, "scaled_mm", counted(contract.scaled_mm_v2, counter, "scaled_mm"))
-    monkeypatch.setattr(fp8, "_emulating", lambda t: False)
-    monkeypatch.setattr(fp8, "one_pass_cast", lambda t: not torch.compiler.is_compiling(), raising=False)
+    monkeypatch.setattr(emulate, "handles", lambda t: False)
+    monkeypatch.setattr(device, "one_pass_cast", lambda t: not torch.compiler.is_compiling(), raising=False)
     torch.manual_seed(0)
     recipe = Recipe(granularity=granularity, formats=formats, backend="torch")
     layer = convert_to_fp8(nn.Linear(256, 512), recipe)

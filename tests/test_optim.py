@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanofp8 import fp8
+from nanofp8 import emulate
 from nanofp8.fp8 import E4M3, Fp8Tensor, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.memory import activation_bytes, fp8_grad_nbytes, training_state_bytes
 from nanofp8.optim import (STATE_BLOCK, Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2, fp8_grad, holds_fp8_grad,
@@ -263,7 +263,7 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
     4 O2 weights. (The old tensor-by-tensor step took about 550 per block of 4 O2 weights and 8
     small fp32 tensors: 617 operators for one block, 2261 for four.) No operator reads
     a device value (_local_scalar_dense: .item(), bool(t)) when the caller gives the verdict.
-    Counted with the CPU emulation's shortcuts off (fp8._emulating), as a GPU runs the step."""
+    Counted with the CPU emulation off (emulate.handles), as a GPU runs the step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from nanofp8.model import GPT, GPTConfig, apply_fp8
@@ -292,7 +292,7 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
             counter = Count()
             counter.ops = {}
             with monkeypatch.context() as patch, counter:
-                patch.setattr(fp8, "_emulating", lambda t: False)
+                patch.setattr(emulate, "handles", lambda t: False)
                 # Not counted: each weight's FP8 cast for the next forward, which the step makes
                 # (O2Linear.refresh_fp8_weight), as the first forward of a step used to.
                 patch.setattr(O2Linear, "refresh_fp8_weight", lambda self, record=True: None)

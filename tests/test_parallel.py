@@ -30,14 +30,14 @@ import torch.nn.functional as F
 from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
-from nanofp8.fp8 import E4M3, E5M2, INPUT, Fp8Linear, Recipe, dequantize, sqnr
+from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, INPUT, Fp8Linear, Recipe, dequantize, sqnr
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
 
 K = N = 256  # shards of 128: block scales of a shard coincide with the single device's
 B, T = 2, 16
 STEPS, BATCH, SEQ, LR = 12, 8, 32, 3e-3
-GRANS = ("tensor", "row", "block")
+GRANS = GRANULARITIES
 
 # training configurations: (arch, granularity, tp, sp, pp, micro-batches)
 RUNS = {"tp2": ("gpt2", "tensor", 2, False, 1, 1), "tp2_sp": ("llama", "row", 2, True, 1, 1),

@@ -13,8 +13,8 @@ import torch.nn as nn
 import bench
 import conftest
 import train
-from nanofp8 import fp8, stats
-from nanofp8.fp8 import BLOCK, E4M3, E5M2, Recipe, convert_to_fp8, dequantize, quantize, sqnr
+from nanofp8 import device, emulate, stats
+from nanofp8.fp8 import BLOCK, E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 
 pytestmark = pytest.mark.usefixtures("shakespeare")  # the training runs at the end
@@ -190,7 +190,7 @@ def test_current_scaling_leaves_nothing_saturated():
     for seed in range(20):
         x = torch.randn(64, 96, generator=torch.Generator().manual_seed(seed)) * 10.0 ** (seed - 10)
         for fmt in (E4M3, E5M2):
-            for gran in ("tensor", "row", "block"):
+            for gran in GRANULARITIES:
                 got = stats.summarize(*stats.cast_stats(x, quantize(x, fmt, gran)))
                 assert got["saturation"] == 0, (seed, fmt.name, gran)
 
@@ -246,18 +246,18 @@ def cuda_like_scaled_mm(real):
 
 def test_runtime_fallbacks_are_counted_and_strict_raises(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", cuda_like_scaled_mm(torch._scaled_mm))
-    monkeypatch.setattr(fp8, "_emulating", lambda t: False)  # reach the kernel, not the CPU emulation
-    monkeypatch.setattr(fp8, "fallbacks", {})
+    monkeypatch.setattr(emulate, "handles", lambda t: False)  # reach the kernel, not the CPU emulation
+    monkeypatch.setattr(device, "fallbacks", {})
     lin = convert_to_fp8(nn.Linear(84, 64), Recipe(backend="torch"))  # K = 84
     x = torch.randn(8, 84, requires_grad=True)
     with pytest.warns(UserWarning, match="falling back"):
         lin(x).sum().backward()
-    assert fp8.fallbacks == {"linear": 3}  # forward, dgrad, wgrad
+    assert device.fallbacks == {"linear": 3}  # forward, dgrad, wgrad
     assert stats.fallback_line().endswith(": 3 (linear: 3)")
     ok = convert_to_fp8(nn.Linear(64, 64), Recipe(backend="torch"))
     ok(torch.randn(16, 64, requires_grad=True)).sum().backward()
-    assert fp8.fallbacks == {"linear": 3}  # multiples of 16: ran in "FP8"
-    monkeypatch.setattr(fp8, "strict", True)
+    assert device.fallbacks == {"linear": 3}  # multiples of 16: ran in "FP8"
+    monkeypatch.setattr(device, "strict", True)
     with pytest.raises(RuntimeError, match="strict mode"):
         lin(x)
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-from nanofp8 import fp8
+from nanofp8 import emulate
 
 pytestmark = pytest.mark.usefixtures("shakespeare")
 
@@ -64,7 +64,7 @@ def syncs(precision, iters, out_dir):
 def test_one_sync_per_training_step(precision, tmp_path, monkeypatch):
     real = train.build_optimizer
     monkeypatch.setattr(train, "build_optimizer", lambda model, cfg, device_type: real(model, cfg, "cuda"))
-    monkeypatch.setattr(fp8, "_emulating", lambda t: False)  # the path a GPU takes (see above)
+    monkeypatch.setattr(emulate, "handles", lambda t: False)  # the path a GPU takes (see above)
     short = syncs(precision, 2, tmp_path / "short")
     long = syncs(precision, 4, tmp_path / "long")
     per_step = (long - short) / 2
@@ -83,7 +83,7 @@ def _dp_worker(rank, world, level, out_dir):
     from conftest import micro_steps
     from nanofp8.run import wrap_data_parallel
 
-    fp8._emulating = lambda t: False  # the path a GPU takes (a spawned process of its own)
+    emulate.handles = lambda t: False  # the path a GPU takes (a spawned process of its own)
     cfg = train.load_config(["device=cpu", "compile=False", "batch_size=2", "block_size=32",
                              "gradient_accumulation_steps=4", f"precision={level}", "fp8_backend=torch"])
     layout = make_layout()

@@ -1,0 +1,175 @@
+"""fp8.py as a lesson: the path a reader follows is short, the recipes are one table, and the
+engine beside it (device.py, emulate.py) never changes a number.
+
+Each claim of issue #27's fp8 part has a test here: the count of project functions one O1 step
+of an Fp8Linear runs through, the named presets and their overrides, the rowwise preset's E4M3
+gradients, the scale rule as one field used by every cast, the tile shape kept apart from the
+GEMM's K step, and the CPU emulation kept off tensor subclasses."""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+from cuda_contract import CudaScaledMM
+from nanofp8 import device, emulate
+from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, RECIPES, Fp8Linear, Recipe, compute_scale, dequantize,
+                         quantize, scaled_gemm, sqnr)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def project_functions(fn):
+    """The distinct functions (code objects) whose file lies under the repo, outside tests/, that
+    fn() calls."""
+    seen = {}
+
+    def profile(frame, event, arg):
+        file = frame.f_code.co_filename
+        if event == "call" and file.startswith(ROOT + os.sep) and not file.startswith(os.path.join(ROOT, "tests")):
+            code = frame.f_code
+            seen[(code.co_filename, code.co_firstlineno)] = code.co_qualname
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return sorted(f"{os.path.relpath(f, ROOT)}:{line} {name}" for (f, line), name in seen.items())
+
+
+def test_one_o1_step_of_a_linear_reads_short():
+    # issue #27: one O1 forward+backward of one Fp8Linear on the reference backend, after a warm-up
+    # call, ran through 29 (later 31) distinct project functions; the lesson's bound is 15
+    torch.manual_seed(0)
+    lin = Fp8Linear(64, 64, recipe=Recipe(backend="emulate"))
+    x = torch.randn(8, 64, requires_grad=True)
+    lin(x).sum().backward()
+    called = project_functions(lambda: lin(x).sum().backward())
+    assert len(called) <= 15, "\n".join(called)
+    assert all(c.startswith("nanofp8/fp8.py:") for c in called), called  # the reference needs no engine
+
+
+def test_presets_are_one_frozen_table_and_knobs_override_them():
+    assert set(RECIPES) == {"tensorwise", "rowwise", "blockwise", "delayed"}
+    assert RECIPES["tensorwise"] == Recipe()
+    row, block, delayed = RECIPES["rowwise"], RECIPES["blockwise"], RECIPES["delayed"]
+    assert (row.granularity, row.fwd_fmt, row.bwd_fmt) == ("row", E4M3, E4M3)  # torchao's rowwise
+    assert (block.granularity, block.fwd_fmt, block.bwd_fmt) == ("block", E4M3, E4M3)
+    assert (block.act_tile, block.weight_tile) == ((1, 128), (128, 128))  # DeepSeek-V3
+    assert (delayed.scaling, delayed.granularity) == ("delayed", "tensor")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.granularity = "tensor"
+    r = Recipe.from_name("rowwise", formats="hybrid", margin=2)
+    assert (r.granularity, r.bwd_fmt, r.margin) == ("row", E5M2, 2)  # fwd/bwd follow the override
+    with pytest.raises(ValueError, match="unknown FP8 recipe 'mx'"):
+        Recipe.from_name("mx")
+    assert GRANULARITIES == ("tensor", "row", "block")
+
+
+def _grads(recipe, x, w, dy):
+    lin = Fp8Linear(w.shape[1], w.shape[0], bias=False, recipe=recipe)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    xx = x.clone().requires_grad_(True)
+    lin(xx).backward(dy)
+    return xx.grad, lin.weight.grad
+
+
+def test_rowwise_preset_gradients_are_e4m3_and_more_accurate():
+    # torchao's rowwise recipe casts gradients to E4M3 too: its dgrad and wgrad beat row + E5M2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (256, 1), generator=g).float())
+    w, dy = torch.randn(96, 128, generator=g) * 0.05, torch.randn(256, 96, generator=g)
+    dx_ref, dw_ref = dy.double() @ w.double(), dy.double().t() @ x.double()
+    rowwise = _grads(Recipe.from_name("rowwise", backend="emulate"), x, w, dy)
+    hybrid = _grads(Recipe(granularity="row", backend="emulate"), x, w, dy)
+    for new, old, ref in zip(rowwise, hybrid, (dx_ref, dw_ref)):
+        assert sqnr(ref, new) > 27 and sqnr(ref, new) > sqnr(ref, old) + 2
+
+
+@pytest.mark.parametrize("backend", ["emulate", "cpu", "torch"])
+def test_scale_rule_is_one_field_used_by_every_cast(backend):
+    # a fork's new rule: one field of the recipe, and every operand cast of the layer uses it
+    calls = []
+
+    def half_scale(amax, fmt, margin=0, power_of_two=False, fallback=None):
+        calls.append(fmt.name)
+        return compute_scale(amax, fmt, margin, power_of_two, fallback) / 2
+
+    lin = Fp8Linear(64, 32, recipe=Recipe(scale_rule=half_scale, backend=backend))
+    x = torch.randn(16, 64, requires_grad=True)
+    lin(x).sum().backward()
+    assert calls == ["e4m3", "e4m3", "e5m2"]  # x, W, dy (their transposes keep the scale)
+    q = lin.quantize_operand(0, x.detach(), E4M3)
+    assert torch.equal(q.scale, compute_scale(x.detach().abs().amax(), E4M3) / 2)
+
+
+def test_tile_shape_is_not_the_gemm_k_step():
+    # a 1x32 tile must never be read with 128-wide scale columns: the FP8 block GEMMs refuse it
+    # (device.tile_refusal), and the GEMM falls back to the reference, which scales each element
+    # by its own tile's scale
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(48, 256, generator=g)
+    x[:, 40] *= 1e3  # one outlier column: 1x32 tiles keep it to its own 32 neighbours
+    a, b = quantize(x, E4M3, "block", (1, 32)), quantize(w, E4M3, "block", (32, 32))
+    assert device.tile_refusal(a, b) and "1x32" in device.tile_refusal(a, b)
+    assert device.tile_refusal(quantize(x, E4M3, "block", (1, 128)), quantize(w, E4M3, "block", (128, 128))) is None
+    ref = dequantize(a, torch.float64) @ dequantize(b, torch.float64).t()
+    for backend in ("emulate", "cpu", "torch"):
+        assert sqnr(ref, scaled_gemm(a, b, torch.float32, backend=backend)) > 100  # the fp32 sum of the same values
+
+
+def test_tile_refusal_under_the_cuda_contract(monkeypatch):
+    # on a (simulated) H100 with native block scales, a 1x32 recipe is refused before any call:
+    # no block-scaled torch._scaled_mm is made, the reference runs, and it is counted as a fallback
+    contract = CudaScaledMM()
+    contract.install(monkeypatch)
+    monkeypatch.setattr(device, "fallbacks", {})
+    monkeypatch.setattr(device, "_warned", set())
+    lin = Fp8Linear(256, 64, recipe=Recipe(granularity="block", formats="e4m3", act_tile=(1, 32),
+                                           weight_tile=(32, 32)))
+    x = torch.randn(32, 256, requires_grad=True)
+    with pytest.warns(UserWarning, match="1x32 block scales"):
+        lin(x).sum().backward()
+    assert not contract.calls and not contract.refusals and device.fallbacks == {"Fp8Linear": 3}
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+def test_cpu_emulation_never_meets_subclasses_or_compile():
+    data = quantize(torch.randn(8, 16), E4M3).data
+    assert emulate.handles(data)
+    sub = data.as_subclass(Sub)
+    assert not emulate.handles(sub)
+    assert torch.equal(emulate.fp8_to_float(sub).as_subclass(torch.Tensor), data.float())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert not emulate.handles(torch.empty(4, 4))
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(t):
+        seen.append(emulate.handles(t))
+        return t + 1
+
+    f(torch.ones(3))
+    assert seen == [False]
+
+
+def test_train_picks_a_preset_by_name_and_knobs_override_it():
+    import train
+
+    cfg = dict(train.load_config(["precision=O1"]))
+    assert train.fp8_recipe(cfg, "cpu") == Recipe(backend="cpu")  # no name: the knobs, as before
+    assert train.fp8_recipe(cfg, "cuda").backend == "torch"
+    r = train.fp8_recipe(dict(cfg, fp8_recipe="rowwise", fp8_margin=2), "cpu")
+    assert r == Recipe.from_name("rowwise", margin=2, backend="cpu")
+    r = train.fp8_recipe(dict(cfg, fp8_recipe="blockwise", fp8_formats="e4m3", fp8_backend="emulate"), "cpu")
+    assert r == Recipe(granularity="block", formats="e4m3", backend="emulate")
+    from nanofp8.configurator import ConfigError, check_train_config
+    with pytest.raises(ConfigError, match="fp8_recipe"):
+        check_train_config(dict(cfg, fp8_recipe="mxfp8"))
