@@ -58,7 +58,8 @@ from contextlib import nullcontext
 import torch
 
 from nanofp8 import fp8
-from nanofp8.configurator import (ConfigError, check_accumulation, check_train_config, config_notes, configure,
+from nanofp8.configurator import (RECIPE_KEYS, ConfigError, apply_recipe_preset, check_accumulation, check_train_config,
+                                  config_notes, configure,
                                   defaults_of, read_dataset_meta, stats_alarms)
 from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dataset, check_tokens, data_dir,
                           get_batch, open_splits, vocab_size_for)
@@ -129,10 +130,12 @@ grad_comm = "auto"  # data parallel, weight gradients of the FP8 layers: "auto" 
 grad_comm_rest = "fp32"  # data parallel, every other gradient (FP8 levels): "fp32" | "bf16"
 mp_comm = "auto"  # tensor/sequence/pipeline payloads: "auto" | "fp8" | "bf16" | "fp32" (bf16 level:
 #                   not "fp8"; auto = bf16 there, see mp_comm_format for the FP8 levels)
+fp8_recipe = None  # a named preset (nanofp8/fp8.py RECIPES: tensorwise, rowwise, blockwise, delayed)
+#                   that sets the fp8_* keys below; a key set in a config file or argument overrides it
 fp8_scaling = "current"  # "current" | "delayed"
 fp8_granularity = "tensor"  # "tensor" | "row" | "block"
 fp8_formats = "hybrid"  # "hybrid" (E4M3 forward, E5M2 gradients) | "e4m3"
-fp8_backend = None  # "torch" | "emulate" | "triton"; None = torch._scaled_mm on CUDA, emulate on CPU
+fp8_backend = None  # "torch" | "emulate" | "cpu" | "triton"; None = torch._scaled_mm on CUDA, cpu on a CPU
 fp8_history_len = 16  # delayed scaling: amax history length
 fp8_amax_algo = "max"  # delayed scaling: "max" | "most_recent"
 fp8_margin = 0  # scales are divided by 2^margin (0 to 8: see check_values)
@@ -162,25 +165,21 @@ DEFAULTS = defaults_of(globals())
 
 def load_config(argv):
     """Defaults + config files + key=value -> a read-only mapping, validated. Raises ConfigError."""
-    return check_train_config(configure(DEFAULTS, argv))
+    given = set()
+    cfg = configure(DEFAULTS, argv, given)
+    return check_train_config(apply_recipe_preset(cfg, given))
 
 
 # -----------------------------------------------------------------------------
 # The precision level: the four functions where it touches the training loop
 
 
-def fp8_recipe(cfg, device_type):
-    """The FP8 layers' Recipe: the preset fp8_recipe names (fp8.RECIPES), where one is named, with
-    every fp8_* knob set away from its default overriding it; else the knobs themselves. The
-    backend: torch._scaled_mm on CUDA, the fp32 reference's fast CPU twin ("cpu") on a CPU."""
+def build_recipe(cfg, device_type):
+    """The FP8 layers' Recipe, from the fp8_* keys (a preset named by fp8_recipe has set those it
+    sets: configurator.apply_recipe_preset). The backend: torch._scaled_mm on CUDA, the fp32
+    reference's fast CPU twin ("cpu") on a CPU."""
     backend = cfg["fp8_backend"] or ("torch" if device_type == "cuda" else "cpu")
-    knobs = dict(scaling=cfg["fp8_scaling"], granularity=cfg["fp8_granularity"], formats=cfg["fp8_formats"],
-                 history_len=cfg["fp8_history_len"], amax_algo=cfg["fp8_amax_algo"], margin=cfg["fp8_margin"])
-    if cfg.get("fp8_recipe") is None:
-        return fp8.Recipe(**knobs, backend=backend)
-    plain = fp8.Recipe()
-    given = {k: v for k, v in knobs.items() if v != getattr(plain, k)}
-    return fp8.Recipe.from_name(cfg["fp8_recipe"], **given, backend=backend)
+    return fp8.Recipe(**{field: cfg[key] for key, field in RECIPE_KEYS.items()}, backend=backend)
 
 
 def setup_precision(model, cfg, device_type):
@@ -194,7 +193,7 @@ def setup_precision(model, cfg, device_type):
     level = cfg["precision"]
     if level == "bf16":
         return "bf16 autocast, fp32 master weights"
-    recipe = fp8_recipe(cfg, device_type)
+    recipe = build_recipe(cfg, device_type)
     names = apply_fp8(model, recipe, cfg["fp8_lm_head"])
     if not names:  # FP8 GEMMs need both dims % 16: an "FP8" run with none would be bf16 in disguise
         raise ConfigError(f"precision={level}: no block Linear can run in FP8: their widths "

@@ -89,24 +89,45 @@ def read_config_file(path):
             if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
-def configure(defaults, argv):
+def configure(defaults, argv, given=None):
     """Apply config files and key=value overrides from `argv` to a dict of defaults.
 
-    Returns a new dict (the defaults are not modified) and never adds keys."""
+    Returns a new dict (the defaults are not modified) and never adds keys. `given`, a set if
+    passed, receives the keys that a file or an argument set."""
     config = dict(defaults)
+    given = set() if given is None else given
     for arg in argv:
         if "=" not in arg:
             if arg.startswith("-"):
                 raise ConfigError(f"cannot parse argument '{arg}': use --key=value")
             for key, value in read_config_file(arg).items():
                 config[key] = _check(defaults, key, value, f"config file {arg}")
+                given.add(key)
             continue
         key, text = arg.split("=", 1)
         key = key.lstrip("-")
         if not key.isidentifier():
             raise ConfigError(f"cannot parse argument '{arg}': use --key=value")
         config[key] = _check(defaults, key, parse_value(text, defaults.get(key)), f"argument '{arg}'")
+        given.add(key)
     return config
+
+
+# The config keys of the FP8 recipe, and the Recipe field each one sets
+RECIPE_KEYS = {"fp8_scaling": "scaling", "fp8_granularity": "granularity", "fp8_formats": "formats",
+               "fp8_history_len": "history_len", "fp8_amax_algo": "amax_algo", "fp8_margin": "margin"}
+
+
+def apply_recipe_preset(config, given):
+    """fp8_recipe=NAME (a preset of fp8.RECIPES) sets every fp8_* recipe key that no file or
+    argument set (`given`): a key set by hand overrides the preset, whatever its value. The
+    config then holds the recipe as it runs, and everything downstream reads the keys alone."""
+    name = config.get("fp8_recipe")
+    if name is None:
+        return config
+    check_choice(config, "fp8_recipe", (None, *RECIPES))
+    preset = RECIPES[name]
+    return {**config, **{key: getattr(preset, field) for key, field in RECIPE_KEYS.items() if key not in given}}
 
 
 def check_choice(config, key, choices):
@@ -156,8 +177,7 @@ def check_train_config(cfg):
     check_choice(cfg, "arch", ("gpt2", "llama"))
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
     check_choice(cfg, "fp8_granularity", GRANULARITIES)
-    if "fp8_recipe" in cfg:  # a named preset (fp8.RECIPES) that the fp8_* knobs override
-        check_choice(cfg, "fp8_recipe", (None, *RECIPES))
+    check_choice(cfg, "fp8_recipe", (None, *RECIPES))  # (applied already: apply_recipe_preset)
     if cfg["fp8_scaling"] == "delayed" and cfg["fp8_granularity"] != "tensor":
         raise ConfigError(f"fp8_scaling='delayed' needs fp8_granularity='tensor', got "
                           f"{cfg['fp8_granularity']!r}: an activation's per-row or per-tile amax history "

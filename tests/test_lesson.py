@@ -161,15 +161,25 @@ def test_cpu_emulation_never_meets_subclasses_or_compile():
 
 
 def test_train_picks_a_preset_by_name_and_knobs_override_it():
+    """fp8_recipe=NAME on train.py's command line sets the recipe's keys; a key given by hand
+    overrides the preset even where it names the default value (rowwise's E4M3 gradients back to
+    hybrid); no name: the keys as before."""
     import train
+    from nanofp8.configurator import ConfigError
 
-    cfg = dict(train.load_config(["precision=O1"]))
-    assert train.fp8_recipe(cfg, "cpu") == Recipe(backend="cpu")  # no name: the knobs, as before
-    assert train.fp8_recipe(cfg, "cuda").backend == "torch"
-    r = train.fp8_recipe(dict(cfg, fp8_recipe="rowwise", fp8_margin=2), "cpu")
-    assert r == Recipe.from_name("rowwise", margin=2, backend="cpu")
-    r = train.fp8_recipe(dict(cfg, fp8_recipe="blockwise", fp8_formats="e4m3", fp8_backend="emulate"), "cpu")
-    assert r == Recipe(granularity="block", formats="e4m3", backend="emulate")
-    from nanofp8.configurator import ConfigError, check_train_config
+    def recipe(*args, device="cpu"):
+        return train.build_recipe(train.load_config(["precision=O1", *args]), device)
+
+    assert recipe() == Recipe(backend="cpu")  # no name: the knobs, as before
+    assert recipe(device="cuda").backend == "torch"
+    assert recipe("fp8_recipe=rowwise", "fp8_margin=2") == Recipe.from_name("rowwise", margin=2, backend="cpu")
+    assert recipe("fp8_recipe=rowwise", "fp8_formats=hybrid") == Recipe(granularity="row", backend="cpu")
+    assert recipe("fp8_recipe=blockwise", "fp8_backend=emulate") == Recipe(granularity="block", formats="e4m3",
+                                                                            backend="emulate")
+    assert recipe("fp8_recipe=delayed") == Recipe(scaling="delayed", backend="cpu")
+    cfg = train.load_config(["precision=O1", "fp8_recipe=blockwise"])
+    assert cfg["fp8_granularity"] == "block" and cfg["fp8_formats"] == "e4m3"  # what a checkpoint records
     with pytest.raises(ConfigError, match="fp8_recipe"):
-        check_train_config(dict(cfg, fp8_recipe="mxfp8"))
+        train.load_config(["fp8_recipe=mxfp8"])
+    with pytest.raises(ConfigError, match="delayed"):  # a preset and a knob that contradict it
+        train.load_config(["precision=O1", "fp8_recipe=delayed", "fp8_granularity=row"])
