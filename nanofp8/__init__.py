@@ -1,21 +1,45 @@
 """nanofp8: a compact reference implementation of FP8 mixed-precision LLM training.
 
-fp8.py       formats, scaling, the scaled GEMM and the FP8 linear layer (start reading here)
-optim.py     precision decoupling (O2): fp16 master, FP8 gradients and Adam m, fp16 v; memory accounting
-dist.py      FP8 collectives, FP8 data parallelism, ZeRO in FP8 (O3)
-parallel.py  FP8 tensor, sequence and pipeline parallelism
-model.py     GPT-2 and LLaMA-style models, the checkpoint format
-checkpoint.py  models out of the run: any level/layout -> one model, conversion on resume, frozen FP8
-outdir.py    what a run keeps in out_dir: checkpoint sets and their manifests, the lock, pre-flight checks
-interop.py   the portable safetensors export, Hugging Face GPT-2 in and out
-layout.py    the run's layout: a DeviceMesh (pp x dp x tp), sizes of 1 for one process
-run.py       what differs between layouts in train.py's loop: steps, gradient sums, checkpoints
+The core, the lesson: read these top to bottom, in this order (train.py is in the repo root).
+
+fp8.py       formats, scaling, Fp8Tensor, quantize/dequantize, the reference GEMM and one
+             torch._scaled_mm GEMM, the recipes (one table), the FP8 Linear and its Function
+optim.py     precision decoupling (O2): fp16 master, FP8 gradient and Adam m, fp16 v (one
+             table of formats), and Fp8AdamW, whose step is one loop over the parameters
+dist.py      FP8 collectives (the bytes and their scales on the wire) and FP8 data parallelism
+model.py     the GPT, in GPT-2 and LLaMA dialects
+train.py     the training loop: micro-steps, loss.backward(), the step, evaluation
+
+The engine beside it, one concern per file:
+
+device.py    CUDA: what torch._scaled_mm takes, refusals and fallbacks, block-scale layouts, Triton glue
+emulate.py   the CPU backend: the reference's arithmetic, bit for bit, on fast FP8 decoding
+optim_foreach.py  Fp8AdamW's foreach twin (the default, bit-equal to the loop); o2_compile.py: the
+             per-step FP8 weight cast an O2 layer keeps for compiled forwards; memory.py: bytes
+zero.py      ZeRO in FP8 (level O3); overlap.py: gradient buckets launched during backward;
+             counter.py: the bytes each collective sends
+parallel.py  FP8 tensor, sequence and pipeline parallelism; layout.py: the DeviceMesh (pp x dp x tp)
+stats.py     what each FP8 cast did (saturation, underflow, SQNR) and the alarms
+run.py       what differs between layouts in train.py's loop, resume, checkpoint sets on disk
+ckptfile.py  the checkpoint file; outdir.py: sets, manifests, the lock; checkpoint.py: conversion
+             between levels and layouts; interop.py: safetensors and Hugging Face GPT-2
 data.py      token data and reproducible batches; configurator.py: configs and their validation
+
+The seams: the only engine names the library's core imports (tests/test_design.py holds them):
+
+fp8.py       device.gemm (every backend but the reference), device.cast (Triton and CPU casts)
+optim.py     optim_foreach (the twin step), o2_compile.O2CompileParts, emulate.amax_each
+dist.py      overlap.InOrder, overlap.Pending, overlap.plan_buckets, counter.COMM,
+             counter.comm_stats, emulate.fp8_to_float
+model.py     none
+
+train.py, the script that puts it all together, imports the engine by module: configurator, data,
+layout, run, stats, zero, ckptfile, outdir.
 
 One O2 weight, from forward to optimizer step, in three files (read in this order):
 
-fp8.py    Fp8Linear.forward                    -> fp8_linear -> _Fp8LinearFunction.forward: the
-                                                  forward GEMM on the weight's FP8 cast
+fp8.py    Fp8Linear.forward                    -> _Fp8LinearFunction.forward: the forward GEMM
+                                                  on the weight's FP8 cast
 optim.py  O2Linear.weight_operands             that cast, made once per step by the optimizer
 fp8.py    _Fp8LinearFunction.backward          the wgrad GEMM hands dW to the layer's take_wgrad
 optim.py  O2Linear.take_wgrad                  adds dW to the FP8 gradient the weight itself
@@ -26,8 +50,8 @@ dist.py   Fp8DataParallel.sync_gradients       all-gathers the average onto the 
                                                   (set_fp8_grad)
 optim.py  clip_grad_norm                       the norm of every .grad and every fp8_grad(p)
 optim.py  Fp8AdamW.step                        AdamW on the dequantized fp8_grad(p); the new fp16
-                                                  master (set_weights) and its next FP8 cast
-                                                  (O2Linear.refresh_fp8_weight)
+                                                  master (O2Linear.set_weight) and its next FP8
+                                                  cast (O2Linear.refresh_fp8_weight)
 
 train.py's optimizer_step calls the last three (the first two through run.sync_gradients and
 run.clip). Every consumer of the FP8 gradient asks the parameter (optim.fp8_grad); no module
