@@ -17,7 +17,7 @@ Precision levels (`precision=...`):
           values of each of the last three): 6.09 instead of 16 bytes per parameter
           (o2_v_format='fp8': 5.09).
     O3    as O2, with the master weights and moments sharded over the data-parallel ranks
-          (ZeRO, nanofp8/dist.py): 2 + 5/N bytes per parameter. Needs torchrun.
+          (ZeRO, nanofp8/zero.py): 2 + 5/N bytes per parameter. Needs torchrun.
 
 The level touches the loop in setup_precision (what the layers compute in), build_optimizer (what
 holds the master weights and moments), optimizer_step (how gradients become an update) and
@@ -59,8 +59,7 @@ import torch
 
 from nanofp8 import fp8
 from nanofp8.configurator import (RECIPE_KEYS, ConfigError, apply_recipe_preset, check_accumulation, check_train_config,
-                                  config_notes, configure,
-                                  defaults_of, read_dataset_meta, stats_alarms)
+                                  config_notes, configure, defaults_of, read_dataset_meta, stats_alarms)
 from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dataset, check_tokens, data_dir,
                           get_batch, open_splits, vocab_size_for)
 from nanofp8.dist import Fp8DataParallel
@@ -130,8 +129,7 @@ grad_comm = "auto"  # data parallel, weight gradients of the FP8 layers: "auto" 
 grad_comm_rest = "fp32"  # data parallel, every other gradient (FP8 levels): "fp32" | "bf16"
 mp_comm = "auto"  # tensor/sequence/pipeline payloads: "auto" | "fp8" | "bf16" | "fp32" (bf16 level:
 #                   not "fp8"; auto = bf16 there, see mp_comm_format for the FP8 levels)
-fp8_recipe = None  # a named preset (nanofp8/fp8.py RECIPES: tensorwise, rowwise, blockwise, delayed)
-#                   that sets the fp8_* keys below; a key set in a config file or argument overrides it
+fp8_recipe = None  # a preset (fp8.RECIPES: tensorwise, rowwise, blockwise, delayed) setting the keys below
 fp8_scaling = "current"  # "current" | "delayed"
 fp8_granularity = "tensor"  # "tensor" | "row" | "block"
 fp8_formats = "hybrid"  # "hybrid" (E4M3 forward, E5M2 gradients) | "e4m3"
