@@ -1069,7 +1069,7 @@ def stats_cost(args):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, batch, seq = THROUGHPUT_MODELS[args.model]
-    model, opt, train_cfg = build(cfg, "O1", None, device)  # fp8_backend: torch on CUDA, emulate on CPU
+    model, opt, train_cfg = build(cfg, "O1", None, device)  # fp8_backend: torch on CUDA, cpu on a CPU
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     ac = torch.autocast(device, dtype=torch.bfloat16)
