@@ -1,6 +1,7 @@
 #!/bin/bash
 # r27 vs main d8af6d2 on one GPU: compiled training at each level (60 steps), then throughput side by side
-cd "$(dirname "$0")"
+# Ran as `bash gpu_check2.sh` from the repo root at e65494c, with main d8af6d2 unpacked in
+# baseline_main/ (git archive) and data/shakespeare_char/{train,val}.bin, meta.json carried.
 export PYTHONUNBUFFERED=1
 run=(python train.py config/shakespeare_char.py device=cuda max_iters=60 eval_interval=30 always_save_checkpoint=False)
 j() { local n=$1; shift; ( timeout 200 "$@" > $OUT/$n.log 2>&1; echo "exit status $?" >> $OUT/$n.log ) & }
