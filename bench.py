@@ -117,15 +117,16 @@ LEVELS = {
     "O2-fp8acc": dict(precision="O2", o2_grad_accum="fp8"),
     "O2-fp8v-fp8acc": dict(precision="O2", o2_v_format="fp8", o2_grad_accum="fp8"),
 }
+BUILDS = {**LEVELS, "O3": dict(precision="O3")}  # what build() takes: O3 needs ranks (bench.py comm)
 
 
 def build(cfg, level, backend=None, device="cpu"):
     """A model on `device` and its optimizer at a precision level, built by train.py's own
     setup_precision and build_optimizer. Returns (model, optimizer, train.py's settings, for
-    train.optimizer_step). level: a name in LEVELS; backend: train.py's fp8_backend."""
+    train.optimizer_step). level: a name in LEVELS, or O3; backend: train.py's fp8_backend."""
     import train
 
-    settings = train.load_config([f"{k}={v}" for k, v in LEVELS[level].items()]
+    settings = train.load_config([f"{k}={v}" for k, v in {**BUILDS, **LEVELS}[level].items()]
                                  + [f"fp8_backend={backend}", "compile=False"])
     torch.manual_seed(0)
     model = GPT(cfg)
