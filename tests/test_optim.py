@@ -535,7 +535,8 @@ def step_functions(**opt_kw):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     torch.manual_seed(0)
-    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)), Recipe(backend="emulate")))
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    model = convert_to_o2(convert_to_fp8(model, Recipe(backend="emulate")))
     opt = Fp8AdamW(model.parameters(), model, **opt_kw)
     x = torch.randn(8, 64)
     model(x).square().mean().backward()
