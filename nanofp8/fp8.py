@@ -385,14 +385,6 @@ RECIPES = {  # the named presets: what each recipe of the field sets
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
 
 
-def pack_saved(q):  # Fp8Tensor -> (tensors for save_for_backward, metadata for ctx)
-    return (q.data, q.scale), (q.fmt, q.granularity, q.block, q.data.shape, q.dtype)
-
-
-def unpack_saved(tensors, meta):
-    return Fp8Tensor(tensors[0], tensors[1], meta[0], meta[1], meta[2], meta[3], meta[4])
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T (+ b), its three GEMMs in FP8. `mod` is the layer (ctx.mod): its recipe and
     scaling state, its FP8 weight (weight_operands), where dW goes (take_wgrad: O2 keeps it in

@@ -20,7 +20,7 @@ outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the graph break
 
 import torch
 
-from nanofp8.fp8 import WEIGHT, compute_scale, pack_saved, quantize, unpack_saved
+from nanofp8.fp8 import WEIGHT, Fp8Tensor, compute_scale, quantize
 
 
 class O2CompileParts:
@@ -44,9 +44,8 @@ class O2CompileParts:
             qwt = qw.t()
         meta = []
         for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
-            (data, scale), m = pack_saved(q)
-            meta.append(m)
-            for key, t in ((name, data), (name + "_scale", scale)):
+            meta.append((q.fmt, q.granularity, q.block, q.data.shape, q.dtype))  # the rest of q
+            for key, t in ((name, q.data), (name + "_scale", q.scale)):
                 # a new tensor, not a copy into the old one: a graph saved for backward may
                 # still hold the old one (autograd would refuse it after an in-place write)
                 self.register_buffer(key, t if t is not self.weight_scale else t.clone(), persistent=False)
@@ -54,9 +53,9 @@ class O2CompileParts:
         self._fp8_key = (self.weight._version, self.weight.data_ptr())
         self._w_cache = None
 
-    def _fp8_operands(self):
-        return (unpack_saved((self.fp8_w, self.fp8_w_scale), self._fp8_meta[0]),
-                unpack_saved((self.fp8_wt, self.fp8_wt_scale), self._fp8_meta[1]))
+    def _fp8_operands(self):  # the FP8 W and W^T of refresh_fp8_weight, from its buffers
+        return (Fp8Tensor(self.fp8_w, self.fp8_w_scale, *self._fp8_meta[0]),
+                Fp8Tensor(self.fp8_wt, self.fp8_wt_scale, *self._fp8_meta[1]))
 
     def weight_operands(self):
         """FP8 W and W^T for the forward and dgrad GEMMs: the casts of the last step."""

@@ -83,7 +83,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from nanofp8.emulate import amax_each
 from nanofp8.fp8 import E4M3, Fp8Format, Fp8Linear, compute_scale, dequantize, quantize
 from nanofp8.o2_compile import O2CompileParts
 
@@ -162,8 +161,7 @@ def round_stochastic(y, noise, fmt):
 
 def state_block(numel):
     """Values per scale of a stored tensor of numel values: STATE_BLOCK, or the largest power of
-    two below it that divides numel. Blocks are runs of consecutive values of the flattened
-    (row-major) tensor: a row whose width is a multiple of the block holds whole blocks."""
+    two below it that divides numel. A block is a run of the flattened (row-major) tensor."""
     return math.gcd(numel, STATE_BLOCK)
 
 
@@ -171,8 +169,9 @@ def quantize_wgrad(x):
     """The FP8 form of a weight gradient: E4M3, one scale per block of state_block values, as an
     Fp8Tensor of "row" granularity over the (blocks, values per block) view (dequantize gives
     back x's shape)."""
+    blocks = x.reshape(-1, math.gcd(x.numel(), STATE_BLOCK))  # (state_block)
     fmt = STATE_FORMATS["fp16"].grad  # (the same for either v_format)
-    return replace(quantize(x.reshape(-1, state_block(x.numel())), fmt, "row"), shape=x.shape, dtype=torch.float32)
+    return replace(quantize(blocks, fmt, "row"), shape=x.shape, dtype=torch.float32)
 
 
 def quantize_blocks(x, fmt, noise=None):
@@ -180,7 +179,7 @@ def quantize_blocks(x, fmt, noise=None):
     block of state_block values (scale shape (blocks, 1)): rounded to nearest, or stochastically
     with `noise` (Fp8AdamW.rounding_noise's for fmt). The values are finite (the step checked the
     gradients, and m and v are made from them), so the cast needs no NaN guard."""
-    y = x.reshape(-1, state_block(x.numel()))
+    y = x.reshape(-1, math.gcd(x.numel(), STATE_BLOCK))  # (state_block)
     amax = y.abs().amax(1, keepdim=True)
     scale = fp16_scale(amax, FP16_MAX / 4) if fmt.dtype == torch.float16 else compute_scale(amax, fmt)
     y = y * scale
@@ -432,19 +431,19 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def grads_finite(self):
         """Whether every gradient is finite: a 0-dim bool tensor on the device, read by the step
-        (the one device sync), or by train.py with the other values of its step. O2 gradients are
-        judged by their amax, which is non-finite exactly when the fp32 gradient was; the others
-        by their largest magnitude (NaN propagates through it, and an inf is its own maximum)."""
-        amaxes, plain = [], []
-        for g in self.param_groups:
-            for p in g["params"]:
+        (the one device sync) or by train.py with its step's other values. An O2 gradient is
+        judged by its amax, non-finite exactly when the fp32 gradient was (foreach: the same
+        verdict from optim_foreach.grads_finite, in fewer operator calls)."""
+        if self.foreach:
+            return _foreach().grads_finite(self)
+        ok = []
+        for group in self.param_groups:
+            for p in group["params"]:
                 q = fp8_grad(p)
-                if q is not None:
-                    amaxes.append(q.amax.float().amax())  # (a NaN among the block amaxes stays)
-                elif p.grad is not None:
-                    plain.append(p.grad)
-        amaxes += [a.float() for a in amax_each(plain)]
-        return torch.isfinite(torch.stack(amaxes or [torch.zeros(())])).all()
+                g = p.grad if q is None else q.amax
+                if g is not None:
+                    ok.append(torch.isfinite(g).all())
+        return torch.stack(ok).all() if ok else torch.tensor(True)
 
     def _init_state(self, p):
         """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight. The

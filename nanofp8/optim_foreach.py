@@ -189,6 +189,22 @@ def decoupled_update(formats, sts, ws, gs, group, ts, noises):
     return ws
 
 
+def grads_finite(opt):
+    """Fp8AdamW.grads_finite on the foreach path: an O2 gradient by its amax, the others by their
+    largest magnitudes, one foreach reduction (NaN propagates through a max, an inf is its own)."""
+    from nanofp8.optim import fp8_grad
+    amaxes, plain = [], []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            q = fp8_grad(p)
+            if q is not None:
+                amaxes.append(q.amax.float().amax())  # (a NaN among the block amaxes stays)
+            elif p.grad is not None:
+                plain.append(p.grad)
+    amaxes += [a.float() for a in amax_each(plain)]
+    return torch.isfinite(torch.stack(amaxes or [torch.zeros(())])).all()
+
+
 def step(opt):
     """Fp8AdamW.step's update on the foreach path (the gradients are known to be finite)."""
     from nanofp8.optim import fp8_grad, holds_fp8_grad
