@@ -29,7 +29,6 @@ d26). The sweep says from which width FP8 pays with this code.
 
 import argparse
 import json
-import math
 import os
 from contextlib import contextmanager
 

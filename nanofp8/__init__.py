@@ -28,7 +28,7 @@ data.py      token data and reproducible batches; configurator.py: configs and t
 The seams: the only engine names the library's core imports (tests/test_design.py holds them):
 
 fp8.py       device.gemm (every backend but the reference), device.cast (Triton and CPU casts)
-optim.py     optim_foreach (the twin step), o2_compile.O2CompileParts, emulate.amax_each
+optim.py     optim_foreach (the twin step), o2_compile.O2CompileParts
 dist.py      overlap.InOrder, overlap.Pending, overlap.plan_buckets, counter.COMM,
              counter.comm_stats, emulate.fp8_to_float
 model.py     none

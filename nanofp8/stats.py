@@ -95,9 +95,8 @@ import torch
 import torch.nn as nn
 
 from . import device
-from .fp8 import E4M3, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, clip_edge, dequantize
+from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, clip_edge, dequantize
 
-FP16 = Fp8Format("fp16", torch.float16, 65504.0, 2.0**-14)  # O2's v: fp16 with a scale
 
 # The additive statistics of a cast, in this order, then the ones that combine by max.
 SUMS = ("n", "nonfinite", "nonzero", "underflow", "subnormal", "saturated", "signal", "noise")

@@ -15,8 +15,7 @@ CORE_MODULES = {os.path.splitext(os.path.basename(f))[0] for f in CORE}
 # lists out for readers (checked below).
 SEAMS = {
     "nanofp8/fp8.py": {("device", "gemm"), ("device", "cast")},
-    "nanofp8/optim.py": {("optim_foreach", "optim_foreach"), ("o2_compile", "O2CompileParts"),
-                         ("emulate", "amax_each")},
+    "nanofp8/optim.py": {("optim_foreach", "optim_foreach"), ("o2_compile", "O2CompileParts")},
     "nanofp8/dist.py": {("overlap", "InOrder"), ("overlap", "Pending"), ("overlap", "plan_buckets"),
                         ("counter", "COMM"), ("counter", "comm_stats"), ("emulate", "fp8_to_float")},
     "nanofp8/model.py": set(),
