@@ -95,7 +95,7 @@ import torch
 import torch.nn as nn
 
 from . import device
-from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, clip_edge, dequantize
+from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, clip_edge, dequantize
 
 
 # The additive statistics of a cast, in this order, then the ones that combine by max.
