@@ -5,14 +5,14 @@ the same figures (plus machine, date and versions) as JSON.
     python bench.py memory      bytes per parameter of the training state, and activation bytes
                                 per token, for bf16 / O1 / O2 (with FP8 v, with FP8 gradient
                                 accumulation), measured by walking the real tensors
-                                (nanofp8/optim.py: training_state_bytes)
+                                (nanofp8/memory.py: training_state_bytes)
     python bench.py state       how fine the scales of O2's stored state (FP8 gradient, Adam m and
                                 v) must be: the fraction of values each granularity flushes to zero,
                                 on the README model's real gradients and moments and on adversarial
                                 ones (nanofp8/optim.py, (7))
     python bench.py comm        bytes each rank puts on the wire per parameter per step, for the
                                 bf16 baseline (fp32 gradient all-reduce, as nanoGPT's DDP), O1,
-                                O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/dist.py),
+                                O2 and O3, at 2 and 4 gloo ranks (counted by nanofp8/counter.py),
                                 the FP8 layers' bytes apart from the whole model's
     python bench.py parity      BF16 vs every FP8 level, recipe and layout on shakespeare_char at
                                 equal steps, at several seeds (each run a child process, kept in

@@ -483,7 +483,7 @@ class Fp8Linear(nn.Linear):
         cast_values  (3,)    (not saved) how many values delayed scaling cast: clipped's denominator
 
     Extension points: O2Linear (nanofp8/optim.py) overrides hp_weight, take_wgrad,
-    weight_operands and weight_changed; O3Linear (nanofp8/dist.py) cast_weight and hp_weight."""
+    weight_operands and weight_changed; O3Linear (nanofp8/zero.py) cast_weight and hp_weight."""
 
     # A tensor-parallel shard (nanofp8/parallel.py) exchanges operands with the other shards before
     # and after the forward GEMM (gemm_input, gemm_output) and the dgrad GEMM (dgrad_input,

@@ -342,7 +342,7 @@ class O2Linear(O2CompileParts, Fp8Linear):
 
 def convert_to_o2(model, cls=None, grad_accum="fp16"):
     """Swap every Fp8Linear of the model for an O2Linear (fp16 master, FP8 gradient), or for
-    another subclass `cls` built by cls.from_fp8_linear (O3Linear, nanofp8/dist.py).
+    another subclass `cls` built by cls.from_fp8_linear (O3Linear, nanofp8/zero.py).
     grad_accum: "fp16" or "fp8", how micro-steps are summed (see (6) above)."""
     if grad_accum not in GRAD_ACCUM:
         raise ValueError(f"grad_accum={grad_accum!r}; expected one of {GRAD_ACCUM}")
@@ -369,7 +369,7 @@ class Fp8AdamW(torch.optim.Optimizer):
     exp_avg_sq (fp32), step. `seed` picks the stream of stochastic rounding (5). foreach: True
     or None (the default) steps on nanofp8/optim_foreach.py, False on the loop of step()."""
 
-    rank = 0  # O3 (nanofp8/dist.py) sets its data-parallel rank: each shard rounds differently
+    rank = 0  # O3 (nanofp8/zero.py) sets its data-parallel rank: each shard rounds differently
 
     def __init__(self, params, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  v_format="fp16", seed=0, foreach=None):

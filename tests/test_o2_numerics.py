@@ -1,4 +1,4 @@
-"""O2 and O3 (nanofp8/optim.py, nanofp8/dist.py) under adversarial gradients, against fp32
+"""O2 and O3 (nanofp8/optim.py, nanofp8/zero.py) under adversarial gradients, against fp32
 torch.optim.AdamW on the same gradient sequence:
 
 - a gradient spike must not leave Adam's m and v disagreeing (no update larger than AdamW's);

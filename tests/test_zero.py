@@ -1,4 +1,4 @@
-"""Level O3 (ZeRO in FP8, nanofp8/dist.py) on 2 and 4 gloo ranks against single-process O2:
+"""Level O3 (ZeRO in FP8, nanofp8/zero.py) on 2 and 4 gloo ranks against single-process O2:
 losses, bit-identical weights on every rank, per-rank bytes, NaN skips and sharded checkpoints."""
 
 import copy
