@@ -117,7 +117,7 @@ LEVELS = {
     "O2-fp8acc": dict(precision="O2", o2_grad_accum="fp8"),
     "O2-fp8v-fp8acc": dict(precision="O2", o2_v_format="fp8", o2_grad_accum="fp8"),
 }
-BUILDS = {**LEVELS, "O3": dict(precision="O3")}  # what build() takes: O3 needs ranks (bench.py comm)
+WITH_RANKS = {"O3": dict(precision="O3")}  # levels build() also takes, for runs on several ranks (comm)
 
 
 def build(cfg, level, backend=None, device="cpu"):
@@ -126,7 +126,8 @@ def build(cfg, level, backend=None, device="cpu"):
     train.optimizer_step). level: a name in LEVELS, or O3; backend: train.py's fp8_backend."""
     import train
 
-    settings = train.load_config([f"{k}={v}" for k, v in {**BUILDS, **LEVELS}[level].items()]
+    overrides = LEVELS[level] if level in LEVELS else WITH_RANKS[level]
+    settings = train.load_config([f"{k}={v}" for k, v in overrides.items()]
                                  + [f"fp8_backend={backend}", "compile=False"])
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -387,7 +387,7 @@ def cast(recipe, x2, fmt, block):
     r = recipe
     if r.scale_rule is compute_scale and triton_cast(r, x2):  # (kernels.py's rule is compute_scale)
         return quantize_triton(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
-    if emulate.handles(x2) and r.scale_rule is compute_scale:
-        return emulate.quantize(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
+    if emulate.handles(x2):
+        return emulate.quantize(x2, fmt, r.granularity, block, r.margin, r.power_of_two, r.scale_rule)
     return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two,
                     scale_rule=r.scale_rule)

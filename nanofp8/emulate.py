@@ -86,16 +86,17 @@ def _times_tiles(v, s, block):
     return (tiles * s[:, None, :, None]).reshape(rows, cols)
 
 
-def quantize(x2, fmt, granularity, block, margin=0, power_of_two=False):
-    """fp8.quantize(x2, fmt, granularity, block, margin=, power_of_two=) of a 2-D x2, current
-    scaling: where every amax is finite, no input is NaN or inf (either would make its group's
+def quantize(x2, fmt, granularity, block, margin=0, power_of_two=False, scale_rule=compute_scale):
+    """fp8.quantize(x2, fmt, granularity, block, margin=, power_of_two=, scale_rule=) of a 2-D
+    x2, current scaling: where every amax is finite, no input is NaN or inf (either would make its group's
     amax NaN or inf), so the cast skips the isfinite/where that would keep every value."""
     block = tuple(block) if granularity == "block" else (1, x2.shape[1])
     x2 = x2.detach()
     am = measure_amax(x2, granularity, block)
     if not bool(torch.isfinite(am).all()):
-        return fp8.quantize(x2, fmt, granularity, block, margin=margin, power_of_two=power_of_two, amax=am)
-    scale = compute_scale(am, fmt, margin, power_of_two)
+        return fp8.quantize(x2, fmt, granularity, block, margin=margin, power_of_two=power_of_two, amax=am,
+                            scale_rule=scale_rule)
+    scale = scale_rule(am, fmt, margin, power_of_two)
     y = _times_tiles(x2.float(), scale, block) if granularity == "block" else x2.float() * scale
     data = y.clamp_(-fmt.max, fmt.max).to(fmt.dtype).contiguous()
     return Fp8Tensor(data, scale, fmt, granularity, block, x2.shape, x2.dtype, am)
