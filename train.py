@@ -50,6 +50,7 @@ run (init_from='resume') reproduces one that never stopped, on CPU bit for bit. 
 read-only once validated; what the run derives from it is kept, and saved, apart.
 """
 
+import functools
 import math
 import os
 import sys
@@ -353,7 +354,9 @@ def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     check_dataset(cfg["dataset"])  # every rank, before one of them waits for another
     layout = start(cfg, check=lambda dp_size: check_accumulation(cfg, dp_size))
-    log = print if layout.master else (lambda *a, **k: None)
+    # Each line flushed as it is printed: under torchrun the ranks share one stdout pipe, and a
+    # block-buffered stream would write half a line that another rank's line then splits.
+    log = functools.partial(print, flush=True) if layout.master else (lambda *a, **k: None)
     prepare_out_dir(cfg, layout, log)  # writable, not in use by another run, not another run's work
     autocast = torch.autocast(layout.device_type, dtype=torch.bfloat16)
     accum = cfg["gradient_accumulation_steps"] // layout.dp  # micro-steps per replica
@@ -455,7 +458,7 @@ def main(argv=None):
                                       lr_at(iter_num - 1, cfg), cfg, layout, log)
         history["losses"].append((iter_num, loss))  # a device tensor until a log line reads it
         for line in clips.lines(iter_num, clips.clipped_now) if clips is not None else ():
-            print(line if layout.world == 1 else f"rank {layout.rank}: {line}")
+            print(line if layout.world == 1 else f"rank {layout.rank}: {line}", flush=True)
         for line in stats.finish(iter_num, optimizer) if stats is not None else ():
             log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
         clock.tick()

@@ -8,7 +8,9 @@ lands within 2% of bf16 on the same data.
 
 The tiny model (conftest.TINY) trains on the Shakespeare data (conftest.shakespeare)."""
 
+import io
 import os
+import sys
 
 import pytest
 import torch
@@ -120,6 +122,28 @@ def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
     assert ckpt["derived"]["device"] == "cpu" and ckpt["derived"]["compile"] is False
     meta = read_dataset_meta(os.path.join(REPO, "data", "shakespeare_char"))
     assert ckpt["model_args"]["vocab_size"] == meta["vocab_size"] != train.DEFAULTS["vocab_size"]
+
+
+def test_each_log_line_reaches_the_pipe_whole(tmp_path, monkeypatch):
+    """stdout to a pipe or a file is block-buffered: unflushed, a buffer boundary can fall inside a
+    line, and under torchrun another rank's write then splits it (a resumed run lost its "iter 6"
+    line that way). Every message train.py logs is written whole, as it is printed."""
+    class Pipe(io.RawIOBase):  # records each write that reaches the "pipe"
+        writes = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b).decode())
+            return len(b)
+
+    pipe = Pipe()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(pipe, buffer_size=1 << 16)))
+    train.main(TINY + ["max_iters=3", "eval_interval=2", f"out_dir={tmp_path}"])
+    written = list(pipe.writes)  # before anything flushes the rest
+    assert sum(w.startswith("iter ") for w in written) == 3, written
+    assert all(w.endswith("\n") for w in written), written  # whole lines only
 
 
 # ---------------------------------------------------------------- checkpoints
