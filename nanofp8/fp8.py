@@ -153,10 +153,11 @@ def compute_scale(amax, fmt, margin=0, power_of_two=False, fallback=None):
 class Fp8Tensor:
     """FP8 data + fp32 scales + what is needed to give the original tensor back.
 
-    data is 2-D (rows, cols) = the input flattened to (-1, last dim), row-major (the transpose t()
-    gives is a view of the same bytes: a GEMM copies what it needs row-major)
-    scale (the multiply-before-cast factor) has shape () for "tensor", (rows, 1) for "row",
-    and (ceil(rows/br), ceil(cols/bc)) for "block" with tiles `block` = (br, bc)."""
+    data has the input's shape (..., rows, cols) (a vector: (1, cols)), row-major (the transpose
+    t() gives is a view of the same bytes: a GEMM copies what it needs row-major). Leading dims
+    make a batch of matrices, each scaled on its own except by a "tensor" scale.
+    scale (the multiply-before-cast factor) has shape () for "tensor", (..., rows, 1) for "row",
+    and (..., ceil(rows/br), ceil(cols/bc)) for "block" with tiles `block` = (br, bc)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -184,43 +185,50 @@ class Fp8Tensor:
         with the data; a row scale does not (it would then vary along the new contraction dim)."""
         if self.granularity == "row":
             raise ValueError("row-scaled FP8 data cannot be transposed: re-quantize the transpose")
-        scale = self.scale if self.granularity == "tensor" else self.scale.t().contiguous()
-        rows, cols = self.data.shape
+        scale = self.scale if self.granularity == "tensor" else self.scale.mT.contiguous()
         data_t = self.data_t
         if data_t is None:  # a view; under torch.compile a copy (dynamo's capture of an autograd
             # Function refuses to save a view made inside its graph)
-            data_t = self.data.t().contiguous() if torch.compiler.is_compiling() else self.data.t()
-        return Fp8Tensor(data_t, scale, self.fmt, self.granularity, self.block[::-1],
-                         torch.Size((cols, rows)), self.dtype, self.amax,
-                         _inv=self._inv if self.granularity == "tensor" else None)
+            data_t = self.data.mT.contiguous() if torch.compiler.is_compiling() else self.data.mT
+        return Fp8Tensor(data_t, scale, self.fmt, self.granularity, self.block[::-1], data_t.shape,
+                         self.dtype, self.amax, _inv=self._inv if self.granularity == "tensor" else None)
+
+    def unbind(self):
+        """A batch (..., rows, cols) as a list of its matrices, each an Fp8Tensor with its scales."""
+        data = self.data.reshape(-1, *self.data.shape[-2:])
+        scale = [self.scale] * len(data) if self.granularity == "tensor" else \
+            self.scale.reshape(-1, *self.scale.shape[-2:])
+        return [Fp8Tensor(d, s, self.fmt, self.granularity, self.block, d.shape, self.dtype)
+                for d, s in zip(data, scale)]
 
 
 def expand_tiles(s, block, shape):
-    """Tile scales (R, C) -> one per element (rows, cols): element (i, j) gets s[i // br, j // bc].
+    """Tile scales (..., R, C) -> one per element (..., rows, cols): (i, j) gets s[i // br, j // bc].
     A gather rather than s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]: under
     torch.compile, inductor's CPU code (torch 2.13) gets that form wrong when a dim is not a
     multiple of its tile (its "loop split" drops the ragged last tile): wrong numbers, no error."""
-    rows = torch.arange(shape[0], device=s.device) // block[0]
-    cols = torch.arange(shape[1], device=s.device) // block[1]
-    return s[rows[:, None], cols]
+    rows = torch.arange(shape[-2], device=s.device) // block[0]
+    cols = torch.arange(shape[-1], device=s.device) // block[1]
+    return s[..., rows[:, None], cols]
 
 
 def measure_amax(x2, granularity, block):
-    """max |x| of a 2-D x2: one value ("tensor"), one per row, or one per (br, bc) tile (ragged
-    edge tiles padded with zeros). NaN where x holds a NaN."""
+    """max |x| of x2 (..., rows, cols): one value ("tensor"), one per row, or one per (br, bc)
+    tile of each matrix (ragged edge tiles padded with zeros). NaN where x holds a NaN."""
     if granularity == "block":
         br, bc = block
-        rows, cols = x2.shape
+        rows, cols = x2.shape[-2:]
         xp = torch.nn.functional.pad(x2.abs(), (0, (-cols) % bc, 0, (-rows) % br))
-        return xp.unflatten(1, (-1, bc)).unflatten(0, (-1, br)).amax(dim=(1, 3))
+        return xp.unflatten(-1, (-1, bc)).unflatten(-3, (-1, br)).amax(dim=(-3, -1))
     # max(|x|) = max(max x, -min x): one read of x, where abs() then amax() make two passes
-    lo, hi = torch.aminmax(x2) if granularity == "tensor" else torch.aminmax(x2, dim=1, keepdim=True)
+    lo, hi = torch.aminmax(x2) if granularity == "tensor" else torch.aminmax(x2, dim=-1, keepdim=True)
     return torch.maximum(hi, -lo).abs()  # a NaN in x makes both NaN, an inf either; abs: +0, never -0
 
 
 def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=0,
              power_of_two=False, amax=None, scale_rule=compute_scale):
-    """Quantize x to FP8 along its last dim (the GEMM contraction dim). Returns an Fp8Tensor.
+    """Quantize x (..., rows, cols) to FP8 along its last dim (the GEMM contraction dim), each
+    matrix of a batch on its own (a "tensor" scale excepted). Returns an Fp8Tensor.
 
     scale: use this scale instead of measuring one (delayed scaling). Its shape must match
     the granularity; the amax is still measured and returned in the container, unless `amax`
@@ -229,8 +237,8 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
         raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
     if x.dim() < 1 or x.numel() == 0:
         raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}")
-    x2 = (x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x).detach()
-    block = tuple(block) if granularity == "block" else (1, x2.shape[1])
+    x2 = (x.reshape(1, -1) if x.dim() == 1 else x).detach()
+    block = tuple(block) if granularity == "block" else (1, x2.shape[-1])
     if amax is None:
         amax = measure_amax(x2, granularity, block)
     if scale is None:
@@ -248,7 +256,7 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
 
 
 def _scaled(q):
-    """q's values times its inverse scales, in fp32, as 2-D (rows, cols)."""
+    """q's values times its inverse scales, in fp32, in q.data's shape."""
     s = q.scale.reciprocal()
     return q.data.float() * (expand_tiles(s, q.block, q.data.shape) if q.granularity == "block" else s)
 
@@ -311,13 +319,17 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
     """out (M, N) = dequantize(a) @ dequantize(b).T (+ bias), accumulated in fp32.
     a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K. backend "emulate": the fp32
     reference here; the others: nanofp8/device.py's gemm (a GEMM torch._scaled_mm cannot run
-    goes to a named alternative, reported once per layer `name`)."""
-    if a.data.shape[1] != b.data.shape[1]:
-        raise ValueError(f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}")
+    goes to a named alternative, reported once per layer `name`). Batched, a (..., M, K) and
+    b (..., N, K) give out (..., M, N): one GEMM per matrix (torch._scaled_mm is 2-D only)."""
+    if a.data.shape[:-2] != b.data.shape[:-2] or a.data.shape[-1] != b.data.shape[-1]:
+        raise ValueError(f"batch or contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}")
     if (a.granularity == "block") != (b.granularity == "block"):
         raise ValueError("block-scaled operands can only be multiplied with block-scaled operands")
     if backend not in BACKENDS:
         raise ValueError(f"unknown GEMM backend {backend!r}; expected one of {BACKENDS}")
+    if a.data.dim() > 2:  # (attention's Q K^T and P V)
+        out = [scaled_gemm(x, y, out_dtype, bias, backend, fast_accum, name) for x, y in zip(a.unbind(), b.unbind())]
+        return torch.stack(out).reshape(*a.data.shape[:-1], b.data.shape[-2])
     if not a.data.is_contiguous():  # a transposed view (Fp8Tensor.t()): every GEMM reads a row-major
         a = replace(a, data=a.data.contiguous())
     if backend == "emulate":

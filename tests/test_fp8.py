@@ -103,7 +103,7 @@ def test_round_trip_keeps_shape_and_dtype():
     x = torch.randn(2, 3, 40, dtype=torch.bfloat16)
     for gran, block in GRANS:
         q = quantize(x, E4M3, gran, block)
-        assert q.data.shape == (6, 40) and dequantize(q).shape == x.shape
+        assert q.data.shape == x.shape and dequantize(q).shape == x.shape  # a batch of 2 x 3 matrices
         assert dequantize(q).dtype == torch.bfloat16
 
 
@@ -525,3 +525,53 @@ def test_inverse_scale_follows_a_replaced_scale():
     assert torch.equal(q.inv_scale, q.scale.reciprocal())
     assert torch.equal(q.inv_scale, before / 2)
     assert torch.equal(fp8.dequantize(q, torch.float32), q.data.float() * q.scale.reciprocal())
+
+
+# -- batches of matrices (attention's Q K^T and P V) -----------------------------------
+
+
+@pytest.mark.parametrize("gran,block", GRANS + [("block", (32, 32))], ids=lambda v: str(v))
+def test_a_batch_is_quantized_matrix_by_matrix(gran, block):
+    """x (batch, heads, rows, cols): each matrix gets the bytes and scales it would get alone (a
+    "tensor" scale is the whole batch's), so matrices 1e6 apart, or all zero, keep their own."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 130, 160, generator=g) * torch.logspace(-3, 3, 6).reshape(2, 3, 1, 1)
+    x[0, 1] = 0
+    q = quantize(x, E4M3, gran, block)
+    assert q.data.shape == x.shape
+    whole = fp8.compute_scale(x.abs().amax(), E4M3) if gran == "tensor" else None
+    mats = q.unbind()
+    assert len(mats) == 6
+    for m, xm in zip(mats, x.reshape(6, 130, 160)):
+        alone = quantize(xm, E4M3, gran, block, scale=whole)
+        assert torch.equal(m.data.view(torch.uint8), alone.data.view(torch.uint8))
+        assert torch.equal(m.scale, alone.scale) and m.data.shape == xm.shape
+        if gran != "tensor" and xm.any():  # its own scales: full precision at any magnitude
+            assert sqnr(xm, dequantize(m)) > 29
+    assert torch.equal(dequantize(q), torch.stack([dequantize(m) for m in mats]).reshape(x.shape))
+    if gran != "row":  # the transpose of every matrix, with its scales
+        assert torch.equal(dequantize(q.t()), dequantize(q).mT)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "cpu", "torch"])
+@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+def test_batched_gemm_multiplies_each_matrix(gran, backend):
+    """a (2, 3, M, K) x b (2, 3, N, K) -> (2, 3, M, N): matrix i of the output is the 2-D GEMM of
+    matrices i, bit for bit, on every backend, with the bias; against fp64 of the same FP8 values
+    only fp32 summation error remains. Batch shapes that differ are an error, not a broadcast."""
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(2, 3, 40, 160, generator=g), torch.randn(2, 3, 24, 160, generator=g)
+    x[1, 2] *= 1e5
+    bias = torch.randn(24, generator=g)
+    a = quantize(x, E4M3, gran, (1, 128))
+    b = quantize(w, E5M2, gran, (128, 128))
+    out = scaled_gemm(a, b, torch.float32, bias, backend=backend)
+    assert out.shape == (2, 3, 40, 24)
+    for o, am, bm in zip(out.reshape(6, 40, 24), a.unbind(), b.unbind()):
+        assert torch.equal(o, scaled_gemm(am, bm, torch.float32, bias, backend=backend))
+    exact = dequantize(a).double() @ dequantize(b).double().mT + bias.double()
+    for o, e in zip(out.reshape(6, 40, 24), exact.reshape(6, 40, 24)):
+        assert sqnr(e, o) > 120
+    assert sqnr(x.double() @ w.double().mT + bias.double(), out) > 20
+    with pytest.raises(ValueError, match="batch or contraction dims differ"):
+        scaled_gemm(a, quantize(w[:1], E5M2, gran, (128, 128)), torch.float32, backend=backend)
