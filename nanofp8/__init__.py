@@ -38,10 +38,10 @@ layout, run, stats, zero, ckptfile, outdir.
 
 One O2 weight, from forward to optimizer step, in three files (read in this order):
 
-fp8.py    Fp8Linear.forward                    -> _Fp8LinearFunction.forward: the forward GEMM
+fp8.py    Fp8Linear.forward                    -> Fp8LinearFunction.forward: the forward GEMM
                                                   on the weight's FP8 cast
 optim.py  O2Linear.weight_operands             that cast, made once per step by the optimizer
-fp8.py    _Fp8LinearFunction.backward          the wgrad GEMM hands dW to the layer's take_wgrad
+fp8.py    Fp8LinearFunction.backward           the wgrad GEMM hands dW to the layer's take_wgrad
 optim.py  O2Linear.take_wgrad                  adds dW to the FP8 gradient the weight itself
                                                   holds, fp8_grad(p), and calls its fp8_grad_hook
 dist.py   Fp8DataParallel._launch              (from that hook, once the bucket is whole)

@@ -397,30 +397,29 @@ RECIPES = {  # the named presets: what each recipe of the field sets
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
+class Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T (+ b), its three GEMMs in FP8. `mod` is the layer (ctx.mod): its recipe and
     scaling state, its FP8 weight (weight_operands), where dW goes (take_wgrad: O2 keeps it in
-    FP8), and, for a tensor-parallel shard only, its communication hooks (nanofp8/parallel.py)."""
+    FP8). `given`: operands that arrive cast already, x before the forward GEMM and dy before
+    the backward ones (a tensor-parallel shard gathers them in FP8: nanofp8/parallel.py); x and
+    dy are then stand-ins of their shapes, never read."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mod, out_dtype):
+    def forward(ctx, x, weight, bias, mod, out_dtype, given=None):
         # Autocast off inside, where every dtype is chosen here (out_dtype is autocast's). Not around
         # .apply: dynamo fails a region that changes the global autocast state around a Function.
         with torch.autocast(x.device.type, enabled=False):
             r = mod.recipe
-            x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
-            if mod.gemm_input is None:
-                qx = mod.quantize_operand(INPUT, x2, r.fwd_fmt)
-            else:  # a shard may gather x in FP8: then x2 is None, x never exists whole here
-                qx, x2, lead = mod.gemm_input(x)
+            x2 = x.reshape(-1, x.shape[-1]) if given is None or given.x is None else None
+            qx = mod.quantize_operand(INPUT, x2, r.fwd_fmt) if x2 is not None else given.x
+            if x2 is None:
+                given.x = None  # taken: ctx.given must not keep it alive until backward
             qw, qw_t = mod.weight_operands()  # W (N, K) for this GEMM, W^T (K, N) for dgrad
 
             # ---- forward: y (M, N) = x (M, K) @ [W (N, K)]^T       E4M3 x E4M3, fast accumulation
             b = None if bias is None else bias.to(out_dtype)
             y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
-            y = y.reshape(*lead, y.shape[-1])
-            if mod.gemm_output is not None:
-                y = mod.gemm_output(y)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
 
             # Keep only the FP8 operands of the backward GEMMs, along their contraction dims:
             # x^T (K, M) for wgrad, W^T (K, N) for dgrad. Row and 1x128 scales re-quantize x^T.
@@ -434,7 +433,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(qx_t.data, qx_t.scale, qw_t.data, qw_t.scale)
             ctx.meta = ((qx_t.fmt, qx_t.granularity, qx_t.block, qx_t.data.shape, qx_t.dtype),
                         (qw_t.fmt, qw_t.granularity, qw_t.block, qw_t.data.shape, qw_t.dtype))
-            ctx.mod, ctx.lead = mod, lead
+            ctx.mod, ctx.given = mod, given
             ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
             ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
             return y
@@ -446,19 +445,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         qx_t, qw_t = Fp8Tensor(tx, sx, *ctx.meta[0]), Fp8Tensor(tw, sw, *ctx.meta[1])
         dx = dw = db = qdy_t = None
         with torch.autocast(dy.device.type, enabled=False):
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            if mod.dgrad_input is None:
-                qdy = mod.quantize_operand(GRAD_OUTPUT, dy2, r.bwd_fmt)
-            else:  # as x in forward
-                qdy, dy2 = mod.dgrad_input(dy)
+            given = ctx.given
+            dy2 = dy.reshape(-1, dy.shape[-1]) if given is None or given.dy is None else None
+            qdy = mod.quantize_operand(GRAD_OUTPUT, dy2, r.bwd_fmt) if dy2 is not None else given.dy
 
             if ctx.needs_input_grad[0]:
                 # ---- dgrad: dx (M, K) = dy (M, N) @ [W^T (K, N)]^T      E5M2 x E4M3 (hybrid)
-                dx = scaled_gemm(qdy, qw_t, mod.dgrad_dtype or ctx.x_dtype, backend=r.backend, name=mod.fqn)
-                dx = dx.reshape(*ctx.lead, dx.shape[-1])
-                if mod.dgrad_output is not None:
-                    dx = mod.dgrad_output(dx)
-                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+                dx = scaled_gemm(qdy, qw_t, ctx.x_dtype, backend=r.backend, name=mod.fqn).reshape(ctx.x_shape)
 
             if ctx.needs_input_grad[1]:
                 if qdy.granularity == "tensor" or qdy.block[0] > 1:
@@ -472,9 +465,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
             if mod.observer is not None:
                 mod.observer.observe_backward(mod, dy2, qdy, qdy_t)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None
+            if ctx.has_bias and ctx.needs_input_grad[2]:  # (dy given cast: the sum of its FP8 values)
+                db = (dequantize(qdy, torch.float32) if dy2 is None else dy2.float()).sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None, None
 
 
 def _count_clips_from_zero(module, state_dict, prefix, *args):
@@ -497,11 +490,6 @@ class Fp8Linear(nn.Linear):
     Extension points: O2Linear (nanofp8/optim.py) overrides hp_weight, take_wgrad,
     weight_operands and weight_changed; O3Linear (nanofp8/zero.py) cast_weight and hp_weight."""
 
-    # A tensor-parallel shard (nanofp8/parallel.py) exchanges operands with the other shards before
-    # and after the forward GEMM (gemm_input, gemm_output) and the dgrad GEMM (dgrad_input,
-    # dgrad_output). A layer on one device has nothing to exchange: None, and the Function casts.
-    gemm_input = gemm_output = dgrad_input = dgrad_output = None
-    dgrad_dtype = None  # what the dgrad GEMM writes; None: the input's dtype
     observer = None  # statistics of the casts (nanofp8/stats.py): set for the steps it observes
     # Cast the weight once per optimizer step and reuse it across micro-steps (eager code), as long
     # as the weight's version counter and storage stay the same? train.py turns it on at O1, whose
@@ -613,7 +601,7 @@ class Fp8Linear(nn.Linear):
         The output dtype is autocast's where autocast is on, else x's."""
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias if bias else None, self, out_dtype)
+        return Fp8LinearFunction.apply(x, self.weight, self.bias if bias else None, self, out_dtype)
 
     def extra_repr(self):
         r = self.recipe

@@ -111,6 +111,7 @@ torch.compile of the parallel layers, O2 (fp16 master) TP layers.
 import math
 import re
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,7 @@ import torch.nn.functional as F
 
 from . import dist as D
 from .dist import COMM, Fp8Chunks
-from .fp8 import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8Tensor, quantize
+from .fp8 import E4M3, E5M2, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8LinearFunction, Fp8Tensor, quantize
 from .layout import Layout, make_layout
 from .model import GPT
 
@@ -163,15 +164,14 @@ def _shared_scale(x2, mod, fmt):
     return mod.recipe.scale_rule(amax[0], fmt, mod.recipe.margin, mod.recipe.power_of_two)
 
 
-def _gather_operand(x, mod, fmt, role):
-    """All-gather the sequence slices x (B, Tl, K) into the GEMM operand for the whole sequence,
-    (B*T, K) quantized along K. Returns (Fp8Tensor, high-precision copy or None)."""
+def _gather_operand(x, mod, fmt):
+    """All-gather the sequence slices x (B, Tl, K) into the whole sequence (B, T, K): in FP8, the
+    GEMM operand (B*T, K) quantized along K (an Fp8Tensor); baseline comm, in bf16/fp32 (fp32)."""
     W, (B, Tl, K) = mod.tp, x.shape
     x2 = x.reshape(-1, K)
-    if mod.comm != "fp8":  # baseline: gather in bf16/fp32, then quantize the (replicated) whole
+    if mod.comm != "fp8":  # the fp8.py Function quantizes the (replicated) whole: no scale to agree on
         flat = D.all_gather_plain(x2, mod.group, dtype=PLAIN[mod.comm], out_dtype=torch.float32)
-        full = _slices_to_seq(flat, W, B, Tl)
-        return mod.quantize_operand(role, full, fmt), full  # (replicated: no scale to agree on)
+        return _slices_to_seq(flat, W, B, Tl).view(B, W * Tl, K)
     r = mod.recipe
     if r.granularity == "tensor":  # one agreed scale; the slice travels as one row
         q = quantize(x2, fmt, "tensor", scale=_shared_scale(x2, mod, fmt))
@@ -183,7 +183,7 @@ def _gather_operand(x, mod, fmt, role):
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
     scale = got.scale[0, 0] if r.granularity == "tensor" else _slices_to_seq(got.scale, W, B, Tl)
-    return Fp8Tensor(data, scale, fmt, q.granularity, q.block, data.shape, x.dtype), None
+    return Fp8Tensor(data, scale, fmt, q.granularity, q.block, data.shape, x.dtype)
 
 
 def _reduce_scatter_seq(y, mod, fmt):
@@ -207,19 +207,76 @@ def _all_reduce(y, mod, fmt):
 # -----------------------------------------------------------------------------
 # 3. The tensor-parallel FP8 linear layer
 #
-# fp8.py's Fp8Linear runs its three GEMMs through one autograd Function that calls four hooks of
-# the layer where it has them: before and after the forward GEMM, before and after the dgrad GEMM
-# (an Fp8Linear on one device has none). A shard is an Fp8Linear that fills in those four with the collectives of sections 1 and 3 (the wgrad GEMM
-# needs none: a shard's weight gradient is its own):
+# fp8.py's Function multiplies what it is given. A shard wraps it in the collectives of section 2,
+# one autograd Function on each side, each the mirror of itself in backward (the wgrad GEMM needs
+# none: a shard's weight gradient is its own):
 #
-#                 before forward GEMM      after it            before dgrad          after it
-#     column      SP: all-gather x (FP8)   -                   -                     all-reduce dx
-#                                                                                    (SP: r-scatter)
-#     row         -                        all-reduce y        SP: all-gather dy     -
-#                                          (SP: r-scatter)     (FP8)
+#                 into the shard (_ShardInput)              out of it (_ShardOutput)
+#     column      forward: SP: all-gather x (FP8)           -
+#                 backward: all-reduce dx (SP: r-scatter)
+#     row         -                                         forward: all-reduce y (SP: r-scatter)
+#                                                           backward: SP: all-gather dy (FP8)
 #
-# TPLinearPlain, the bf16 baseline, communicates at the same four points, in bf16 or fp32, around
-# autocast's F.linear (one autograd Function per point pair: a collective and its mirror).
+# What is gathered in FP8 is the GEMM operand itself, handed to the Function already cast, in a
+# Gathered (x in forward, dy in backward); autograd then carries a stand-in of its shape: a
+# zero-size expand, never read (x never exists whole in high precision). TPLinearPlain, the bf16
+# baseline, communicates at the same points, in bf16 or fp32, around autocast's F.linear.
+
+
+@dataclass
+class Gathered:
+    """FP8 operands gathered already: x for the forward GEMM, dy for the backward ones."""
+    x: Fp8Tensor = None
+    dy: Fp8Tensor = None
+
+
+def _stand_in(t, rows, dtype):
+    """What autograd carries in place of a gathered operand: t's shape with `rows` tokens per
+    sequence, no memory."""
+    return t.new_zeros((), dtype=dtype).expand(t.shape[0], rows, t.shape[-1])
+
+
+class _ShardInput(torch.autograd.Function):
+    """x into a column shard, in fp32 so that the partial dx are summed from fp32: under SP the
+    whole sequence, gathered (given.x in FP8); backward: the ranks' partial dx summed (SP: each
+    rank keeps its tokens')."""
+
+    @staticmethod
+    def forward(ctx, x, mod, given):
+        ctx.mod, ctx.dtype = mod, x.dtype
+        if not mod.sp:
+            return x.float()
+        got = _gather_operand(x, mod, mod.recipe.fwd_fmt)
+        if isinstance(got, Fp8Tensor):
+            given.x, got = got, _stand_in(x, x.shape[1] * mod.tp, torch.float32)
+        return got
+
+    @staticmethod
+    def backward(ctx, dx):
+        mod, fmt = ctx.mod, ctx.mod.comm_fmts[1]
+        dx = _reduce_scatter_seq(dx, mod, fmt) if mod.sp else _all_reduce(dx, mod, fmt)
+        return dx.to(ctx.dtype), None, None
+
+
+class _ShardOutput(torch.autograd.Function):
+    """A row shard's partial y, summed over the ranks (SP: each keeps its tokens'); backward: dy
+    of the whole sequence under SP, gathered (given.dy in FP8), else replicated already."""
+
+    @staticmethod
+    def forward(ctx, y, mod, given):
+        ctx.mod, ctx.given, ctx.dtype = mod, given, y.dtype
+        fmt = mod.comm_fmts[0]
+        return (_reduce_scatter_seq(y, mod, fmt) if mod.sp else _all_reduce(y, mod, fmt)).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        mod = ctx.mod
+        if not mod.sp:
+            return dy, None, None
+        got = _gather_operand(dy, mod, mod.recipe.bwd_fmt)
+        if isinstance(got, Fp8Tensor):
+            ctx.given.dy, got = got, _stand_in(dy, dy.shape[1] * mod.tp, ctx.dtype)
+        return got.to(ctx.dtype), None, None
 
 
 def _hold_shard(mod, weight, bias, parallel, group, sp, comm):
@@ -239,7 +296,7 @@ def _hold_shard(mod, weight, bias, parallel, group, sp, comm):
 class TPLinear(Fp8Linear):
     """One rank's shard of a Linear, parallel="column" (weight rows = output features) or "row"
     (weight columns = input features). An Fp8Linear in everything else: the same Function, recipe
-    knobs, delayed-scaling buffers and hooks. Delayed scaling keeps one history per rank (valid by
+    knobs and delayed-scaling buffers. Delayed scaling keeps one history per rank (valid by
     section 2; tensor scales of shards then differ from the twin's), except for an input that SP
     gathers in FP8: it is quantized before it exists whole, so it gets current scaling.
 
@@ -248,8 +305,6 @@ class TPLinear(Fp8Linear):
     Parameters are tagged for the gradient utilities of section 5: `tp_sharded` (a different
     tensor on every TP rank) and `sp_partial` (replicated, but under SP each rank only sees the
     gradient from its own tokens: must be summed over the TP group)."""
-
-    dgrad_dtype = torch.float32  # partial dx are summed over the ranks from fp32
 
     def __init__(self, weight, bias, parallel, group, sp=False, recipe=None, comm="fp8", fqn="",
                  comm_fmts=None):
@@ -272,38 +327,15 @@ class TPLinear(Fp8Linear):
             return quantize(x2, fmt, "tensor", scale=_shared_scale(x2, self, fmt))
         return super().quantize_operand(role, x2, fmt)
 
-    def gemm_input(self, x):
-        """Before the forward GEMM: x (..., K) -> (FP8 operand (M, K), the high-precision (M, K)
-        it was cast from or None, the leading dims of y)."""
-        if self.parallel == "column" and self.sp:  # gather the sequence in FP8, into the GEMM
-            qx, x2 = _gather_operand(x, self, self.recipe.fwd_fmt, INPUT)
-            return qx, x2, (x.shape[0], x.shape[1] * self.tp)
-        x2 = x.reshape(-1, x.shape[-1])  # column: x is replicated; row: this rank's features
-        return self.quantize_operand(INPUT, x2, self.recipe.fwd_fmt), x2, x.shape[:-1]
-
-    def gemm_output(self, y):
-        if self.parallel == "column":
-            return y  # this rank's output features
-        fmt = self.comm_fmts[0]  # row: the partial sums meet
-        return (_reduce_scatter_seq(y, self, fmt) if self.sp else _all_reduce(y, self, fmt)).to(y.dtype)
-
-    def dgrad_input(self, dy):
-        if self.parallel == "row" and self.sp:  # backward of the reduce-scatter: gather dy (FP8)
-            return _gather_operand(dy, self, self.recipe.bwd_fmt, GRAD_OUTPUT)
-        dy2 = dy.reshape(-1, dy.shape[-1])  # column: this rank's features; row: dy is replicated
-        return self.quantize_operand(GRAD_OUTPUT, dy2, self.recipe.bwd_fmt), dy2
-
-    def dgrad_output(self, dx):
-        if self.parallel == "row":
-            return dx
-        fmt = self.comm_fmts[1]  # column: backward of "x is replicated": partial dx are summed
-        return _reduce_scatter_seq(dx, self, fmt) if self.sp else _all_reduce(dx, self, fmt)
-
     def forward(self, x):
-        if self.parallel == "column" or self.bias is None:
-            return super().forward(x)
-        y = super().forward(x, bias=False)  # row: the bias is added once, after the sum
-        return y + self.bias.to(y.dtype)
+        dev, given = x.device.type, Gathered()
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        if self.parallel == "column":
+            x = _ShardInput.apply(x, self, given)
+            return Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, given)
+        y = Fp8LinearFunction.apply(x, self.weight, None, self, out_dtype, given)
+        y = _ShardOutput.apply(y, self, given)
+        return y if self.bias is None else y + self.bias.to(y.dtype)  # the bias once, after the sum
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, {self.parallel}-parallel x{self.tp}, sp={self.sp}, "

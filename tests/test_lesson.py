@@ -51,6 +51,40 @@ def test_one_o1_step_of_a_linear_reads_short():
     assert all(c.startswith("nanofp8/fp8.py:") for c in called), called  # the reference needs no engine
 
 
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_the_function_multiplies_operands_given_cast(granularity):
+    """A tensor-parallel shard gathers x (forward) and dy (backward) in FP8 and hands them to the
+    Function already cast (torchao's pattern); the stand-ins autograd carries instead are never
+    read (NaN here). Output and dx are those of the layer casting x and dy itself, bit for bit, and
+    so is dW with tensor scales; with row and 1x128 scales dW's operands are re-quantized along
+    the tokens from the FP8 values, one more rounding. A bias gradient sums dy's FP8 values."""
+    from nanofp8.fp8 import GRAD_OUTPUT, INPUT, Fp8LinearFunction
+    from nanofp8.parallel import Gathered
+
+    g = torch.Generator().manual_seed(7)
+    lin = Fp8Linear(160, 48, recipe=Recipe(granularity=granularity, backend="emulate"))
+    x, dy = torch.randn(2, 8, 160, generator=g), torch.randn(2, 8, 48, generator=g)
+    x.requires_grad_()
+    lin(x).backward(dy)
+    want = lin(x).detach(), x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()
+    lin.zero_grad()
+    r = lin.recipe
+    given = Gathered(x=lin.quantize_operand(INPUT, x.detach().reshape(-1, 160), r.fwd_fmt))
+    stand_in = torch.full_like(x, float("nan")).requires_grad_()
+    y = Fp8LinearFunction.apply(stand_in, lin.weight, lin.bias, lin, torch.float32, given)
+    assert given.x is None  # taken: not kept alive until backward
+    given.dy = qdy = lin.quantize_operand(GRAD_OUTPUT, dy.reshape(-1, 48), r.bwd_fmt)
+    y.backward(torch.full_like(dy, float("nan")))
+    assert torch.equal(y, want[0]) and torch.equal(stand_in.grad, want[1])
+    if granularity == "tensor":  # x^T and dy^T are transposes of the given casts: the same dW
+        assert torch.equal(lin.weight.grad, want[2])
+    else:  # re-quantized along the tokens from the FP8 values (the full x never exists here)
+        exact = dy.reshape(-1, 48).double().t() @ x.detach().reshape(-1, 160).double()
+        # a second rounding about doubles each operand's noise: -3 dB (measured: 26.1 -> 22.2 dB)
+        assert sqnr(exact, want[2]) - 4.5 < sqnr(exact, lin.weight.grad) < sqnr(exact, want[2])
+    assert torch.equal(lin.bias.grad, dequantize(qdy, torch.float32).sum(0)) and sqnr(want[3], lin.bias.grad) > 20
+
+
 def test_presets_are_one_frozen_table_and_knobs_override_them():
     assert set(RECIPES) == {"tensorwise", "rowwise", "blockwise", "delayed"}
     assert RECIPES["tensorwise"] == Recipe()

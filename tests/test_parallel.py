@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
-from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, INPUT, Fp8Linear, Recipe, dequantize, sqnr
+from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, Fp8Linear, Recipe, dequantize, sqnr
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
 
@@ -148,7 +148,7 @@ def sp_collectives(groups):
         lay = P.TPLinear(torch.zeros(N // W, K), None, "column", g, True, recipe(gran))
         for kind in ("outlier", "range", "zeros"):
             full, mine = adversarial(kind, r, W)
-            q, _ = P._gather_operand(mine, lay, E4M3, INPUT)
+            q = P._gather_operand(mine, lay, E4M3)
             back = dequantize(q).view(B, T, N)
             out[f"gather/{gran}/{kind}"] = token_sqnr(full, back)
             # round trip: every rank holds the gathered tensor / W; the reduce-scatter of those
