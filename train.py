@@ -379,11 +379,14 @@ def main(argv=None):
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     derived = {"model_args": model_args, "device": layout.device, "compile": compile_model,
                "world_size": layout.world, "tokens_per_iter": tokens_per_iter}  # saved beside the config
-    keep_stats = cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and layout.master
-    note = keep_stats and start_iter > 0 and trim_jsonl(os.path.join(cfg["out_dir"], "fp8_stats.jsonl"), start_iter)
+    # The FP8 statistics: rank 0's, or under a model cut over ranks those of every rank of one
+    # data-parallel replica, merged on rank 0 (each rank takes part in the merge)
+    keep_stats = cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and (layout.master or layout.model_parallel)
+    note = layout.master and keep_stats and start_iter > 0 and trim_jsonl(os.path.join(cfg["out_dir"], "fp8_stats.jsonl"), start_iter)
     if note:  # the records written after the checkpoint's iteration go: this run writes them again
         log(f"note: {note}")
-    stats = (Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"], stats_alarms(cfg), append=start_iter > 0)
+    stats = (Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"] if layout.master else None,
+                      stats_alarms(cfg), append=start_iter > 0, gather=layout.model_parallel, active=layout.dp_rank == 0)
              if keep_stats else None)
     # Delayed scaling can clip: each rank logs what its own casts clipped, on the step it happens
     clips = ClipLog(raw_model) if cfg["precision"] != "bf16" and cfg["fp8_scaling"] == "delayed" else None

@@ -208,9 +208,6 @@ def check_stats(cfg):
         raise ConfigError(f"fp8_alarm_* keys: {e}") from None
     if not cfg["fp8_stats_interval"]:
         return
-    if cfg["tensor_parallel"] * cfg["pipeline_parallel"] > 1:
-        raise ConfigError("fp8_stats_interval > 0 with tensor or pipeline parallelism: the statistics "
-                          "observe Fp8Linear, not nanofp8/parallel.py's layers; set fp8_stats_interval=0")
     if cfg["compile"]:
         raise ConfigError("fp8_stats_interval > 0 with compile=True: statistics are collected in eager "
                           "mode; set compile=False (or leave compile unset: it is then off)")

@@ -425,9 +425,9 @@ class Fp8LinearFunction(torch.autograd.Function):
             # x^T (K, M) for wgrad, W^T (K, N) for dgrad. Row and 1x128 scales re-quantize x^T.
             if qx.granularity == "tensor" or qx.block[0] > 1:  # scales that transpose with the data
                 qx_t = qx.t()
-            else:
-                x2 = dequantize(qx, torch.float32) if x2 is None else x2
-                qx_t = mod.quantize_operand(INPUT, x2.t(), r.fwd_fmt)
+            else:  # (x given cast: from its FP8 values)
+                src = dequantize(qx, torch.float32) if x2 is None else x2
+                qx_t = mod.quantize_operand(INPUT, src.t(), r.fwd_fmt)
             if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
                 mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
             ctx.save_for_backward(qx_t.data, qx_t.scale, qw_t.data, qw_t.scale)
@@ -457,8 +457,8 @@ class Fp8LinearFunction(torch.autograd.Function):
                 if qdy.granularity == "tensor" or qdy.block[0] > 1:
                     qdy_t = qdy.t()
                 else:
-                    dy2 = dequantize(qdy, torch.float32) if dy2 is None else dy2
-                    qdy_t = mod.quantize_operand(GRAD_OUTPUT, dy2.t(), r.bwd_fmt)
+                    src = dequantize(qdy, torch.float32) if dy2 is None else dy2
+                    qdy_t = mod.quantize_operand(GRAD_OUTPUT, src.t(), r.bwd_fmt)
                 # ---- wgrad: dW (N, K) = dy^T (N, M) @ [x^T (K, M)]^T    E5M2 x E4M3 (hybrid)
                 dw = scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend, name=mod.fqn)
                 dw = mod.take_wgrad(dw)  # O1: the autograd gradient; O2: kept in FP8 instead

@@ -164,9 +164,10 @@ def _shared_scale(x2, mod, fmt):
     return mod.recipe.scale_rule(amax[0], fmt, mod.recipe.margin, mod.recipe.power_of_two)
 
 
-def _gather_operand(x, mod, fmt):
+def _gather_operand(x, mod, fmt, operand):
     """All-gather the sequence slices x (B, Tl, K) into the whole sequence (B, T, K): in FP8, the
-    GEMM operand (B*T, K) quantized along K (an Fp8Tensor); baseline comm, in bf16/fp32 (fp32)."""
+    GEMM operand (B*T, K) quantized along K (an Fp8Tensor); baseline comm, in bf16/fp32 (fp32).
+    A statistics step records the FP8 cast of this rank's slice as mod's `operand`."""
     W, (B, Tl, K) = mod.tp, x.shape
     x2 = x.reshape(-1, K)
     if mod.comm != "fp8":  # the fp8.py Function quantizes the (replicated) whole: no scale to agree on
@@ -180,6 +181,8 @@ def _gather_operand(x, mod, fmt):
         q = quantize(x2, fmt, r.granularity, r.act_tile, margin=r.margin, power_of_two=r.power_of_two,
                      scale_rule=r.scale_rule)
         rows = Fp8Chunks(q.data, q.scale.view(B * Tl, -1), K)
+    if mod.observer is not None:  # (nanofp8/stats.py)
+        mod.observer.observe(mod, operand, x2, q)
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
     scale = got.scale[0, 0] if r.granularity == "tensor" else _slices_to_seq(got.scale, W, B, Tl)
@@ -246,7 +249,7 @@ class _ShardInput(torch.autograd.Function):
         ctx.mod, ctx.dtype = mod, x.dtype
         if not mod.sp:
             return x.float()
-        got = _gather_operand(x, mod, mod.recipe.fwd_fmt)
+        got = _gather_operand(x, mod, mod.recipe.fwd_fmt, "x")
         if isinstance(got, Fp8Tensor):
             given.x, got = got, _stand_in(x, x.shape[1] * mod.tp, torch.float32)
         return got
@@ -273,7 +276,7 @@ class _ShardOutput(torch.autograd.Function):
         mod = ctx.mod
         if not mod.sp:
             return dy, None, None
-        got = _gather_operand(dy, mod, mod.recipe.bwd_fmt)
+        got = _gather_operand(dy, mod, mod.recipe.bwd_fmt, "dy")
         if isinstance(got, Fp8Tensor):
             ctx.given.dy, got = got, _stand_in(dy, dy.shape[1] * mod.tp, ctx.dtype)
         return got.to(ctx.dtype), None, None
@@ -286,7 +289,7 @@ def _hold_shard(mod, weight, bias, parallel, group, sp, comm):
     mod.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format))
     mod.bias = None if bias is None else nn.Parameter(bias.detach().clone())
     mod.parallel, mod.group, mod.sp, mod.comm = parallel, group, sp, comm
-    mod.tp = dist.get_world_size(group)
+    mod.tp, mod.tp_rank = dist.get_world_size(group), dist.get_rank(group)
     mod.weight.tp_sharded = True
     if mod.bias is not None:
         mod.bias.tp_sharded = parallel == "column"

@@ -5,7 +5,8 @@ in FP8.
 When an FP8 loss curve drifts from its bf16 twin, the questions are always the same: which layer,
 which tensor, and was it range (values clipped at the top, or flushed to zero at the bottom) or
 precision (too few mantissa bits)? nanofp8 owns every cast, so it can answer them for plain
-PyTorch. This file is standalone reading: fp8.py only calls it, through one `if` per quantize site.
+PyTorch. This file is standalone reading: fp8.py (and parallel.py, for the slices a shard gathers)
+only call it, through one `if` per quantize site.
 
 1. What is measured, per layer and per GEMM operand
 ---------------------------------------------------
@@ -188,9 +189,14 @@ class Fp8Stats:
     """Statistics of every FP8 cast of `model`'s Fp8Linears on every `interval`-th step.
 
     Use: `if stats.due(it): stats.start()` before the step's forward passes, and
-    `stats.finish(it, optimizer)` after its optimizer step; finish returns the lines to log."""
+    `stats.finish(it, optimizer)` after its optimizer step; finish returns the lines to log.
+    A model cut over ranks (tensor or pipeline parallelism): `gather=True` on every rank, and
+    finish (a collective then) merges what the `active` ranks (those of one data-parallel replica)
+    observed into the records of whole layers: the counts and sums of a sharded operand add up
+    over its shards (section 1), a replicated one is counted on one rank of its group, and each
+    pipeline stage brings its own layers."""
 
-    def __init__(self, model, interval, out_dir=None, alarms=None, append=False):
+    def __init__(self, model, interval, out_dir=None, alarms=None, append=False, gather=False, active=True):
         if interval < 0:
             raise ValueError(f"interval must be >= 0 (0 = off), got {interval}")
         self.model, self.interval, self.alarms = model, interval, alarms or Alarms()
@@ -202,7 +208,7 @@ class Fp8Stats:
         self.first_amax = {}  # (layer, operand) -> (iter, amax) at the first record
         self.amax_alarmed = {}  # (layer, operand) -> growth factor already reported
         self.records = []  # the last step's records (also written to the file)
-        self.observing = False
+        self.observing, self.gather, self.active = False, gather, active
 
     def due(self, it):
         return self.interval > 0 and it % self.interval == 0
@@ -212,14 +218,18 @@ class Fp8Stats:
 
     def start(self):
         self.acc, self.observing = {}, True
-        for m in self.modules():
+        for m in self.modules() if self.active else ():
             m.observer = self
 
-    # ---- called from fp8.py (and optim.py for O2's gradient) while observing
+    # ---- called from fp8.py (optim.py for O2's gradient, parallel.py for what a shard gathers)
 
-    def _add(self, layer, operand, src, q):
+    @torch.no_grad()
+    def observe(self, mod, operand, src, q):
+        """One cast of mod's: its high-precision source src and its Fp8Tensor q."""
+        if _counted_elsewhere(mod, operand):
+            return
         sums, maxes = cast_stats(src, q)
-        key = (layer, operand)
+        key = (mod.fqn, operand)
         if key in self.acc:
             _, s0, m0 = self.acc[key]
             sums, maxes = s0 + sums, torch.maximum(m0, maxes)
@@ -227,24 +237,26 @@ class Fp8Stats:
 
     @torch.no_grad()
     def observe_forward(self, mod, x2, qx, qx_t, qw, qw_t):
+        """x2: None where x arrived cast (a shard's gather recorded that cast, of its slice)."""
         w = mod.hp_weight().detach()
-        self._add(mod.fqn, "x", x2, qx)
-        self._add(mod.fqn, "w", w, qw)
+        if x2 is not None:
+            self.observe(mod, "x", x2, qx)
+        self.observe(mod, "w", w, qw)
         # a transpose of the same cast (t() keeps the amax tensor) has the same statistics
         if qx_t.amax is not qx.amax:
-            self._add(mod.fqn, "xT", x2.t(), qx_t)
+            self.observe(mod, "xT", (dequantize(qx, torch.float32) if x2 is None else x2).t(), qx_t)
         if qw_t.amax is not qw.amax:
-            self._add(mod.fqn, "wT", w.t(), qw_t)
+            self.observe(mod, "wT", w.t(), qw_t)
 
     @torch.no_grad()
     def observe_backward(self, mod, dy2, qdy, qdy_t):
-        self._add(mod.fqn, "dy", dy2, qdy)
+        if dy2 is not None:
+            self.observe(mod, "dy", dy2, qdy)
         if qdy_t is not None and qdy_t.amax is not qdy.amax:
-            self._add(mod.fqn, "dyT", dy2.t(), qdy_t)
+            self.observe(mod, "dyT", (dequantize(qdy, torch.float32) if dy2 is None else dy2).t(), qdy_t)
 
-    @torch.no_grad()
     def observe_wgrad(self, mod, dw, q):
-        self._add(mod.fqn, "wgrad", dw, q)
+        self.observe(mod, "wgrad", dw, q)
 
     # ---- the end of a statistics step
 
@@ -257,13 +269,16 @@ class Fp8Stats:
         for m in self.modules():
             m.observer = None
         keys = list(self.acc)
-        if not keys:
-            return []
         # one transfer (one device sync) for all the layers' numbers
-        packed = torch.stack([torch.cat([self.acc[k][1], self.acc[k][2]]) for k in keys]).cpu()
+        rows = [torch.cat([self.acc[k][1], self.acc[k][2]]) for k in keys]
+        merged = {k: (self.acc[k][0], row) for k, row in zip(keys, torch.stack(rows).cpu() if rows else [])}
+        if self.gather:
+            merged = _merge_ranks(merged)
+        if not merged:
+            return []
         records = []
-        for k, row in zip(keys, packed):
-            rec = {"iter": it, "layer": k[0], "operand": k[1], "format": self.acc[k][0]}
+        for k, (fmt, row) in merged.items():
+            rec = {"iter": it, "layer": k[0], "operand": k[1], "format": fmt}
             rec.update(summarize(row[: len(SUMS)], row[len(SUMS):]))
             records.append(rec)
         records += self._moment_records(it, optimizer)
@@ -320,6 +335,32 @@ class Fp8Stats:
                     lines.append(f"ALARM fp8 amax growth: {key[0]} {key[1]} amax {r['amax']:.4g} is "
                                  f"{growth:.1f}x its value at iter {first_it} ({first:.4g})")
         return lines
+
+
+def _counted_elsewhere(mod, operand):
+    """A tensor-parallel shard's operand that is the same on every rank of its group (the input a
+    column shard reads whole, the gradient a row shard gets whole, unless SP gathered their slices
+    in FP8, and what is re-quantized from them): counted by the group's rank 0 only."""
+    parallel = getattr(mod, "parallel", None)
+    if parallel is None or mod.tp_rank == 0:
+        return False
+    whole = ("x", "xT") if parallel == "column" else ("dy", "dyT")
+    return operand in whole and (operand.endswith("T") or not (mod.sp and mod.comm == "fp8"))
+
+
+def _merge_ranks(mine):
+    """{(layer, operand): (format, row)} of every rank, merged (a collective): sums added, maxes
+    maxed (section 1), keys in order of first appearance, stage after stage."""
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    merged = {}
+    for theirs in everyone:
+        for k, (fmt, row) in theirs.items():
+            if k in merged:
+                old = merged[k][1]
+                row = torch.cat([old[: len(SUMS)] + row[: len(SUMS)], torch.maximum(old[len(SUMS):], row[len(SUMS):])])
+            merged[k] = (fmt, row)
+    return merged
 
 
 def _show(kind, v):

@@ -148,7 +148,7 @@ def sp_collectives(groups):
         lay = P.TPLinear(torch.zeros(N // W, K), None, "column", g, True, recipe(gran))
         for kind in ("outlier", "range", "zeros"):
             full, mine = adversarial(kind, r, W)
-            q = P._gather_operand(mine, lay, E4M3)
+            q = P._gather_operand(mine, lay, E4M3, "x")
             back = dequantize(q).view(B, T, N)
             out[f"gather/{gran}/{kind}"] = token_sqnr(full, back)
             # round trip: every rank holds the gathered tensor / W; the reduce-scatter of those
