@@ -42,17 +42,14 @@ Checkpoints (nanofp8/outdir.py): each is a set, out_dir/ckpt-<iter>/, complete o
 manifest is written; the newest keep_checkpoints are kept, a diverged state is never saved, and
 a run refuses to start where it would lose work. Every failure is one line and an exit status
 (README: "Checkpoints and recovery"). Seeing the numerics (nanofp8/stats.py): a table of the
-Linears (FP8 or not, and why), a count of GEMMs that fell back to high precision, and
-fp8_stats_interval=N: per-cast statistics to jsonl.
+Linears, a count of GEMMs that fell back to high precision, fp8_stats_interval=N's statistics.
 
-Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, rank), so a resumed
-run (init_from='resume') reproduces one that never stopped, on CPU bit for bit. The config is
-read-only once validated; what the run derives from it is kept, and saved, apart.
+Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, rank): a resumed run
+reproduces one that never stopped, on CPU bit for bit. The config is read-only once validated.
 """
 
 import functools
 import math
-import os
 import sys
 from contextlib import nullcontext
 
@@ -68,7 +65,6 @@ from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
-from nanofp8.outdir import trim_jsonl
 from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
                          nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
                          save_unless_diverged, shard_model, show_fp8_layers, sync_gradients, weights_finite,
@@ -354,8 +350,7 @@ def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     check_dataset(cfg["dataset"])  # every rank, before one of them waits for another
     layout = start(cfg, check=lambda dp_size: check_accumulation(cfg, dp_size))
-    # Each line flushed as it is printed: under torchrun the ranks share one stdout pipe, and a
-    # block-buffered stream would write half a line that another rank's line then splits.
+    # flushed line by line: torchrun's ranks share one stdout pipe, where half a line gets split
     log = functools.partial(print, flush=True) if layout.master else (lambda *a, **k: None)
     prepare_out_dir(cfg, layout, log)  # writable, not in use by another run, not another run's work
     autocast = torch.autocast(layout.device_type, dtype=torch.bfloat16)
@@ -379,15 +374,12 @@ def main(argv=None):
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     derived = {"model_args": model_args, "device": layout.device, "compile": compile_model,
                "world_size": layout.world, "tokens_per_iter": tokens_per_iter}  # saved beside the config
-    # The FP8 statistics: rank 0's, or under a model cut over ranks those of every rank of one
-    # data-parallel replica, merged on rank 0 (each rank takes part in the merge)
-    keep_stats = cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and (layout.master or layout.model_parallel)
-    note = layout.master and keep_stats and start_iter > 0 and trim_jsonl(os.path.join(cfg["out_dir"], "fp8_stats.jsonl"), start_iter)
-    if note:  # the records written after the checkpoint's iteration go: this run writes them again
-        log(f"note: {note}")
-    stats = (Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"] if layout.master else None,
-                      stats_alarms(cfg), append=start_iter > 0, gather=layout.model_parallel, active=layout.dp_rank == 0)
-             if keep_stats else None)
+    stats = None  # FP8 statistics: rank 0's; of a model cut over ranks, one replica's ranks', merged on rank 0
+    if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and (layout.master or layout.model_parallel):
+        stats = Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"] if layout.master else None,
+                         stats_alarms(cfg), start_iter, gather=layout.model_parallel, active=layout.dp_rank == 0)
+        if stats.note:  # the records after the checkpoint's iteration went: this run writes them again
+            log(f"note: {stats.note}")
     # Delayed scaling can clip: each rank logs what its own casts clipped, on the step it happens
     clips = ClipLog(raw_model) if cfg["precision"] != "bf16" and cfg["fp8_scaling"] == "delayed" else None
     if compile_model:

@@ -34,7 +34,7 @@ dist.py      overlap.InOrder, overlap.Pending, overlap.plan_buckets, counter.COM
 model.py     none
 
 train.py, the script that puts it all together, imports the engine by module: configurator, data,
-layout, run, stats, zero, ckptfile, outdir.
+layout, run, stats, zero, ckptfile.
 
 One O2 weight, from forward to optimizer step, in three files (read in this order):
 

@@ -8,7 +8,7 @@ the checks that out_dir can take a checkpoint before any training starts.
         manifest.json       written last: the set is complete once it exists
       ckpt-00000010/        the set before it (keep_checkpoints=2)
       train.lock            the run writing here (pid, host, start); removed when it ends
-      fp8_stats.jsonl
+      fp8_stats.jsonl       the FP8 statistics (nanofp8/stats.py trims it on resume)
 
 Writing a set takes two steps. Every rank that writes saves its file into the set's directory,
 atomically (a temp file renamed into place, nanofp8/model.py). When all of them have, rank 0
@@ -347,36 +347,3 @@ def release_lock(out_dir):
 def release_locks():
     for path in list(_held):
         release_lock(os.path.dirname(path))
-
-
-# -----------------------------------------------------------------------------
-# fp8_stats.jsonl after a resume
-
-
-def trim_jsonl(path, before_iter):
-    """Keep the records of a JSON-lines file (fp8_stats.jsonl) from iterations before
-    `before_iter`: a resumed run writes the later ones again. A line cut short by a crash goes
-    too. Returns a note saying what was dropped, or None."""
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    kept, cut, later = [], 0, 0
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            cut += 1
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("iter"), int) and rec["iter"] >= before_iter:
-            later += 1
-            continue
-        kept.append(line)
-    if not cut and not later:
-        return None
-    write_file(path, b"".join(line + b"\n" for line in kept))
-    what = [f"{cut} damaged line{'s' * (cut > 1)} (cut short by a crash)"] * bool(cut) + [
-        f"{later} record{'s' * (later > 1)} of iterations >= {before_iter} (written again now)"] * bool(later)
-    return f"{path}: dropped {' and '.join(what)}"

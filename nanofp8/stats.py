@@ -96,6 +96,7 @@ import torch
 import torch.nn as nn
 
 from . import device
+from .ckptfile import write_file
 from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, clip_edge, dequantize
 
 
@@ -196,12 +197,15 @@ class Fp8Stats:
     over its shards (section 1), a replicated one is counted on one rank of its group, and each
     pipeline stage brings its own layers."""
 
-    def __init__(self, model, interval, out_dir=None, alarms=None, append=False, gather=False, active=True):
+    def __init__(self, model, interval, out_dir=None, alarms=None, start_iter=0, gather=False, active=True):
         if interval < 0:
             raise ValueError(f"interval must be >= 0 (0 = off), got {interval}")
         self.model, self.interval, self.alarms = model, interval, alarms or Alarms()
         self.path = None if out_dir is None else os.path.join(out_dir, "fp8_stats.jsonl")
-        if self.path and not append and os.path.exists(self.path):
+        self.note = None  # what a resumed run (start_iter > 0) dropped from the file: it writes them again
+        if self.path and start_iter > 0:
+            self.note = trim_jsonl(self.path, start_iter)
+        elif self.path and os.path.exists(self.path):
             os.remove(self.path)
         self.acc = {}  # (layer, operand) -> [fmt name, sums, maxes], summed over micro-steps
         self.streak = {}  # (layer, operand, kind) -> consecutive statistics steps over threshold
@@ -335,6 +339,35 @@ class Fp8Stats:
                     lines.append(f"ALARM fp8 amax growth: {key[0]} {key[1]} amax {r['amax']:.4g} is "
                                  f"{growth:.1f}x its value at iter {first_it} ({first:.4g})")
         return lines
+
+
+def trim_jsonl(path, before_iter):
+    """Keep the records of a JSON-lines file (fp8_stats.jsonl) from iterations before
+    `before_iter`: a resumed run writes the later ones again. A line cut short by a crash goes
+    too. Returns a note saying what was dropped, or None."""
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    kept, cut, later = [], 0, 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            cut += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("iter"), int) and rec["iter"] >= before_iter:
+            later += 1
+            continue
+        kept.append(line)
+    if not cut and not later:
+        return None
+    write_file(path, b"".join(line + b"\n" for line in kept))
+    what = [f"{cut} damaged line{'s' * (cut > 1)} (cut short by a crash)"] * bool(cut) + [
+        f"{later} record{'s' * (later > 1)} of iterations >= {before_iter} (written again now)"] * bool(later)
+    return f"{path}: dropped {' and '.join(what)}"
 
 
 def _counted_elsewhere(mod, operand):

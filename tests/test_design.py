@@ -20,7 +20,7 @@ SEAMS = {
                         ("counter", "COMM"), ("counter", "comm_stats"), ("emulate", "fp8_to_float")},
     "nanofp8/model.py": set(),
 }
-TRAIN_MODULES = {"configurator", "data", "layout", "run", "stats", "zero", "ckptfile", "outdir"}
+TRAIN_MODULES = {"configurator", "data", "layout", "run", "stats", "zero", "ckptfile"}
 
 
 def _lines(path):

@@ -41,7 +41,8 @@ from nanofp8.checkpoint import read_any
 from nanofp8.configurator import ConfigError
 from nanofp8.interop import load_portable
 from nanofp8.ckptfile import CheckpointError, load_checkpoint, save_checkpoint
-from nanofp8.outdir import LOCK, MANIFEST, acquire_lock, begin_set, commit_set, release_lock, trim_jsonl
+from nanofp8.outdir import LOCK, MANIFEST, acquire_lock, begin_set, commit_set, release_lock
+from nanofp8.stats import trim_jsonl
 from nanofp8.stats import read_records
 
 pytestmark = pytest.mark.usefixtures("shakespeare")
