@@ -217,6 +217,7 @@ def test_parity_outputs_and_report(tmp_path):
     assert "| O1 | 3000 | 0 | 1.5030 | +0.20% |" in text  # the long runs
 
 
+@pytest.mark.slow  # trains the parity variants: ~8 s
 def test_parity_runs_and_resume(tmp_path, monkeypatch):
     """Real runs as child processes, two at a time: one JSON each with its CPU time and a command
     without absolute paths; a second invocation starts none of them again."""

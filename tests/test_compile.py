@@ -102,6 +102,7 @@ def test_compiled_matches_eager(scaling, granularity, autocast):
             assert (lin.history_count == 3).all() and (lin.amax_history[:, :3] > 0).all()
 
 
+@pytest.mark.slow  # a torch.compile of a GPT: ~12 s
 def test_o2_gpt_traces_as_one_graph_and_keeps_its_gradients():
     """O2 under torch.compile: a GPT block's forward, with the backward of every FP8 Linear that
     dynamo traces with it, is ONE graph with no break (explain). The O2 weight gradient, which

@@ -72,7 +72,8 @@ def test_quantize_bit_exact(dtype, gran, block):
         x = special_input(shape, xdt, seed=i)
         got = kernels.quantize(x, dtype, gran, block, margin=margin, power_of_two=pow2)
         assert_same_quant(got, ref_quantize(x, dtype, gran, block, margin, pow2))
-        q = fp8.quantize(x, FMT[dtype], gran, block, margin=margin, power_of_two=pow2)
+        # (the kernels cast a GEMM operand (M, K): a 3-D x is its tokens, not a batch of matrices)
+        q = fp8.quantize(x.reshape(-1, x.shape[-1]), FMT[dtype], gran, block, margin=margin, power_of_two=pow2)
         assert_same_quant(got, (q.data, q.scale))
 
 
