@@ -51,8 +51,9 @@ when they all come to the CPU in one transfer.
 2. When, and what it costs
 --------------------------
 Every `interval` steps (train.py: fp8_stats_interval; 0, the default, turns it off) the
-collector hangs itself on every Fp8Linear as `observer` for one step; fp8.py's hooks see
-`observer is None` on all other steps and skip. Observing reads tensors and never writes them,
+collector hangs itself as `observer` for one step on every Fp8Linear, and on any other module
+with an `observer` slot (which reports its casts with observer.observe(module, operand, source,
+fp8_tensor)); fp8.py's hooks see `observer is None` on all other steps and skip. Observing reads tensors and never writes them,
 so the training step is bit-identical with statistics on or off (tests/test_stats.py). Records go
 to out_dir/fp8_stats.jsonl, one JSON object per (step, layer, operand); the log gets one line per
 statistics step: the worst layer by SQNR and the saturated and underflowed totals. Statistics are
@@ -187,7 +188,8 @@ class Alarms:
 
 
 class Fp8Stats:
-    """Statistics of every FP8 cast of `model`'s Fp8Linears on every `interval`-th step.
+    """Statistics of every FP8 cast of `model`'s Fp8Linears (and of any module with an `observer`
+    slot) on every `interval`-th step.
 
     Use: `if stats.due(it): stats.start()` before the step's forward passes, and
     `stats.finish(it, optimizer)` after its optimizer step; finish returns the lines to log.
@@ -218,7 +220,9 @@ class Fp8Stats:
         return self.interval > 0 and it % self.interval == 0
 
     def modules(self):
-        return [m for m in self.model.modules() if isinstance(m, Fp8Linear)]
+        """What takes part: every module with an `observer` slot (Fp8Linear's; any module that casts
+        to FP8 may have one, and an `fqn`, and report each cast with observer.observe)."""
+        return [m for m in self.model.modules() if hasattr(m, "observer")]
 
     def start(self):
         self.acc, self.observing = {}, True

@@ -13,7 +13,7 @@ import torch.nn as nn
 import bench
 import conftest
 import train
-from nanofp8 import device, emulate, stats
+from nanofp8 import device, emulate, fp8, stats
 from nanofp8.fp8 import BLOCK, E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 
@@ -388,3 +388,36 @@ def test_clipping_is_logged_on_the_step_it_happens(tmp_path, capsys, monkeypatch
     assert all(float(m[1]) < 1 for m in others if m), lines  # (at most the early growth of the weights)
     ckpt = torch.load(conftest.newest_checkpoint(tmp_path), weights_only=True)
     assert ckpt["model"]["blocks.0.mlp.c_fc.clipped"][0] >= n_clipped
+
+
+class Fp8Scores(nn.Module):
+    """q k^T with both operands in FP8 (batched, one scale per row), as an FP8 attention computes
+    its scores: not an Fp8Linear, but a module with an `observer` slot that reports its casts."""
+    observer, fqn = None, "attn.scores"
+
+    def forward(self, q, k):
+        fq, fk = quantize(q, E4M3, "row"), quantize(k, E4M3, "row")
+        if self.observer is not None:
+            self.observer.observe(self, "q", q, fq)
+            self.observer.observe(self, "k", k, fk)
+        return fp8.scaled_gemm(fq, fk, torch.float32, backend="emulate")
+
+
+def test_any_module_that_casts_to_fp8_can_be_observed():
+    """Statistics are not Fp8Linear's alone: a module with an `observer` slot reports its casts,
+    batched ones included, and gets the same records an Fp8Linear's cast would (SQNR of the FP8
+    copy against its source, counts over the whole batch)."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 16, 32, generator=g), torch.randn(2, 4, 16, 32, generator=g) * 1e-3
+    model = nn.Sequential(convert_to_fp8(nn.Linear(32, 32), Recipe(backend="emulate")), Fp8Scores())
+    st = stats.Fp8Stats(model, 1)
+    st.start()
+    model[1](q, k)
+    st.finish(0)
+    got = {(r["layer"], r["operand"]): r for r in st.records}
+    assert set(got) == {("attn.scores", "q"), ("attn.scores", "k")}
+    for name, src in (("q", q), ("k", k)):
+        rec = got[("attn.scores", name)]
+        assert rec["n"] == src.numel() and rec["format"] == "e4m3" and rec["scale_spread"] > 0
+        assert rec["sqnr_db"] == pytest.approx(sqnr(src, dequantize(quantize(src, E4M3, "row"))), abs=1e-6)
+    assert Fp8Scores.observer is None and model[1].observer is None  # released after the step
