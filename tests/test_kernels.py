@@ -61,7 +61,11 @@ def special_input(shape, dtype=torch.float32, seed=0):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+# (the inner loop, -m "not slow", keeps one format per case; CI runs them all)
+IN_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("dtype", [E4M3, pytest.param(E5M2, marks=IN_SLOW)])
 @pytest.mark.parametrize("gran,block", GRANS)
 def test_quantize_bit_exact(dtype, gran, block):
     for i, (shape, xdt, margin, pow2) in enumerate([((65, 200), torch.float32, 0, False),
@@ -152,7 +156,8 @@ SCALINGS = [("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("tile", "b
 SHAPES = [(65, 96, 200), (1, 16, 128), (33, 17, 16), (200, 136, 272)]  # K=200, N=17: no TMA
 
 
-@pytest.mark.parametrize("fa,fb", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+@pytest.mark.parametrize("fa,fb", [(E4M3, E4M3), pytest.param(E5M2, E4M3, marks=IN_SLOW),
+                                   pytest.param(E4M3, E5M2, marks=IN_SLOW)])
 @pytest.mark.parametrize("ka,kb", SCALINGS)
 def test_gemm_exact(fa, fb, ka, kb):
     """Small-integer fp8 operands and power-of-two scales: every partial sum is exact in fp32,
@@ -364,6 +369,7 @@ def test_reference_is_nanofp8(dtype, gran, block):
     assert torch.equal(ref_gemm(a.data, b.data, a.inv_scale, b.inv_scale, bias), want)
 
 
+@pytest.mark.slow  # `python kernels.py` repeats, in one run, what the tests above check
 def test_self_check_passes(capsys):
     """`python kernels.py` on a machine without a GPU: quantizers and GEMM against the references."""
     assert kernels._self_check("cpu")
