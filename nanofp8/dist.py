@@ -142,14 +142,18 @@ class Fp8Chunks:
         return Fp8Chunks(buf[:, :c].view(dtype), buf[:, c:].contiguous().view(torch.float32), cols)
 
 
-def quantize_chunks(x2, fmt, block=None):
+def quantize_chunks(x2, fmt, block=None, observe=None):
     """Quantize each row of x2 (R, n) with its own scale (block=None) or one scale per `block`
     values (the row is zero-padded to a multiple of `block`). Uses fp8.quantize, so scales are
-    computed in float64, casts saturate, and inf/NaN become NaN."""
+    computed in float64, casts saturate, and inf/NaN become NaN. observe(source, Fp8Tensor), if
+    given, sees the cast (a statistics step: nanofp8/stats.py)."""
     rows, n = x2.shape
     b = n if block is None else block
     c = -(-n // b) * b
-    q = quantize(F.pad(x2, (0, c - n)).reshape(-1, b), fmt, granularity="row")
+    src = F.pad(x2, (0, c - n)).reshape(-1, b)
+    q = quantize(src, fmt, granularity="row")
+    if observe is not None:
+        observe(src, q)
     return Fp8Chunks(q.data.view(rows, c), q.scale.view(rows, c // b), n)
 
 
@@ -175,14 +179,14 @@ def _check(x, op="sum"):
 
 
 def reduce_scatter_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=None,
-                       async_op=False):
+                       async_op=False, observe=None):
     """Sum (op="sum") or average (op="mean") x over the ranks of `group`; return this rank's
     chunk of the flattened result: shard_len(x.numel(), W, block) values (the zero padding of
     the last chunks included), in out_dtype (default x.dtype).
 
     Each rank quantizes every destination chunk with its own scale(s), one all_to_all_single
     moves the FP8 bytes and scales, and each rank sums the W dequantized versions of its chunk
-    in fp32. async_op=True returns a Pending.
+    in fp32. async_op=True returns a Pending. observe: see quantize_chunks.
 
     x may already be quantized: Fp8Chunks with one row per rank (e.g. an FP8 gradient kept with
     its block scales), sent as they are (fp32 result); or a list of them (of one dtype: the held
@@ -201,7 +205,7 @@ def reduce_scatter_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=
         _check(x, op)
         n = x.numel()
         c = shard_len(n, world, block)
-        qs = [quantize_chunks(F.pad(x.detach().reshape(-1), (0, world * c - n)).view(world, c), fmt, block)]
+        qs = [quantize_chunks(F.pad(x.detach().reshape(-1), (0, world * c - n)).view(world, c), fmt, block, observe)]
     packed = [q.to_bytes() for q in qs]
     send = torch.cat(packed, dim=1) if many else packed[0]  # row r: the chunks for rank r
     recv = torch.empty_like(send)  # row r: my chunks, as rank r quantized them
@@ -252,11 +256,12 @@ def all_gather_fp8(x, group=None, fmt=E4M3, block=None, numel=None, shape=None, 
 
 
 def all_reduce_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=None,
-                   async_op=False):
+                   async_op=False, observe=None):
     """Sum or average x over the ranks (op "sum" | "mean"), communicating in FP8: reduce-scatter,
     re-quantize the reduced chunk, all-gather. Every rank gets the same bits, of x's shape and
-    out_dtype (default x.dtype). async_op=True returns a Pending (two stages)."""
-    rs = reduce_scatter_fp8(x, group, fmt, block, op, torch.float32, async_op=async_op)
+    out_dtype (default x.dtype). async_op=True returns a Pending (two stages). observe: sees
+    the first cast (quantize_chunks)."""
+    rs = reduce_scatter_fp8(x, group, fmt, block, op, torch.float32, async_op=async_op, observe=observe)
 
     def gather(shard):
         # All ranks, the owner included, use the dequantized gathered chunk: keeping the owner's

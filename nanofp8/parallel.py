@@ -108,6 +108,7 @@ vocabulary-parallel embedding / LM head (replicated under TP), 1F1B or interleav
 torch.compile of the parallel layers, O2 (fp16 master) TP layers.
 """
 
+import functools
 import math
 import re
 from contextlib import nullcontext
@@ -181,29 +182,40 @@ def _gather_operand(x, mod, fmt, operand):
         q = quantize(x2, fmt, r.granularity, r.act_tile, margin=r.margin, power_of_two=r.power_of_two,
                      scale_rule=r.scale_rule)
         rows = Fp8Chunks(q.data, q.scale.view(B * Tl, -1), K)
-    if mod.observer is not None:  # (nanofp8/stats.py)
-        mod.observer.observe(mod, operand, x2, q)
+    see = _seen(mod, operand)
+    if see is not None:  # a statistics step: this rank's cast of its slice
+        see(x2, q)
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
     scale = got.scale[0, 0] if r.granularity == "tensor" else _slices_to_seq(got.scale, W, B, Tl)
     return Fp8Tensor(data, scale, fmt, q.granularity, q.block, data.shape, x.dtype)
 
 
-def _reduce_scatter_seq(y, mod, fmt):
-    """Sum the ranks' partial y (B, T, N) and keep this rank's sequence slice (B, T/W, N), fp32."""
+def _seen(mod, operand):
+    """On a statistics step, what tells mod's collector of the FP8 cast of `operand` (else None)."""
+    observer = getattr(mod, "observer", None)
+    return None if observer is None or operand is None else functools.partial(observer.observe, mod, operand)
+
+
+def _reduce_scatter_seq(y, mod, fmt, operand=None):
+    """Sum the ranks' partial y (B, T, N) and keep this rank's sequence slice (B, T/W, N), fp32.
+    A statistics step records the FP8 cast of this rank's partial sums as mod's `operand`."""
     B, T, N = y.shape
     chunks = _seq_to_slices(y, mod.tp)  # chunk r: the tokens rank r keeps
     if mod.comm == "fp8":
-        out = D.reduce_scatter_fp8(chunks, mod.group, fmt, block=N, out_dtype=torch.float32)
+        out = D.reduce_scatter_fp8(chunks, mod.group, fmt, block=N, out_dtype=torch.float32,
+                                   observe=_seen(mod, operand))
     else:
         out = D.reduce_scatter_plain(chunks, mod.group, PLAIN[mod.comm], out_dtype=torch.float32)
     return out.view(B, T // mod.tp, N)
 
 
-def _all_reduce(y, mod, fmt):
-    """Sum the ranks' partial y over the TP group; every rank gets the same bits, fp32."""
+def _all_reduce(y, mod, fmt, operand=None):
+    """Sum the ranks' partial y over the TP group; every rank gets the same bits, fp32. (Statistics:
+    as _reduce_scatter_seq, of the first of the two FP8 casts.)"""
     if mod.comm == "fp8":
-        return D.all_reduce_fp8(y, mod.group, fmt, block=y.shape[-1], out_dtype=torch.float32)
+        return D.all_reduce_fp8(y, mod.group, fmt, block=y.shape[-1], out_dtype=torch.float32,
+                                observe=_seen(mod, operand))
     return D.all_reduce_plain(y, mod.group, PLAIN[mod.comm], out_dtype=torch.float32)
 
 
@@ -257,7 +269,7 @@ class _ShardInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx):
         mod, fmt = ctx.mod, ctx.mod.comm_fmts[1]
-        dx = _reduce_scatter_seq(dx, mod, fmt) if mod.sp else _all_reduce(dx, mod, fmt)
+        dx = _reduce_scatter_seq(dx, mod, fmt, "dx_partial") if mod.sp else _all_reduce(dx, mod, fmt, "dx_partial")
         return dx.to(ctx.dtype), None, None
 
 
@@ -269,7 +281,8 @@ class _ShardOutput(torch.autograd.Function):
     def forward(ctx, y, mod, given):
         ctx.mod, ctx.given, ctx.dtype = mod, given, y.dtype
         fmt = mod.comm_fmts[0]
-        return (_reduce_scatter_seq(y, mod, fmt) if mod.sp else _all_reduce(y, mod, fmt)).to(y.dtype)
+        y = _reduce_scatter_seq(y, mod, fmt, "y_partial") if mod.sp else _all_reduce(y, mod, fmt, "y_partial")
+        return y.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, dy):

@@ -20,7 +20,9 @@ With tensor scales (and for 128x128 weight tiles) wT, xT and dyT are plain trans
 dy: the same values, the same statistics, recorded once. With row and 1x128 block scales they are
 separate casts along another dimension, and recorded separately. Level O2 adds "wgrad", the FP8
 weight gradient it keeps instead of .grad, and, after the optimizer step, "m" and "v", the Adam
-moments as stored (FP8 m; fp16 or FP8 v).
+moments as stored (FP8 m; fp16 or FP8 v). A tensor-parallel shard adds the partial sums it sends
+in FP8 to be summed over its group (nanofp8/parallel.py): "y_partial" (a row shard's output) and
+"dx_partial" (a column shard's input gradient); of an all-reduce, its first cast.
 
 For each cast of a high-precision source s (x * scale rounded to FP8 gives the code c):
 

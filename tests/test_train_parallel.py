@@ -209,31 +209,36 @@ def test_replica_check_sees_one_ulp(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [[TP2, SP, PP2], [TP2]], ids=["tp2-sp-pp2", "tp2"])
+@pytest.mark.parametrize("layout", [[TP2, SP, PP2, "mp_comm=fp32"], [TP2]], ids=["tp2-sp-pp2-fp32", "tp2"])
 def test_statistics_of_a_cut_model_are_those_of_the_whole(tmp_path, layout):
     """FP8 statistics under tensor, sequence and pipeline parallelism: every rank observes its own
     casts (a shard's slice of a sharded or SP-gathered operand, a replicated one on one rank of its
     group only, each stage its own layers), and rank 0 merges them. With tensor scales (one scale
     the ranks agree on) the records of step 0 are those of the uncut model: the same layers and
-    operands, the same value counts, the same SQNR up to fp32 summation order."""
+    operands, the same value counts, the same SQNR up to fp32 summation order (mp_comm=fp32), or
+    up to the FP8 rounding of the partial sums, which are then operands of their own."""
     from nanofp8.stats import read_records
 
     common = ["precision=O1", "max_iters=1", "fp8_stats_interval=1"]
     train.main(conftest.TINY + ["gradient_accumulation_steps=2", *common, f"out_dir={tmp_path / 'one'}"])
-    # (mp_comm=fp32: activations and partial sums cross the ranks unrounded, as on one device)
-    torchrun(4 if PP2 in layout else 2, *layout, *common, "mp_comm=fp32", f"out_dir={tmp_path / 'cut'}")
+    torchrun(4 if PP2 in layout else 2, *layout, *common, f"out_dir={tmp_path / 'cut'}")
     one, cut = ({(r["layer"], r["operand"]): r for r in read_records(tmp_path / d / "fp8_stats.jsonl") if r["iter"] == 0}
                 for d in ("one", "cut"))
-    assert sorted(cut) == sorted(one) and len(one) == 4 * 2 * 3  # 4 Linears x 2 blocks x (x, w, dy)
+    assert len(one) == 4 * 2 * 3  # 4 Linears x 2 blocks x (x, w, dy)
+    partial = {(layer, "y_partial" if layer.endswith("c_proj") else "dx_partial") for layer, _ in one}
+    assert set(cut) == set(one) | (partial if "mp_comm=fp32" not in layout else set())
+    for key in set(cut) - set(one):  # each rank's partial sums, cast to E4M3 (y) or E5M2 (dx) per token
+        assert cut[key]["n"] > 0 and cut[key]["sqnr_db"] > (28 if key[1] == "y_partial" else 23), cut[key]
     for key, r in one.items():
         c = cut[key]
         assert c["n"] == r["n"] and c["format"] == r["format"], key  # no shard lost, none counted twice
         if key[1] == "w" or key == ("blocks.0.attn.c_attn", "x"):  # the same values, cut: the same record
             assert c["amax"] == r["amax"] and c["scale"] == r["scale"], key
             assert c["sqnr_db"] == pytest.approx(r["sqnr_db"], rel=1e-9), key
-        else:  # a step's tiny differences (fp32 order) flip a few FP8 roundings, and those propagate
+            assert c["underflow_count"] == r["underflow_count"] and c["subnormal"] == pytest.approx(r["subnormal"]), key
+        else:  # a step's small differences (fp32 order, FP8 partial sums) flip a few FP8 roundings
             assert abs(c["sqnr_db"] - r["sqnr_db"]) < 0.25, (key, c["sqnr_db"], r["sqnr_db"])
-        assert abs(c["underflow"] - r["underflow"]) < 1e-3 and abs(c["subnormal"] - r["subnormal"]) < 1e-3, key
+            assert abs(c["underflow"] - r["underflow"]) < 0.01 and abs(c["subnormal"] - r["subnormal"]) < 0.01, key
 
 
 @pytest.mark.slow
