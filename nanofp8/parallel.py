@@ -624,12 +624,16 @@ class PipelineStage(nn.Module):
     of the GPT (blocks keep their global index), so stages' dicts union into a full one.
 
     forward(inp, targets, seq_len): the first stage takes token ids, the others the previous
-    stage's output; the last stage returns the loss, the others their output activation."""
+    stage's output; the last stage returns the loss, the others their output activation. Its
+    `observer` slot lets FP8 statistics see what it sends (pipeline_step)."""
+
+    observer = None
 
     def __init__(self, model, groups):
         super().__init__()
         cfg, s, P = model.config, groups.pp_rank, groups.pp
         self.config, self.first, self.last = cfg, s == 0, s == P - 1
+        self.fqn = f"pipeline.stage{s}"
         self.seq_div = model.tp if getattr(model, "sp", False) else 1  # SP: slices between stages
         if self.first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
@@ -657,11 +661,11 @@ class PipelineStage(nn.Module):
         return self.head(x, targets)[1] if self.last else x
 
 
-def _send(x, dst, group, fmt):
+def _send(x, dst, group, fmt, observe=None):
     """Send an activation or gradient: FP8 with one fp32 scale per token appended to its row
-    (one message), or plainly in a baseline dtype."""
+    (one message), or plainly in a baseline dtype. observe: see dist.quantize_chunks."""
     if isinstance(fmt, Fp8Format):
-        buf = D.quantize_chunks(x.detach().reshape(-1, x.shape[-1]), fmt).to_bytes()
+        buf = D.quantize_chunks(x.detach().reshape(-1, x.shape[-1]), fmt, observe=observe).to_bytes()
     else:
         buf = x.detach().to(fmt).contiguous()
     dist.send(buf, dst, group=group)
@@ -694,6 +698,9 @@ def pipeline_step(stage, micro_batches, groups, autocast=None, act_fmt=E4M3, gra
     dp: the data-parallel wrapper (TPDataParallel) whose hooks reduce gradients during backward:
     every backward but the last micro-batch's runs in its no_sync()."""
     s, n = groups.pp_rank, len(micro_batches)
+    # statistics of the FP8 sends (under TP without SP the group's ranks send the same: one counts)
+    act_seen, grad_seen = ((_seen(stage, "act"), _seen(stage, "grad")) if groups.tp_rank == 0 or stage.seq_div > 1
+                           else (None, None))
     prev = groups.pp_ranks[s - 1] if s > 0 else None
     nxt = groups.pp_ranks[s + 1] if s < groups.pp - 1 else None
     device = next(stage.parameters()).device
@@ -710,7 +717,7 @@ def pipeline_step(stage, micro_batches, groups, autocast=None, act_fmt=E4M3, gra
             if stage.last:
                 losses.append(out.detach().float())
             else:
-                _send(out, nxt, groups.pp_group, act_fmt)
+                _send(out, nxt, groups.pp_group, act_fmt, act_seen)
             ins.append(inp)
             outs.append(out)
     if train:  # backwards in the order of the forwards: every send meets the recv waiting for it
@@ -721,7 +728,7 @@ def pipeline_step(stage, micro_batches, groups, autocast=None, act_fmt=E4M3, gra
                 else:
                     outs[m].backward(_recv(outs[m].shape, nxt, groups.pp_group, grad_fmt, device))
             if not stage.first:
-                _send(ins[m].grad, prev, groups.pp_group, grad_fmt)
+                _send(ins[m].grad, prev, groups.pp_group, grad_fmt, grad_seen)
             ins[m] = outs[m] = None  # free this micro-batch's activations
     loss = torch.stack(losses).mean() if stage.last else torch.zeros((), device=device)
     if groups.pp > 1:

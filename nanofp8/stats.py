@@ -22,7 +22,8 @@ separate casts along another dimension, and recorded separately. Level O2 adds "
 weight gradient it keeps instead of .grad, and, after the optimizer step, "m" and "v", the Adam
 moments as stored (FP8 m; fp16 or FP8 v). A tensor-parallel shard adds the partial sums it sends
 in FP8 to be summed over its group (nanofp8/parallel.py): "y_partial" (a row shard's output) and
-"dx_partial" (a column shard's input gradient); of an all-reduce, its first cast.
+"dx_partial" (a column shard's input gradient); of an all-reduce, its first cast. A pipeline
+stage ("pipeline.stage<s>") adds what it sends in FP8: "act" forward, "grad" backward.
 
 For each cast of a high-precision source s (x * scale rounded to FP8 gives the code c):
 
