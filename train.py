@@ -374,18 +374,18 @@ def main(argv=None):
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     derived = {"model_args": model_args, "device": layout.device, "compile": compile_model,
                "world_size": layout.world, "tokens_per_iter": tokens_per_iter}  # saved beside the config
-    stats = None  # FP8 statistics: rank 0's; of a model cut over ranks, one replica's ranks', merged on rank 0
-    if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and (layout.master or layout.model_parallel):
-        stats = Fp8Stats(raw_model, cfg["fp8_stats_interval"], cfg["out_dir"] if layout.master else None,
-                         stats_alarms(cfg), start_iter, gather=layout.model_parallel, active=layout.dp_rank == 0)
-        if stats.note:  # the records after the checkpoint's iteration went: this run writes them again
-            log(f"note: {stats.note}")
     # Delayed scaling can clip: each rank logs what its own casts clipped, on the step it happens
     clips = ClipLog(raw_model) if cfg["precision"] != "bf16" and cfg["fp8_scaling"] == "delayed" else None
     if compile_model:
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
     model = wrap_data_parallel(model, cfg, layout)
+    stats = None  # FP8 statistics: rank 0's; of a model cut over ranks, one replica's ranks', merged on rank 0
+    if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and (layout.master or layout.model_parallel):
+        stats = Fp8Stats(model, cfg["fp8_stats_interval"], cfg["out_dir"] if layout.master else None,
+                         stats_alarms(cfg), start_iter, gather=layout.model_parallel, active=layout.dp_rank == 0)
+        if stats.note:  # the records after the checkpoint's iteration went: this run writes them again
+            log(f"note: {stats.note}")
     log(f"{n_params / 1e6:.2f}M parameters ({model_args['arch']}, {model_args['n_layer']} layers, "
         f"d={model_args['n_embd']}), {precision_desc}\ndevice {layout.device} x {layout.world} = "
         f"{layout.describe(cfg['sequence_parallel'])}, {accum} micro-batches per replica, compile="

@@ -433,12 +433,15 @@ class Fp8DataParallel(nn.Module):
     ZeroFp8AdamW.step(shards=...). Bit-identical to reducing after backward (tests/test_comm.py).
     late: parameters whose gradient still changes between backward and sync_gradients() (model
     parallelism sums some first): no hook, buckets of their own, launched by sync_gradients().
+    observer: FP8 statistics (nanofp8/stats.py) see each bucket's cast, as operand "grad".
 
     Why E4M3 by default: with a scale per 128 values from the block's own amax, range is no
     longer the constraint (a block rarely spans more than E4M3's 18 binades), and the sum is fp32;
     E4M3's extra mantissa bit is worth about 6 dB on a small GPT's gradients (tests/test_comm.py
     measures both and holds E4M3 at least 3 dB ahead).
     """
+
+    observer, fqn = None, "data_parallel"
 
     def __init__(self, module, group=None, fmt=E4M3, bucket_mb=25.0, block=128, overlap=True,
                  broadcast=True, params=None, rest=torch.float32, fp8_params=None, wgrads=None,
@@ -518,7 +521,9 @@ class Fp8DataParallel(nn.Module):
         flat = torch.cat([F.pad((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float(),
                                 (0, n - p.numel())) for p, n in zip(bucket.params, bucket.spans)])
         if isinstance(bucket.fmt, Fp8Format):
-            bucket.pending = all_reduce_fp8(flat, self.group, bucket.fmt, bucket.block, op="mean", async_op=True)
+            see = None if self.observer is None else lambda src, q: self.observer.observe(self, "grad", src, q)
+            bucket.pending = all_reduce_fp8(flat, self.group, bucket.fmt, bucket.block, op="mean", async_op=True,
+                                            observe=see)
         else:
             bucket.pending = all_reduce_plain(flat, self.group, bucket.fmt, op="mean", async_op=True)
 

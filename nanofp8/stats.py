@@ -23,7 +23,8 @@ weight gradient it keeps instead of .grad, and, after the optimizer step, "m" an
 moments as stored (FP8 m; fp16 or FP8 v). A tensor-parallel shard adds the partial sums it sends
 in FP8 to be summed over its group (nanofp8/parallel.py): "y_partial" (a row shard's output) and
 "dx_partial" (a column shard's input gradient); of an all-reduce, its first cast. A pipeline
-stage ("pipeline.stage<s>") adds what it sends in FP8: "act" forward, "grad" backward.
+stage ("pipeline.stage<s>") adds what it sends in FP8: "act" forward, "grad" backward; data
+parallelism at O1 ("data_parallel") the weight gradients its buckets send, "grad".
 
 For each cast of a high-precision source s (x * scale rounded to FP8 gives the code c):
 

@@ -245,6 +245,22 @@ def test_statistics_of_a_cut_model_are_those_of_the_whole(tmp_path, layout):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_statistics_see_the_data_parallel_gradients_sent_in_fp8(tmp_path):
+    """DP=2 at O1: rank 0's records include the FP8 cast of the weight gradients its replica sends
+    (layer data_parallel, operand grad): every FP8 layer's gradient values, E4M3 with one scale per
+    128 values, next to the layers' own operands."""
+    from nanofp8.stats import read_records
+
+    torchrun(2, "precision=O1", "max_iters=1", "fp8_stats_interval=1", f"out_dir={tmp_path}")
+    recs = {(r["layer"], r["operand"]): r for r in read_records(tmp_path / "fp8_stats.jsonl") if r["iter"] == 0}
+    d = 32  # TINY's n_embd: per block c_attn (3d x d), attn.c_proj (d x d), c_fc (4d x d), mlp.c_proj (d x 4d)
+    assert recs[("data_parallel", "grad")]["n"] == 2 * (3 + 1 + 4 + 4) * d * d  # (each a multiple of 128)
+    assert recs[("data_parallel", "grad")]["format"] == "e4m3" and recs[("data_parallel", "grad")]["sqnr_db"] > 28
+    assert len(recs) == 1 + 4 * 2 * 3
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_resume_at_the_same_layout_is_exact(tmp_path):
     """TP=2 + SP + PP=2 on 4 processes, with what has state beyond the weights: dropout (one RNG
     stream per stage, shared by a TP group, saved in each rank's file), FP8 delayed scaling (amax
