@@ -5,8 +5,8 @@ in FP8.
 When an FP8 loss curve drifts from its bf16 twin, the questions are always the same: which layer,
 which tensor, and was it range (values clipped at the top, or flushed to zero at the bottom) or
 precision (too few mantissa bits)? nanofp8 owns every cast, so it can answer them for plain
-PyTorch. This file is standalone reading: fp8.py (and parallel.py, for the slices a shard gathers)
-only call it, through one `if` per quantize site.
+PyTorch. This file is standalone reading: fp8.py, and what sends FP8 between ranks (parallel.py,
+dist.py), call it through one `if` per cast site.
 
 1. What is measured, per layer and per GEMM operand
 ---------------------------------------------------
@@ -57,11 +57,11 @@ when they all come to the CPU in one transfer.
 Every `interval` steps (train.py: fp8_stats_interval; 0, the default, turns it off) the
 collector hangs itself as `observer` for one step on every Fp8Linear, and on any other module
 with an `observer` slot (which reports its casts with observer.observe(module, operand, source,
-fp8_tensor)); fp8.py's hooks see `observer is None` on all other steps and skip. Observing reads tensors and never writes them,
-so the training step is bit-identical with statistics on or off (tests/test_stats.py). Records go
-to out_dir/fp8_stats.jsonl, one JSON object per (step, layer, operand); the log gets one line per
-statistics step: the worst layer by SQNR and the saturated and underflowed totals. Statistics are
-computed in eager mode (train.py turns compile off for them).
+fp8_tensor)); the hooks see `observer is None` on all other steps and skip. Observing reads
+tensors and never writes them, so the training step is bit-identical with statistics on or off
+(tests/test_stats.py). Records go to out_dir/fp8_stats.jsonl, one JSON object per (step, layer,
+operand); the log gets one line per statistics step: the worst layer by SQNR and the saturated and
+underflowed totals. Statistics are computed in eager mode (train.py turns compile off for them).
 
 3. Alarms
 ---------
@@ -233,7 +233,7 @@ class Fp8Stats:
         for m in self.modules() if self.active else ():
             m.observer = self
 
-    # ---- called from fp8.py (optim.py for O2's gradient, parallel.py for what a shard gathers)
+    # ---- called from fp8.py, optim.py (O2's gradient), parallel.py and dist.py (what they send)
 
     @torch.no_grad()
     def observe(self, mod, operand, src, q):
