@@ -259,6 +259,48 @@ def test_statistics_see_the_data_parallel_gradients_sent_in_fp8(tmp_path):
     assert len(recs) == 1 + 4 * 2 * 3
 
 
+def two_node_run(*args):
+    """train.py on two "nodes" of one process each, as on two machines: two torchrun launchers
+    meeting at a c10d rendezvous on this machine (each rank then has LOCAL_RANK 0). Returns the
+    launchers' CompletedProcess-like outputs."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", os.path.join(conftest.REPO, "train.py"),
+           *TINY, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd, cwd=conftest.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [SimpleNamespace(stdout=o, stderr=e, returncode=n.returncode)
+            for n, (o, e) in ((n, n.communicate(timeout=600)) for n in nodes)]
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [["precision=O1"], ["precision=O1", TP2, SP]], ids=["dp2", "tp2-sp"])
+def test_two_nodes_train_as_one(tmp_path, layout):
+    """Two machines of one process each (local rank 0 on both) train as one machine with two
+    processes: the same losses and the same final weights, bit for bit (data shards, devices and
+    file writers follow the global rank); one node logs, and each rank's checkpoint file is
+    written once."""
+    one = torchrun(2, *layout, "max_iters=4", f"out_dir={tmp_path / 'one'}")
+    nodes = two_node_run(*layout, "max_iters=4", f"out_dir={tmp_path / 'two'}")
+    logs = [n for n in nodes if logged_losses(n)]
+    assert len(logs) == 1 and logged_losses(logs[0]) == logged_losses(one) and len(logged_losses(one)) == 4
+    for name in (["ckpt.pt"] if TP2 not in layout else ["ckpt-tp0-pp0.pt", "ckpt-tp1-pp0.pt"]):
+        a = load_checkpoint(newest_checkpoint(tmp_path / "one", name))
+        b = load_checkpoint(newest_checkpoint(tmp_path / "two", name))
+        assert a["iter_num"] == b["iter_num"] == 4
+        assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_resume_at_the_same_layout_is_exact(tmp_path):
