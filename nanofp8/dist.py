@@ -157,6 +157,13 @@ def quantize_chunks(x2, fmt, block=None, observe=None):
     return Fp8Chunks(q.data.view(rows, c), q.scale.view(rows, c // b), n)
 
 
+def observed(mod, operand):
+    """An observe for quantize_chunks: on a statistics step (mod.observer set, nanofp8/stats.py)
+    it records the cast as mod's `operand`; otherwise None."""
+    observer = getattr(mod, "observer", None)
+    return None if observer is None else (lambda src, q: observer.observe(mod, operand, src, q))
+
+
 def shard_len(numel, world, block=None):
     """Length of each rank's chunk when a flat tensor of `numel` values is reduce-scattered:
     ceil(numel / world), rounded up to a multiple of `block`. The flat tensor is zero-padded
@@ -521,9 +528,8 @@ class Fp8DataParallel(nn.Module):
         flat = torch.cat([F.pad((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float(),
                                 (0, n - p.numel())) for p, n in zip(bucket.params, bucket.spans)])
         if isinstance(bucket.fmt, Fp8Format):
-            see = None if self.observer is None else lambda src, q: self.observer.observe(self, "grad", src, q)
             bucket.pending = all_reduce_fp8(flat, self.group, bucket.fmt, bucket.block, op="mean", async_op=True,
-                                            observe=see)
+                                            observe=observed(self, "grad"))
         else:
             bucket.pending = all_reduce_plain(flat, self.group, bucket.fmt, op="mean", async_op=True)
 

@@ -108,7 +108,6 @@ vocabulary-parallel embedding / LM head (replicated under TP), 1F1B or interleav
 torch.compile of the parallel layers, O2 (fp16 master) TP layers.
 """
 
-import functools
 import math
 import re
 from contextlib import nullcontext
@@ -182,19 +181,13 @@ def _gather_operand(x, mod, fmt, operand):
         q = quantize(x2, fmt, r.granularity, r.act_tile, margin=r.margin, power_of_two=r.power_of_two,
                      scale_rule=r.scale_rule)
         rows = Fp8Chunks(q.data, q.scale.view(B * Tl, -1), K)
-    see = _seen(mod, operand)
+    see = D.observed(mod, operand)
     if see is not None:  # a statistics step: this rank's cast of its slice
         see(x2, q)
     got = D.all_gather_fp8(rows, mod.group, keep_fp8=True)  # payload and scales in one buffer
     data = _slices_to_seq(got.data, W, B, Tl)
     scale = got.scale[0, 0] if r.granularity == "tensor" else _slices_to_seq(got.scale, W, B, Tl)
     return Fp8Tensor(data, scale, fmt, q.granularity, q.block, data.shape, x.dtype)
-
-
-def _seen(mod, operand):
-    """On a statistics step, what tells mod's collector of the FP8 cast of `operand` (else None)."""
-    observer = getattr(mod, "observer", None)
-    return None if observer is None or operand is None else functools.partial(observer.observe, mod, operand)
 
 
 def _reduce_scatter_seq(y, mod, fmt, operand=None):
@@ -204,7 +197,7 @@ def _reduce_scatter_seq(y, mod, fmt, operand=None):
     chunks = _seq_to_slices(y, mod.tp)  # chunk r: the tokens rank r keeps
     if mod.comm == "fp8":
         out = D.reduce_scatter_fp8(chunks, mod.group, fmt, block=N, out_dtype=torch.float32,
-                                   observe=_seen(mod, operand))
+                                   observe=D.observed(mod, operand))
     else:
         out = D.reduce_scatter_plain(chunks, mod.group, PLAIN[mod.comm], out_dtype=torch.float32)
     return out.view(B, T // mod.tp, N)
@@ -215,7 +208,7 @@ def _all_reduce(y, mod, fmt, operand=None):
     as _reduce_scatter_seq, of the first of the two FP8 casts.)"""
     if mod.comm == "fp8":
         return D.all_reduce_fp8(y, mod.group, fmt, block=y.shape[-1], out_dtype=torch.float32,
-                                observe=_seen(mod, operand))
+                                observe=D.observed(mod, operand))
     return D.all_reduce_plain(y, mod.group, PLAIN[mod.comm], out_dtype=torch.float32)
 
 
@@ -699,8 +692,8 @@ def pipeline_step(stage, micro_batches, groups, autocast=None, act_fmt=E4M3, gra
     every backward but the last micro-batch's runs in its no_sync()."""
     s, n = groups.pp_rank, len(micro_batches)
     # statistics of the FP8 sends (under TP without SP the group's ranks send the same: one counts)
-    act_seen, grad_seen = ((_seen(stage, "act"), _seen(stage, "grad")) if groups.tp_rank == 0 or stage.seq_div > 1
-                           else (None, None))
+    counted = groups.tp_rank == 0 or stage.seq_div > 1
+    act_seen, grad_seen = (D.observed(stage, "act"), D.observed(stage, "grad")) if counted else (None, None)
     prev = groups.pp_ranks[s - 1] if s > 0 else None
     nxt = groups.pp_ranks[s + 1] if s < groups.pp - 1 else None
     device = next(stage.parameters()).device

@@ -18,6 +18,9 @@ What is checked:
 
 import functools
 import os
+import socket
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +35,7 @@ from nanofp8.model import GPT, GPTConfig
 from nanofp8.ckptfile import load_checkpoint, load_model_state
 
 from nanofp8.layout import check_layout
+from nanofp8.stats import read_records
 from nanofp8.run import TrainingStopped, check_replicas, shard_model
 
 pytestmark = pytest.mark.usefixtures("shakespeare")
@@ -218,8 +222,6 @@ def test_statistics_of_a_cut_model_are_those_of_the_whole(tmp_path, layout):
     operands, the same value counts, the same SQNR up to fp32 summation order (mp_comm=fp32), or
     up to the FP8 rounding of what crosses the ranks, which is then recorded too: TP's partial sums,
     the activations and gradients between pipeline stages."""
-    from nanofp8.stats import read_records
-
     common = ["precision=O1", "max_iters=1", "fp8_stats_interval=1"]
     train.main(conftest.TINY + ["gradient_accumulation_steps=2", *common, f"out_dir={tmp_path / 'one'}"])
     torchrun(4 if TP2 in layout and PP2 in layout else 2, *layout, *common, f"out_dir={tmp_path / 'cut'}")
@@ -249,8 +251,6 @@ def test_statistics_see_the_data_parallel_gradients_sent_in_fp8(tmp_path):
     """DP=2 at O1: rank 0's records include the FP8 cast of the weight gradients its replica sends
     (layer data_parallel, operand grad): every FP8 layer's gradient values, E4M3 with one scale per
     128 values, next to the layers' own operands."""
-    from nanofp8.stats import read_records
-
     torchrun(2, "precision=O1", "max_iters=1", "fp8_stats_interval=1", f"out_dir={tmp_path}")
     recs = {(r["layer"], r["operand"]): r for r in read_records(tmp_path / "fp8_stats.jsonl") if r["iter"] == 0}
     d = 32  # TINY's n_embd: per block c_attn (3d x d), attn.c_proj (d x d), c_fc (4d x d), mlp.c_proj (d x 4d)
@@ -262,11 +262,7 @@ def test_statistics_see_the_data_parallel_gradients_sent_in_fp8(tmp_path):
 def two_node_run(*args):
     """train.py on two "nodes" of one process each, as on two machines: two torchrun launchers
     meeting at a c10d rendezvous on this machine (each rank then has LOCAL_RANK 0). Returns the
-    launchers' CompletedProcess-like outputs."""
-    import socket
-    import subprocess
-    import sys
-
+    launchers' outputs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
