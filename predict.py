@@ -131,10 +131,6 @@ def count_step(model_args, level, batch, seq, recipe=()):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(x, x)
             loss.backward()
-        if level == "O2":  # Fp8AdamW: its step counters are host values (read: this is its first
-            # step), and its rounding generators live on the device (the default one does here)
-            opt._count_steps = lambda states: [1] * len(states)
-            opt.rounding_generator = lambda *args: None
         with Recorder() as step:
             opt.step(**({"grads_finite": True} if level == "O2" else {}))
     return micro.ops, step.ops

@@ -273,7 +273,6 @@ class O2Linear(O2CompileParts, Fp8Linear):
         new.register_buffer("wgrad_in_scale", torch.ones((), device=s.device), persistent=False)
         new.ensure_grad_hook()
         new.train(lin.training)
-        new._fp8_key = None
         new.refresh_fp8_weight()
         new.register_load_state_dict_post_hook(O2Linear._loaded_state)
         return new
@@ -509,17 +508,6 @@ class Fp8AdamW(torch.optim.Optimizer):
                 st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(v, self.formats.v, noise_v)
                 mod.set_weight(w, noise_w)  # the fp16 master, and its FP8 cast for the next forward
         return True
-
-    # The foreach path's pieces, which O3 (ZeroFp8AdamW) runs on its shards: see optim_foreach.py
-    @staticmethod
-    def _count_steps(sts):
-        return _foreach().count_steps(sts)
-
-    def _fp32_update(self, ps, gs, group):
-        _foreach().fp32_update(ps, gs, [self.state[p] for p in ps], group)
-
-    def _decoupled_update(self, sts, ws, gs, group, ts, noises):
-        return _foreach().decoupled_update(self.formats, sts, ws, gs, group, ts, noises)
 
 
 def _foreach():

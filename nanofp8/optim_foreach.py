@@ -27,7 +27,8 @@ import torch
 
 from nanofp8.emulate import amax_each
 from nanofp8.fp8 import compute_scale
-from nanofp8.optim import FP16, FP16_MAX, MASTER_HEADROOM, fp16_scale, adam_ratio_bound, state_block
+from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, fp8_grad, fp16_scale, holds_fp8_grad,
+                           state_block)
 
 STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls
 
@@ -162,7 +163,7 @@ def fp32_update(ps, gs, sts, group):
 
 
 def decoupled_update(formats, sts, ws, gs, group, ts, noises):
-    """Fp8AdamW._decoupled_update: the loop's O2 update for lists of weights. Stores the new
+    """The O2 update of Fp8AdamW.step's loop, for lists of weights. Stores the new
     moments into the states sts (rounded with noises[i][1] and noises[i][2]) and returns the new
     fp32 weights (not yet stored)."""
     # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
@@ -192,7 +193,6 @@ def decoupled_update(formats, sts, ws, gs, group, ts, noises):
 def grads_finite(opt):
     """Fp8AdamW.grads_finite on the foreach path: an O2 gradient by its amax, the others by their
     largest magnitudes, one foreach reduction (NaN propagates through a max, an inf is its own)."""
-    from nanofp8.optim import fp8_grad
     amaxes, plain = [], []
     for group in opt.param_groups:
         for p in group["params"]:
@@ -207,7 +207,6 @@ def grads_finite(opt):
 
 def step(opt):
     """Fp8AdamW.step's update on the foreach path (the gradients are known to be finite)."""
-    from nanofp8.optim import fp8_grad, holds_fp8_grad
     number = {p: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
     for group in opt.param_groups:
         o2, grads, plain = [], [], []

@@ -44,7 +44,8 @@ from .dist import (COMM, Fp8Chunks, all_gather_fp8, any_nonfinite, gather_wgrads
                    held_shard_len, reduce_scatter_fp8)
 from .fp8 import BLOCK, E4M3, Fp8Tensor, compute_scale, dequantize, expand_tiles, measure_amax, quantize
 from .optim import Fp8AdamW, O2Linear, convert_to_o2, holds_fp8_grad, quantize_blocks, state_block, to_fp16_scaled
-from .optim_foreach import dequantize_blocks_all, step_chunks, to_fp16_scaled_all
+from .optim_foreach import (count_steps, decoupled_update, dequantize_blocks_all, fp32_update, step_chunks,
+                            to_fp16_scaled_all)
 
 
 class O3Linear(O2Linear):
@@ -221,15 +222,15 @@ class ZeroFp8AdamW(Fp8AdamW):
                 if not self.state[p]:
                     self._init_state(p)
             if plain:
-                self._fp32_update(plain, [p.grad for p in plain], group)
+                fp32_update(plain, [p.grad for p in plain], [self.state[p] for p in plain], group)
             for i, j in step_chunks([shards[index[p]] for p in mine]):  # (runs that bound the temporaries)
                 part = mine[i:j]
                 sts = [self.state[p] for p in part]
-                ts = self._count_steps(sts)
+                ts = count_steps(sts)
                 gs = [shards[index[p]] for p in part]
                 noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(part, ts, gs)]
                 ws = dequantize_blocks_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
-                ws = self._decoupled_update(sts, ws, gs, group, ts, noises)
+                ws = decoupled_update(self.formats, sts, ws, gs, group, ts, noises)
                 for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, [n[0] for n in noises])):
                     st["master"], st["master_scale"] = master, scale
                 new += list(zip(part, ws))
