@@ -126,8 +126,8 @@ def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
 
 def test_each_log_line_reaches_the_pipe_whole(tmp_path, monkeypatch):
     """stdout to a pipe or a file is block-buffered: unflushed, a buffer boundary can fall inside a
-    line, and under torchrun another rank's write then splits it (a resumed run lost its "iter 6"
-    line that way). Every message train.py logs is written whole, as it is printed."""
+    line, and under torchrun another rank's write then splits it, so that a log reader loses the
+    line. Every message train.py logs is written whole, as it is printed."""
     class Pipe(io.RawIOBase):  # records each write that reaches the "pipe"
         writes = []
 
