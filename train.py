@@ -66,7 +66,7 @@ from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
-                         nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
+                         no_sync, nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
                          save_unless_diverged, shard_model, show_fp8_layers, sync_gradients, weights_finite,
                          wrap_data_parallel)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
@@ -148,6 +148,7 @@ fp8_alarm_saturation_severe = 0.01  # alarm at once: this fraction of an operand
 tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, MLP units)
 sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
 pipeline_parallel = 1  # cut the blocks into this many stages, fed micro-batches (GPipe)
+engine = "nanofp8"  # "nanofp8": the hand-written engine above | "torch": FSDP2, DTensor TP, DCP (nanofp8/torchstack.py)
 # system
 device = "auto"  # "auto" (cuda if available, else cpu) | "cpu" | "cuda" | "cuda:1" ...
 compile = None  # torch.compile the model; None = on for CUDA, off for CPU
@@ -438,7 +439,7 @@ def main(argv=None):
             loss = torch.zeros((), device=layout.device)  # the mean over the micro-batches, for the log
             for micro_step, (x, y) in enumerate(batches):
                 # The replicas sum gradients during the last micro-step's backward only.
-                with model.no_sync() if layout.dp > 1 and micro_step < accum - 1 else nullcontext():
+                with no_sync(model) if micro_step < accum - 1 else nullcontext():
                     with autocast:
                         _, micro_loss = model(x, y)
                     (micro_loss / accum).backward()  # the step's gradient: the mean over micro-steps

@@ -228,6 +228,15 @@ def read_checkpoint(out_dir):
 
     found, notes = find_checkpoint(out_dir)
     files = [found.file(f) for f in found.files]
+    if found.manifest is not None and found.layout().get("engine") == "torch":  # DCP shards
+        from nanofp8.torchstack import read_dcp_set
+
+        state, meta = read_dcp_set(found)
+        layout = dict(tensor_parallel=meta["config"].get("tensor_parallel", 1), pipeline_parallel=1, zero_world=None)
+        return state, dict(model_args=meta["model_args"], config=meta["config"], iter_num=meta["iter_num"],
+                           best_val_loss=meta.get("best_val_loss", float("inf")), files=files[:1] + [
+                               found.file("dcp")],
+                           precision=meta["config"]["precision"], notes=notes, layout=layout)
     stages = {}
     first = None
     for name, path in zip(found.files, files):
@@ -273,8 +282,11 @@ def same_layout(precision, layout, cfg, world_size):
     """Whether train.py can load the checkpoint as it is: the same level, the same TP/PP cut, and
     for O3 the same number of optimizer shards (other levels replicate their state over the
     data-parallel ranks, so the data-parallel size may change freely)."""
-    if precision != cfg["precision"]:
+    engine = cfg.get("engine", "nanofp8")
+    if precision != cfg["precision"] or layout.get("engine", "nanofp8") != engine:
         return False
+    if engine == "torch":  # DCP re-cuts the shards for any data-parallel size
+        return layout["tensor_parallel"] == cfg["tensor_parallel"]
     if any(layout[k] != cfg[k] for k in ("tensor_parallel", "pipeline_parallel")):
         return False
     if precision == "O3":

@@ -225,7 +225,7 @@ def load_checkpoint(path, map_location="cpu", expect=None):
                                   f"its tensors (the iteration or the settings); restore the file from "
                                   f"a copy or use another checkpoint")
     for key in ("model", "model_args", "config", "iter_num"):
-        if key not in ckpt:
+        if key not in ckpt and not (key == "model" and "dcp" in ckpt):  # (engine=torch: the shards in dcp/)
             raise CheckpointError(f"checkpoint {path} has no '{key}' entry")
     return ckpt
 

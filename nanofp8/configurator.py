@@ -195,6 +195,7 @@ def check_train_config(cfg):
         raise ConfigError(f"config key 'device' must be 'auto', 'cpu' or 'cuda[:N]', got {cfg['device']!r}")
     check_values(cfg)
     check_model_parallel(cfg)
+    check_engine(cfg)
     check_stats(cfg)
     return types.MappingProxyType(dict(cfg))
 
@@ -315,6 +316,30 @@ def check_model_parallel(cfg):
     if cfg["compile"]:
         raise ConfigError(f"compile=True with tensor_parallel={tp}, pipeline_parallel={pp}: the parallel "
                           "layers run eagerly (their collectives are not compiled); set compile=False")
+
+
+def check_engine(cfg):
+    """engine=torch (nanofp8/torchstack.py): what torch's stack does not run here, refused by name."""
+    check_choice(cfg, "engine", ("nanofp8", "torch"))
+    if cfg["engine"] == "nanofp8":
+        return
+    tp, use = cfg["tensor_parallel"], "use engine=nanofp8 (the hand-written engine) for it"
+    if cfg["pipeline_parallel"] > 1:
+        raise ConfigError(f"engine=torch has no pipeline parallelism (pipeline_parallel={cfg['pipeline_parallel']}): {use}")
+    if cfg["precision"] in ("O2", "O3"):
+        raise ConfigError(f"precision={cfg['precision']} does not run on engine=torch: its FP8 weight gradients live "
+                          f"outside .grad, and FSDP2 reduce-scatters only .grad; its moments carry a scale per 128 "
+                          f"values of a shard, which DCP cannot re-cut for another world size (README: 'Scaling "
+                          f"beyond one machine'); {use}, or precision=O1 on engine=torch")
+    if tp > 1 and cfg["fp8_scaling"] == "delayed":
+        raise ConfigError(f"fp8_scaling=delayed with engine=torch and tensor_parallel={tp}: each TP rank keeps its own "
+                          f"amax history, which a DCP checkpoint would save as one; use fp8_scaling=current, or {use}")
+    if tp > 1 and cfg["fp8_lm_head"]:
+        raise ConfigError(f"fp8_lm_head=True with engine=torch and tensor_parallel={tp}: the replicated LM head runs "
+                          f"bf16 there; set fp8_lm_head=False, or {use}")
+    if cfg["fp8_stats_interval"]:
+        raise ConfigError(f"fp8_stats_interval={cfg['fp8_stats_interval']} with engine=torch: the FP8 statistics "
+                          f"are collected by the hand-written engine only; set fp8_stats_interval=0, or {use}")
 
 
 def check_accumulation(cfg, dp_size):

@@ -59,6 +59,8 @@ class Layout:
     rank: int = 0
     world: int = 1
     device: str = "cpu"
+    engine: str = "nanofp8"  # "nanofp8" (the hand-written engine) | "torch" (nanofp8/torchstack.py)
+    mesh: object = None  # torch's DeviceMesh of the grid, (pp, dp, tp), under torchrun
 
     @property
     def model_parallel(self):
@@ -106,7 +108,7 @@ class Layout:
                 f"pipeline parallel")
 
 
-def make_layout(tp=1, pp=1, device=None):
+def make_layout(tp=1, pp=1, device=None, engine="nanofp8"):
     """The layout of an initialized process group, arranged as pp x dp x tp by DeviceMesh. Every
     rank must call it (creating a group is a collective, in the same order everywhere)."""
     world, me = dist.get_world_size(), dist.get_rank()
@@ -126,7 +128,7 @@ def make_layout(tp=1, pp=1, device=None):
     return Layout(dp=dp, tp=tp, pp=pp, dp_rank=coord[1], tp_rank=coord[2], pp_rank=coord[0],
                   dp_group=mesh.get_group("dp"), tp_group=mesh.get_group("tp"),
                   pp_group=mesh.get_group("pp"), pp_ranks=pp_ranks, embed_group=embed,
-                  rank=me, world=world, device=device)
+                  rank=me, world=world, device=device, engine=engine, mesh=mesh)
 
 
 def check_layout(cfg, launched, world):
@@ -158,7 +160,7 @@ def start(cfg, check=lambda dp_size: None):
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: use TF32
         torch.backends.cudnn.allow_tf32 = True
     if not launched:
-        return Layout(device=device)
+        return Layout(device=device, engine=cfg["engine"])
     if device.startswith("cuda"):
         device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
@@ -170,7 +172,7 @@ def start(cfg, check=lambda dp_size: None):
                          f"({type(e).__name__}: {first}): a rank stopped or failed before joining; see "
                          f"its own error") from None
     check_same_config(cfg)
-    return make_layout(cfg["tensor_parallel"], cfg["pipeline_parallel"], device)
+    return make_layout(cfg["tensor_parallel"], cfg["pipeline_parallel"], device, cfg["engine"])
 
 
 class GroupError(RuntimeError):

@@ -336,15 +336,21 @@ class TPLinear(Fp8Linear):
             return quantize(x2, fmt, "tensor", scale=_shared_scale(x2, self, fmt))
         return super().quantize_operand(role, x2, fmt)
 
+    def shard(self):
+        """(weight, bias) as this rank's GEMM reads them: its own tensors here; engine=torch's
+        layer holds DTensors and hands over their local shards (nanofp8/torchstack.py)."""
+        return self.weight, self.bias
+
     def forward(self, x):
         dev, given = x.device.type, Gathered()
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        w, b = self.shard()
         if self.parallel == "column":
             x = _ShardInput.apply(x, self, given)
-            return Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, given)
-        y = Fp8LinearFunction.apply(x, self.weight, None, self, out_dtype, given)
+            return Fp8LinearFunction.apply(x, w, b, self, out_dtype, given)
+        y = Fp8LinearFunction.apply(x, w, None, self, out_dtype, given)
         y = _ShardOutput.apply(y, self, given)
-        return y if self.bias is None else y + self.bias.to(y.dtype)  # the bias once, after the sum
+        return y if b is None else y + b.to(y.dtype)  # the bias once, after the sum
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, {self.parallel}-parallel x{self.tp}, sp={self.sp}, "
@@ -394,12 +400,15 @@ class TPLinearPlain(nn.Module):
         self.out_features, self.in_features = weight.shape
         _hold_shard(self, weight, bias, parallel, group, sp, comm)
 
+    shard = TPLinear.shard
+
     def forward(self, x):
+        w, b = self.shard()
         if self.parallel == "column":
             x = _PlainRegion.apply(x, "gather" if self.sp else "copy", self)
-            return F.linear(x, self.weight, self.bias)
-        y = _PlainRegion.apply(F.linear(x, self.weight), "scatter" if self.sp else "reduce", self)
-        return y if self.bias is None else y + self.bias.to(y.dtype)  # added once, after the sum
+            return F.linear(x, w, b)
+        y = _PlainRegion.apply(F.linear(x, w), "scatter" if self.sp else "reduce", self)
+        return y if b is None else y + b.to(y.dtype)  # added once, after the sum
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -26,12 +26,13 @@ import signal
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 
-from . import device, emulate, parallel
+from . import device, emulate, parallel, torchstack
 from .checkpoint import find_checkpoint, initial_weights, load_moments
 from .configurator import ConfigError
 from .data import DataError
@@ -96,7 +97,7 @@ def shard_model(model, cfg, layout):
     module that is trained and checkpointed from here on (the model itself for one process or
     plain data parallelism)."""
     c, tp, pp = model.config, layout.tp, layout.pp
-    if tp * pp == 1:
+    if tp * pp == 1 and layout.engine == "nanofp8":
         return model
     # parallel.py would raise ValueErrors; say which keys to change instead
     if c.n_head % tp or c.hidden % tp:
@@ -104,6 +105,8 @@ def shard_model(model, cfg, layout):
                           f"({c.hidden}, mlp_hidden=0: the architecture's default)")
     if c.n_layer < pp:
         raise ConfigError(f"pipeline_parallel={pp} stages need n_layer >= {pp}, got {c.n_layer}")
+    if layout.engine == "torch":  # DTensor TP, FSDP2 (nanofp8/torchstack.py)
+        return torchstack.shard_model(model, cfg, layout, mp_comm_format(cfg))
     # FP8 levels: TPLinear (FP8 GEMMs, partial sums and SP gathers sent in mp_comm). bf16: the
     # same cut with bf16 GEMMs and bf16 collectives, the baseline that Megatron-LM runs.
     parallel.parallelize(model, layout.tp_group, sp=cfg["sequence_parallel"], comm=mp_comm_format(cfg))
@@ -122,6 +125,8 @@ def pipeline_loss(model, batches, layout, autocast, cfg, train=True):
     averaged over the replicas so that it compares with one device's. train=False: the loss of
     an evaluation batch, forwards only (the last stage computes it and hands it to every rank of
     the pipeline; the caller averages over the replicas)."""
+    if layout.engine == "torch":  # no pipeline there: the TP ranks run the micro-steps together
+        return torchstack.forward_backward(model, batches, layout, autocast, train)
     act_fmt, grad_fmt = pipeline_formats(cfg)
     if not train:
         return parallel.pipeline_step(_stage(model), batches, layout, autocast=autocast, train=False,
@@ -143,7 +148,9 @@ def sync_gradients(model, layout):
     embedding (first and last stage). Then the replicas: torch's DDP has averaged during
     backward; Fp8DataParallel has launched its buckets during backward and finishes them here
     (O2: also the FP8 weight gradients kept outside .grad; O3's are reduce-scattered shards that
-    optimizer_step hands to the optimizer)."""
+    optimizer_step hands to the optimizer). engine=torch: torchstack.sync_gradients."""
+    if layout.engine == "torch":
+        return torchstack.sync_gradients(model, layout)
     if layout.model_parallel:
         parallel.sync_model_parallel_grads(_stage(model), layout)
     if not isinstance(model, Fp8DataParallel):
@@ -160,7 +167,7 @@ def wrap_data_parallel(model, cfg, layout):
     each layer's "weight gradient ready" hook: O2 all-reduces them, O3 reduce-scatters them.
     Model parallel: TPDataParallel over the replicas (it broadcasts replica 0's weights)."""
     fmt, rest = grad_comm_format(cfg)
-    if layout.dp == 1:
+    if layout.dp == 1 or layout.engine == "torch":  # (engine=torch: FSDP2, applied by shard_model)
         return model
     if layout.model_parallel:
         return parallel.TPDataParallel(model, layout, fmt=fmt, rest=rest, overlap=True)
@@ -172,9 +179,17 @@ def wrap_data_parallel(model, cfg, layout):
     return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True, wgrads=wgrads)
 
 
+def no_sync(model):
+    """The replicas do not sum gradients in this micro-step (DDP's and Fp8DataParallel's no_sync).
+    One process has none to sum; FSDP2 reduce-scatters at every micro-step (torchstack.py)."""
+    return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
+
+
 def clip(model, max_norm, layout):
     """Clip by the whole model's gradient norm, the same on every rank (model parallel: no rank
     holds the whole gradient; parallel.clip_grad_norm_ adds up the pieces). Returns the norm."""
+    if layout.engine == "torch":
+        return torchstack.clip(model, max_norm, layout)
     if layout.model_parallel:
         return parallel.clip_grad_norm_(_stage(model), max_norm, layout)
     return clip_grad_norm(model, max_norm)  # sees O2's FP8 gradients too
@@ -186,15 +201,18 @@ def check_replicas(stage, layout):
     data-parallel replicas, the unsharded ones over the tensor group, the tied embedding copies
     between first and last stage. Each rank all-gathers one checksum of the bits per tensor;
     parallel.py's design makes them bit-identical, and silent drift would train a different model
-    on every rank (checked at every evaluation: a few bytes and one pass over the weights)."""
+    on every rank (checked at every evaluation: a few bytes and one pass over the weights).
+    engine=torch: its replicated DTensors, over all ranks (FSDP2's shards differ by design)."""
     named = list(stage.named_parameters())
     checks = (("data-parallel replicas", layout.dp_group, layout.dp, lambda p: True),
               ("tensor-parallel ranks", layout.tp_group, layout.tp,
                lambda p: not getattr(p, "tp_sharded", False)),
               ("tied embedding copies", layout.embed_group, 2 if layout.pp > 1 else 1,
                lambda p: getattr(p, "pp_tied", False)))
+    if layout.engine == "torch":
+        checks = (("ranks", dist.group.WORLD, layout.world, torchstack.replicated),)
     for what, group, n, keep in checks:
-        ps = [(k, p) for k, p in named if keep(p)]
+        ps = [(k, torchstack.local(p)) for k, p in named if keep(p)]
         if n == 1 or not ps or group is None:
             continue
         mine = torch.stack([p.detach().float().view(torch.int32).sum(dtype=torch.int64) for _, p in ps])
@@ -209,7 +227,9 @@ def check_replicas(stage, layout):
 
 def load_resumed(stage, ckpt):
     """Load the resumed checkpoint's weights into this rank's stage; refuse a checkpoint that
-    holds non-finite values (the run that wrote it had diverged)."""
+    holds non-finite values (the run that wrote it had diverged). (engine=torch: restore_state.)"""
+    if "dcp" in ckpt:
+        return
     load_model_state(stage, ckpt["model"], ckpt["path"])
     bad = nonfinite_tensors(stage)
     if bad:
@@ -241,7 +261,8 @@ class TrainingStopped(RuntimeError):
 def nonfinite_tensors(model):
     """Names of the floating-point parameters and buffers holding a NaN or an Inf, with one
     device sync for the whole model (FP8 tensors are widened: isfinite has no FP8 kernel)."""
-    named = [(k, t) for k, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()]
+    named = [(k, torchstack.local(t)) for k, t in (*model.named_parameters(), *model.named_buffers())
+             if t.is_floating_point()]
     if not named:
         return []
     ok = torch.stack([torch.isfinite(t if t.element_size() > 1 else t.float()).all() for _, t in named])
@@ -259,7 +280,7 @@ def weights_finite(model, layout):
     by_dtype = {}
     for t in (*model.parameters(), *model.buffers()):
         if t.is_floating_point():
-            t = t.detach()
+            t = torchstack.local(t.detach())
             if t.element_size() == 1:
                 t = emulate.fp8_to_float(t)  # no FP8 kernels
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -321,8 +342,11 @@ def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok
 
 def checkpoint_name(layout):
     """This rank's file in a checkpoint set: ckpt.pt; under model parallelism one file per (tensor,
-    pipeline) rank: that rank's shards (the GPT's keys) and its optimizer state."""
-    return f"ckpt-{parallel.checkpoint_suffix(layout)}.pt" if layout.model_parallel else "ckpt.pt"
+    pipeline) rank: that rank's shards (the GPT's keys) and its optimizer state
+    (engine=torch: ckpt.pt, rank 0's, beside the shards in dcp/: nanofp8/torchstack.py)"""
+    if layout.model_parallel and layout.engine == "nanofp8":
+        return f"ckpt-{parallel.checkpoint_suffix(layout)}.pt"
+    return "ckpt.pt"
 
 
 def agree(layout, problem):
@@ -400,13 +424,15 @@ def check_room(model, cfg, layout, log):
         f"{cfg['keep_checkpoints']} kept in {cfg['out_dir']} ({free / 2**30:,.1f} GiB free)")
 
 
-def save_checkpoint_set(state, cfg, layout, iter_num, **extra):
+def save_checkpoint_set(state, cfg, layout, iter_num, write=None, **extra):
     """Write one checkpoint set (nanofp8/outdir.py), on every rank: rank 0 makes its directory,
     every writing rank saves its file into it, and once all of them have, rank 0 writes the
     manifest that makes the set complete, then removes the sets beyond keep_checkpoints. A write
     that fails on any rank is a WriteError on every rank, and the partial set is removed; so is
     the set of a save that Ctrl-C interrupts in one process (under torchrun the next save removes
-    it; readers ignore it). Returns the set (on rank 0; None elsewhere)."""
+    it; readers ignore it). Returns the set (on rank 0; None elsewhere). write(set directory), if
+    given, writes on every rank, after the writer's file, and returns [(file, record)] (engine=torch:
+    its DCP shards, torchstack.write_dcp)."""
     out_dir, name = cfg["out_dir"], checkpoint_name(layout)
     path = os.path.join(out_dir, set_name(iter_num))
     try:
@@ -417,11 +443,13 @@ def save_checkpoint_set(state, cfg, layout, iter_num, **extra):
             except WriteError as e:
                 problem = str(e)
         problem = agree(layout, problem)  # the directory exists before anyone writes into it
-        record = None
-        if problem is None and layout.writer:
+        record = []
+        if problem is None and (layout.writer or write):
             try:
                 os.makedirs(path, exist_ok=True)  # (an out_dir that is not shared between nodes)
-                record = (name, save_checkpoint(state, os.path.join(path, name)))
+                if layout.writer:
+                    record.append((name, save_checkpoint(state, os.path.join(path, name))))
+                record += write(path) if write else []
             except WriteError as e:
                 problem = str(e)
         records = [(record, problem)] if layout.world == 1 else [None] * layout.world
@@ -430,9 +458,10 @@ def save_checkpoint_set(state, cfg, layout, iter_num, **extra):
         problem = next((p for _, p in records if p), None)
         done = None
         if problem is None and layout.master:
-            files = dict(r for r, _ in records if r)  # in rank order: rank 0's file first
+            files = dict(f for r, _ in records for f in r)  # in rank order: rank 0's file first
             info = {"precision": cfg["precision"], "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
-                    "zero_world": layout.world if cfg["precision"] == "O3" else None, "world_size": layout.world}
+                    "zero_world": layout.world if cfg["precision"] == "O3" else None, "world_size": layout.world,
+                    **({"engine": "torch"} if layout.engine == "torch" else {})}
             try:
                 done = commit_set(path, iter_num, files, info, config=dict(cfg), **extra)
                 prune(out_dir, cfg["keep_checkpoints"])
@@ -465,9 +494,10 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
                                   f"{last_good(cfg['out_dir'])}: resume from it with a lower learning_rate")
         return
     best = min(best_val_loss, val_loss)
+    dcp = layout.engine == "torch"  # model and optimizer: every rank's shards in dcp/
     state = {
-        "model": raw_model.state_dict(),  # includes the FP8 scaling state (buffers)
-        "optimizer": optimizer_state(optimizer, layout),
+        **({"dcp": torchstack.DCP_DIR} if dcp else {"model": raw_model.state_dict(),  # with FP8 scaling state
+                                                    "optimizer": optimizer_state(optimizer, layout)}),
         "model_args": derived["model_args"],
         "config": dict(cfg),
         "derived": {k: v for k, v in derived.items() if k != "model_args"},
@@ -477,10 +507,11 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
         "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
                  "tokens_seen": iter_num * derived["tokens_per_iter"]},
     }
-    done = save_checkpoint_set(state, cfg, layout, iter_num, val_loss=val_loss, best_val_loss=best)
+    write = (lambda path: torchstack.write_dcp(raw_model, optimizer, path, layout)) if dcp else None
+    done = save_checkpoint_set(state, cfg, layout, iter_num, write, val_loss=val_loss, best_val_loss=best)
     if done is not None:
-        log(f"saved checkpoint to {done.path}" + (f" ({len(done.files)} files: one per tensor and pipeline "
-                                                  "rank)" if layout.model_parallel else ""))
+        log(f"saved checkpoint to {done.path}" + (f" ({len(done.files) - 1} DCP files)" if dcp else f" ("
+            f"{len(done.files)} files: one per tensor and pipeline rank)" if layout.model_parallel else ""))
 
 
 def finish(cfg, layout):
@@ -617,7 +648,9 @@ def resume_point(cfg, layout, vocab_size, log):
         name = checkpoint_name(layout)
         path = found.file(name)
         ckpt = load_checkpoint(path, map_location=layout.device, expect=found.expected(name))
-        if "optimizer" not in ckpt:
+        if "dcp" in ckpt:  # engine=torch: the shards are read once the optimizer exists (restore_state)
+            ckpt["dcp"] = found.file(ckpt["dcp"])
+        elif "optimizer" not in ckpt:
             raise CheckpointError(f"{path} has no 'optimizer' entry (Adam's state), so the run cannot go on "
                                   f"exactly from it: fine-tune from its weights instead, with init_from="
                                   f"{found.path} and another out_dir (from iteration 0, with a fresh optimizer)")
@@ -646,7 +679,10 @@ def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
         return converted["iter_num"], converted["best_val_loss"]
     if ckpt is None:
         return 0, float("inf")
-    load_optimizer_state(optimizer, ckpt["optimizer"], ckpt["path"], layout)
+    if "dcp" in ckpt:
+        torchstack.load_dcp(model, optimizer, ckpt)  # weights and optimizer state, at any dp size
+    else:
+        load_optimizer_state(optimizer, ckpt["optimizer"], ckpt["path"], layout)
     if not ("rng" in ckpt and restore_rng(ckpt["rng"], layout)):
         log("note: the checkpoint has no dropout RNG state for this world size: reseeded, so "
             "with dropout > 0 the resumed run differs from an uninterrupted one")

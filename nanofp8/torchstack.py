@@ -1,0 +1,320 @@
+"""
+engine="torch": the same GPT, FP8 layers and training loop, scaled on torch's own stack.
+
+nanofp8's hand-written engine (dist.py, zero.py, parallel.py) is the lesson: every byte that
+crosses ranks is in view, and O2/O3's precision decoupling lives there. A run that outgrows a
+machine wants what torchtitan and torchao's float8 build on instead: FSDP2 (fully_shard), DTensor
+tensor parallelism and DCP checkpoints, which compose with the rest of torch (other models,
+optimizers, checkpoint tools). engine=torch puts nanofp8's FP8 layers on that stack:
+
+    torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py engine=torch      # FSDP2 over 8 ranks
+    torchrun --nproc_per_node=8 train.py config/gpt2_fp8.py engine=torch \\
+        tensor_parallel=2 sequence_parallel=True                               # 4 x FSDP2, 2 x TP
+
+1. Data parallelism: FSDP2
+--------------------------
+fully_shard(block) for every block, then fully_shard(model) for what is left (embeddings, final
+norm, LM head): each rank keeps 1/N of every parameter (a DTensor cut along dim 0), of its
+gradient and of its Adam moments. A block's weights are all-gathered before its forward and
+again before its backward, its gradients reduce-scattered after its backward, at every
+micro-step (holding whole gradients until the last one would cost the memory FSDP2 saves). At O1
+the FP8 layers' weights travel in FP8 (nanofp8/fsdp.py): each rank casts its shard with the one
+scale all ranks agree on, so the gathered bytes are the FP8 cast of the whole weight, which the
+forward and dgrad GEMMs read as they are. That is a quarter of the fp32 all-gather's bytes.
+
+2. Tensor parallelism: DTensor
+------------------------------
+The cut of parallel.py (its section 1, the same tp_plan): c_attn and c_fc column-parallel, the two
+c_proj row-parallel. Every parameter becomes a DTensor over the mesh's "tp" dimension, so that the
+optimizer, gradient clipping, FSDP2 and DCP know each tensor's whole shape and which piece lives
+where. The GEMMs and their FP8 collectives are parallel.py's TPLinear (an SP all-gather in FP8 with
+an agreed scale, partial sums in mp_comm), run on the local shards: torch's own ColwiseParallel
+would all-gather the high-precision input and cast it afterwards.
+
+The fused q/k/v weight (3 * n_embd, n_embd) holds [q | k | v]. A rank needs the same heads of all
+three: rows that are three slices of the fused matrix, not one DTensor placement. Held as
+(3, n_embd, n_embd) and cut along dim 1, they are Shard(1): the checkpoint knows the cut, and a
+one-process reader gets the fused matrix back by a reshape. LLaMA's [gate | up] likewise,
+(2, hidden, n_embd). Under sequence parallelism the block norms are torch's SequenceParallel style:
+each reads its rank's tokens, so its weight gradient is a Partial sum, summed over the TP ranks
+in sync_gradients (parallel.py's sp_partial, here said by the DTensor's placement). Embeddings,
+final norm and LM head are replicated DTensors that read and write plain tensors.
+
+3. Checkpoints: DCP
+-------------------
+A checkpoint set (nanofp8/outdir.py) holds dcp/, written by torch.distributed.checkpoint from
+every rank at once, each rank its own shards and no rank another's, and ckpt.pt (settings,
+position, every rank's dropout RNG), written by rank 0. The manifest lists every file with its
+hash, as for the hand-written engine. DCP stores each tensor by name with its whole shape, so a
+resume reads the shards it needs at any data-parallel size: FSDP2 over 2 ranks resumes over 1 or
+4, Adam's moments included, bit for bit at the same size. Another tensor_parallel, level or
+engine goes through nanofp8/checkpoint.py's conversion (weights exact, moments restart), and so
+do sample.py and export.py: read_dcp_set reads a set in one process into the single-device GPT.
+
+4. What runs where (README: "Scaling beyond one machine")
+---------------------------------------------------------
+bf16 and O1, FSDP2 and/or TP (+SP). Not here, refused by the config check with the reason:
+pipeline parallelism, O2 and O3 (their FP8 weight gradient lives outside .grad, which is all
+FSDP2 reduce-scatters; their moments carry a scale per 128 values of a shard, tied to the
+layout that cut it), delayed scaling under TP (one amax history per TP rank, which DCP would
+save as one replicated tensor), and an FP8 LM head under TP.
+"""
+
+import hashlib
+import os
+import warnings
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+from . import parallel
+from .ckptfile import CheckpointError, WriteError, load_checkpoint
+from .fp8 import Fp8Linear
+
+DCP_DIR, META = "dcp", "ckpt.pt"
+
+
+def local(t):
+    """A DTensor's local piece; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# -----------------------------------------------------------------------------
+# 2. Tensor parallelism
+
+
+class _DTensorShard:
+    """What engine=torch adds to parallel.py's TP layers: DTensor parameters. The GEMM reads their
+    local shards, fused pieces flattened back into rows."""
+
+    bias_grad = None  # placements of the bias gradient: Partial for a row bias under SP
+
+    def shard(self):
+        w = self.weight.to_local()
+        b = None if self.bias is None else self.bias.to_local(grad_placements=self.bias_grad)
+        return w.reshape(-1, w.shape[-1]), None if b is None else b.reshape(-1)
+
+
+class TorchTPLinear(_DTensorShard, parallel.TPLinear):
+    """parallel.TPLinear with DTensor parameters (the FP8 levels)."""
+
+    def hp_weight(self):
+        return self.shard()[0]
+
+
+class TorchTPLinearPlain(_DTensorShard, parallel.TPLinearPlain):
+    """parallel.TPLinearPlain with DTensor parameters (bf16)."""
+
+
+def _as_dtensors(mod, mesh, pieces):
+    """Replace a TP layer's own shards by DTensors of the whole tensors over `mesh` (section 2)."""
+    w, b = mod.weight.detach(), None if mod.bias is None else mod.bias.detach()
+    if mod.parallel == "row":
+        w_place, b_place = Shard(1), Replicate()  # the bias is added once, after the sum
+        mod.bias_grad = [Partial()] if mod.sp else None  # under SP a rank sees its own tokens' share
+    elif pieces > 1:  # [q | k | v] or [gate | up]: this rank's rows of each piece, Shard(1)
+        w, b, w_place, b_place = w.view(pieces, -1, w.shape[-1]), b if b is None else b.view(pieces, -1), Shard(1), Shard(1)
+    else:
+        w_place = b_place = Shard(0)
+    mod.weight = nn.Parameter(DTensor.from_local(w, mesh, [w_place], run_check=False))
+    if b is not None:
+        mod.bias = nn.Parameter(DTensor.from_local(b, mesh, [b_place], run_check=False))
+
+
+def _replicate(module, mesh):
+    """Parameters that every TP rank holds whole, as replicated DTensors; the module reads and
+    writes plain tensors (its inputs enter as replicated DTensors, its output leaves as local)."""
+    to_dt = lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False) if torch.is_tensor(t) else t  # noqa: E731
+    distribute_module(module, mesh, input_fn=lambda mod, inputs, m: tuple(to_dt(t) for t in inputs),
+                      output_fn=lambda mod, out, m: local(out))
+
+
+def tensor_parallel(model, mesh, sp, comm):
+    """Cut a GPT (precision set up: Fp8Linear at the FP8 levels) over the 1-D mesh `mesh`, in place."""
+    tp, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    plan = parallel.tp_plan(model.config)
+    for i, block in enumerate(model.blocks):
+        recipe = getattr(block.attn.c_attn, "recipe", None)
+
+        def make(w, b, cut, name, i=i, recipe=recipe):
+            if recipe is None:
+                mod = TorchTPLinearPlain(w, b, cut, group, sp, comm)
+            else:
+                mod = TorchTPLinear(w, b, cut, group, sp, recipe, comm, f"blocks.{i}.{name}")
+            _as_dtensors(mod, mesh, len(plan[name][1]))
+            return mod
+
+        parallel.shard_linears(block, plan, rank, tp, make)
+        for norm in (block.norm_1, block.norm_2):
+            if sp:  # reads this rank's tokens, a DTensor Shard(1) inside; writes them, plain
+                parallelize_module(norm, mesh, SequenceParallel(use_local_output=True))
+            else:
+                _replicate(norm, mesh)
+    _replicate(model.tok_emb, mesh)
+    if model.pos_emb is not None:
+        _replicate(model.pos_emb, mesh)
+    if model.config.tie_embeddings:  # one Parameter for both: a DTensor already, kept as it is
+        model.lm_head.weight = model.tok_emb.weight
+    _replicate(model.lm_head, mesh)
+    _replicate(model.norm_f, mesh)
+    if sp:  # the block stack is sequence-parallel: enter and leave it as parallel.parallelize does
+        model.blocks[0].register_forward_pre_hook(
+            lambda m, args: (parallel._SeqScatter.apply(args[0], group), *args[1:]))
+        model.blocks[-1].register_forward_hook(lambda m, args, out: parallel._SeqGather.apply(out, group))
+    return model
+
+
+# -----------------------------------------------------------------------------
+# 1. Data parallelism, and the model of a run
+
+
+def shard_model(model, cfg, layout, comm):
+    """This rank's model under engine=torch: cut over the TP ranks (comm: what TP collectives
+    send, run.mp_comm_format), then sharded over the data-parallel ranks by FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model.modules():  # FSDP2 gathers a new weight at every forward: nothing to cache
+        if isinstance(m, Fp8Linear):
+            m.cache_weight = False
+    if layout.tp > 1:
+        tensor_parallel(model, layout.mesh["tp"], cfg["sequence_parallel"], comm)
+    if layout.dp > 1:
+        if layout.tp == 1 and cfg["precision"] != "bf16":
+            from .fsdp import fp8_all_gather  # the FP8 weights' all-gather (section 1)
+
+            fp8_all_gather(model)
+        mesh = layout.mesh["dp"]
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model.engine = "torch"
+    return model
+
+
+def forward_backward(model, batches, layout, autocast, train=True):
+    """train.py's micro-step loop, for a model cut over TP ranks (run.pipeline_loss hands it here):
+    the mean loss over `batches`, backward of each (train), averaged over the replicas (train)."""
+    loss = torch.zeros((), device=layout.device)
+    for x, y in batches:
+        with autocast:
+            _, micro = model(x, y)
+        if train:
+            (micro / len(batches)).backward()
+        loss += micro.detach().float()
+    loss = loss / len(batches)
+    if train and layout.dp > 1:
+        dist.all_reduce(loss, group=layout.dp_group)
+        loss = loss / layout.dp
+    return loss
+
+
+@torch.no_grad()
+def sync_gradients(model, layout):
+    """FSDP2 has reduce-scattered during backward. What is left: the Partial gradients of SP
+    (norm gains, row biases), summed over the TP ranks. Returns 1.0 (a NaN reaches the norm)."""
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+    return torch.ones((), device=layout.device)
+
+
+@torch.no_grad()
+def clip(model, max_norm, layout):
+    """Clip by the whole model's gradient norm, the same on every rank. Each piece of a gradient
+    counts once: a DTensor's local piece on the ranks at coordinate 0 of its Replicate mesh
+    dimensions, summed in fp64 over all ranks (one all-reduce, as parallel.clip_grad_norm_).
+    Returns the norm."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=layout.device)
+    for g in grads:
+        if isinstance(g, DTensor):
+            where = g.device_mesh.get_coordinate()
+            if any(pl.is_replicate() and c for pl, c in zip(g.placements, where)):
+                continue
+        sq += local(g).double().pow(2).sum()
+    if layout.world > 1:
+        dist.all_reduce(sq)
+    norm = sq.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local(g).mul_(coef)
+    return norm
+
+
+def replicated(p):
+    """A parameter every rank holds whole (run.check_replicas compares them; FSDP2's shards and TP's
+    cuts differ by design)."""
+    return isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
+
+
+# -----------------------------------------------------------------------------
+# 3. Checkpoints
+
+
+def _digest(path):
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            n += len(chunk)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def write_dcp(model, optimizer, path, layout):
+    """Every rank writes its shards into path/dcp (a collective). Returns [(name, {"bytes",
+    "sha256"})] of the files this rank wrote, for the set's manifest (rank 0: the metadata too)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    where = os.path.join(path, DCP_DIR)
+    try:
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=where)
+    except Exception as e:  # DCP gathers every rank's failure into one CheckpointException
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise WriteError(f"cannot write {where}: {first}") from None
+    mine = sorted(f for f in os.listdir(where) if f.startswith(f"__{layout.rank}_"))
+    if layout.master:
+        mine.append(".metadata")
+    return [(f"{DCP_DIR}/{f}", _digest(os.path.join(where, f))) for f in mine]
+
+
+def load_dcp(model, optimizer, ckpt):
+    """An exact resume: the model's and optimizer's shards, read from the set's dcp/ whatever the
+    data-parallel size that wrote it (DCP reads the pieces each rank's shards need)."""
+    from .run import nonfinite_tensors
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=ckpt["dcp"])
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"{ckpt['dcp']} cannot be read ({first}): resume from an earlier checkpoint") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    bad = nonfinite_tensors(model)
+    if bad:
+        raise CheckpointError(f"{ckpt['dcp']} holds non-finite values in {bad[:5]}: the run that wrote it "
+                              f"had diverged; resume from an earlier checkpoint")
+
+
+def read_dcp_set(found):
+    """(fp32 state_dict of the single-device GPT, the set's ckpt.pt) from an engine=torch set, in
+    one process: every model tensor read whole from its shards, fused pieces reshaped to rows."""
+    meta = load_checkpoint(found.file(META), map_location="cpu", expect=found.expected(META))
+    reader = dcp.FileSystemReader(found.file(DCP_DIR))
+    tensors = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items()
+               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}}
+    with warnings.catch_warnings():  # ("assuming the intent is to load in a single process": it is)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    out = {}
+    for k, v in state["model"].items():
+        if k.endswith(".weight") and v.dim() == 3 or k.endswith(".bias") and v.dim() == 2:
+            v = v.reshape(-1, *v.shape[2:])  # [q | k | v] pieces back into the fused rows
+        out[k] = v.float() if v.is_floating_point() else v
+    return out, meta
