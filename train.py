@@ -216,10 +216,11 @@ def setup_precision(model, cfg, device_type):
 
 def build_optimizer(model, cfg, device_type):
     """AdamW on fp32 master weights. Matrices (Linear weights, embeddings) get weight decay;
-    biases and norm gains do not: shrinking them towards 0 only fights the normalization."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    biases and norm gains do not (named: engine=torch holds a fused bias as (3, n_embd)).
+    Shrinking those towards 0 only fights the normalization."""
+    named = [(p, p.dim() >= 2 and not n.endswith("bias")) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for p, matrix in named if matrix], "weight_decay": cfg["weight_decay"]},
+              {"params": [p for p, matrix in named if not matrix], "weight_decay": 0.0}]
     kw = dict(lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]))
     if cfg["precision"] == "O2":
         return Fp8AdamW(groups, model, v_format=cfg["o2_v_format"], **kw)

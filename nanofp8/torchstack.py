@@ -63,6 +63,7 @@ save as one replicated tensor), and an FP8 LM head under TP.
 import hashlib
 import os
 import warnings
+from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -178,6 +179,7 @@ def shard_model(model, cfg, layout, comm):
     send, run.mp_comm_format), then sharded over the data-parallel ranks by FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
+    model.to(layout.device)  # (DTensors are made from the local tensors, on the mesh's device)
     for m in model.modules():  # FSDP2 gathers a new weight at every forward: nothing to cache
         if isinstance(m, Fp8Linear):
             m.cache_weight = False
@@ -257,6 +259,14 @@ def replicated(p):
 # 3. Checkpoints
 
 
+@contextmanager
+def _one_process():
+    """DCP without a process group warns that it reads or writes in one process: it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
 def _digest(path):
     h, n = hashlib.sha256(), 0
     with open(path, "rb") as f:
@@ -272,7 +282,8 @@ def write_dcp(model, optimizer, path, layout):
     model_sd, optim_sd = get_state_dict(model, optimizer)
     where = os.path.join(path, DCP_DIR)
     try:
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=where)
+        with _one_process():
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=where)
     except Exception as e:  # DCP gathers every rank's failure into one CheckpointException
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise WriteError(f"cannot write {where}: {first}") from None
@@ -290,7 +301,8 @@ def load_dcp(model, optimizer, ckpt):
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=ckpt["dcp"])
+        with _one_process():
+            dcp.load(state, checkpoint_id=ckpt["dcp"])
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"{ckpt['dcp']} cannot be read ({first}): resume from an earlier checkpoint") from None
@@ -309,8 +321,7 @@ def read_dcp_set(found):
     tensors = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items()
                if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}}
-    with warnings.catch_warnings():  # ("assuming the intent is to load in a single process": it is)
-        warnings.simplefilter("ignore", UserWarning)
+    with _one_process():
         dcp.load(state, storage_reader=reader, no_dist=True)
     out = {}
     for k, v in state["model"].items():

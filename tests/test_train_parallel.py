@@ -280,16 +280,27 @@ def two_node_run(*args):
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [["precision=O1"], ["precision=O1", TP2, SP]], ids=["dp2", "tp2-sp"])
+@pytest.mark.parametrize("layout", [["precision=O1"], ["precision=O1", TP2, SP], ["precision=O1", "engine=torch"],
+                                    ["precision=O1", TP2, SP, "engine=torch"]],
+                         ids=["dp2", "tp2-sp", "torch-fsdp2", "torch-tp2-sp"])
 def test_two_nodes_train_as_one(tmp_path, layout):
     """Two machines of one process each (local rank 0 on both) train as one machine with two
     processes: the same losses and the same final weights, bit for bit (data shards, devices and
     file writers follow the global rank); one node logs, and each rank's checkpoint file is
-    written once."""
+    written once. Both engines (engine=torch: FSDP2 or DTensor TP, DCP shards)."""
     one = torchrun(2, *layout, "max_iters=4", f"out_dir={tmp_path / 'one'}")
     nodes = two_node_run(*layout, "max_iters=4", f"out_dir={tmp_path / 'two'}")
     logs = [n for n in nodes if logged_losses(n)]
     assert len(logs) == 1 and logged_losses(logs[0]) == logged_losses(one) and len(logged_losses(one)) == 4
+    if "engine=torch" in layout:
+        from nanofp8.checkpoint import find_checkpoint, read_any
+
+        a, b = read_any(str(tmp_path / "one"))[0], read_any(str(tmp_path / "two"))[0]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        found = find_checkpoint(str(tmp_path / "two"))[0]
+        assert found.iter_num == 4 and sorted(found.files) == ["ckpt.pt", "dcp/.metadata", "dcp/__0_0.distcp",
+                                                               "dcp/__1_0.distcp"]
+        return
     for name in (["ckpt.pt"] if TP2 not in layout else ["ckpt-tp0-pp0.pt", "ckpt-tp1-pp0.pt"]):
         a = load_checkpoint(newest_checkpoint(tmp_path / "one", name))
         b = load_checkpoint(newest_checkpoint(tmp_path / "two", name))
