@@ -71,6 +71,7 @@ per layer, paid for with a second source of truth.)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from .counter import COMM
@@ -266,7 +267,7 @@ def _refusal(m):
         return f"{type(m).__name__} keeps a weight of its own making (O2/O3)"
     if m.recipe.scaling == "delayed":
         return "delayed scaling: the weight's scale comes from the layer's amax history"
-    if isinstance(m.weight, torch.distributed.tensor.DTensor) or m.weight.dim() != 2:
+    if isinstance(m.weight, DTensor) or m.weight.dim() != 2:
         return "the weight is a DTensor already: call fp8_all_gather before fully_shard or TP"
     return None
 
@@ -301,8 +302,8 @@ def _plain_weight(module, state_dict, prefix, local_metadata):
     into them, as DCP does, loads the weight): no checkpoint ever pickles the subclass."""
     key = prefix + "weight"
     w = state_dict.get(key)
-    if isinstance(w, torch.distributed.tensor.DTensor) and isinstance(w._local_tensor, Fp8AllGatherWeight):
-        state_dict[key] = torch.distributed.tensor.DTensor.from_local(
+    if isinstance(w, DTensor) and isinstance(w._local_tensor, Fp8AllGatherWeight):
+        state_dict[key] = DTensor.from_local(
             w._local_tensor.hp, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
     elif isinstance(w, Fp8AllGatherWeight):
         state_dict[key] = w.hp
