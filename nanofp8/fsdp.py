@@ -75,7 +75,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from .counter import COMM
-from .fp8 import Fp8Linear, Fp8Tensor, convert_to_fp8, measure_amax, quantize
+from .fp8 import Fp8Linear, Fp8Tensor, convert_to_fp8, dequantize, measure_amax, quantize
 
 # -----------------------------------------------------------------------------
 # 1. The sharded weight: fp32 values that all-gather as FP8
@@ -224,12 +224,7 @@ class GatheredFp8Weight(torch.Tensor):
         return qw, qw.t()
 
     def dequantize(self):
-        qw = self.operands()[0]
-        s = qw.scale.reciprocal()
-        if qw.granularity == "block":
-            n, k = self.shape
-            s = s[torch.arange(n)[:, None] // qw.block[0], torch.arange(k) // qw.block[1]]
-        return (qw.data.float() * s).to(self.dtype)
+        return dequantize(self.operands()[0], self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -267,17 +262,33 @@ def _refusal(m):
         return f"{type(m).__name__} keeps a weight of its own making (O2/O3)"
     if m.recipe.scaling == "delayed":
         return "delayed scaling: the weight's scale comes from the layer's amax history"
-    if isinstance(m.weight, DTensor) or m.weight.dim() != 2:
+    if isinstance(m.weight, DTensor):
         return "the weight is a DTensor already: call fp8_all_gather before fully_shard or TP"
     return None
 
 
+def _fp8_all_gather_layer(m):
+    """An Fp8AllGatherLinear sharing m's buffers (the same scaling state, not a copy), bias and
+    settings, its weight's values wrapped in an Fp8AllGatherWeight."""
+    new = Fp8AllGatherLinear.from_linear(m, m.recipe, m.fqn)
+    for name, buf in m.named_buffers(recurse=False):
+        setattr(new, name, buf)
+    new.observer, new.cache_weight = m.observer, m.cache_weight
+    new.weight = nn.Parameter(Fp8AllGatherWeight(m.weight.data), m.weight.requires_grad)
+    new.register_state_dict_post_hook(_plain_weight)
+    return new
+
+
 def fp8_all_gather(model):
-    """Make every Fp8Linear of `model` all-gather its weight in FP8 under FSDP2 (in place: call
-    it before fully_shard and before making the optimizer). Each layer becomes an
-    Fp8AllGatherLinear sharing the Fp8Linear's buffers and bias, its weight wrapped in an
-    Fp8AllGatherWeight. Layers it leaves (with why) are in model.fp8_all_gather_left."""
+    """Make every Fp8Linear of `model` all-gather its weight in FP8 under FSDP2, in place (a
+    bare Fp8Linear is returned replaced). Call it before fully_shard and before making the
+    optimizer: each layer becomes an Fp8AllGatherLinear with a new weight Parameter. The layers
+    it leaves at fp32, with the reason, are in the returned module's fp8_all_gather_left."""
     left = {}
+    if isinstance(model, Fp8Linear) and not isinstance(model, Fp8AllGatherLinear):
+        why = _refusal(model)
+        model = model if why else _fp8_all_gather_layer(model)
+        left = {model.fqn: why} if why else {}
     for parent_name, parent in list(model.named_modules()):
         for name, m in list(parent.named_children()):
             if not isinstance(m, Fp8Linear) or isinstance(m, Fp8AllGatherLinear):
@@ -285,14 +296,8 @@ def fp8_all_gather(model):
             fqn = f"{parent_name}.{name}" if parent_name else name
             if (why := _refusal(m)) is not None:
                 left[fqn] = why
-                continue
-            new = Fp8AllGatherLinear.from_linear(m, m.recipe, m.fqn)
-            for buf_name, buf in m.named_buffers(recurse=False):
-                setattr(new, buf_name, buf)  # the same scaling state, not a copy
-            new.observer, new.cache_weight = m.observer, m.cache_weight
-            new.weight = nn.Parameter(Fp8AllGatherWeight(m.weight.data), m.weight.requires_grad)
-            new.register_state_dict_post_hook(_plain_weight)
-            setattr(parent, name, new)
+            else:
+                setattr(parent, name, _fp8_all_gather_layer(m))
     model.fp8_all_gather_left = left
     return model
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from conftest import spawn
 from nanofp8 import fsdp as F8
 from nanofp8.counter import comm_stats
-from nanofp8.fp8 import Fp8Linear, Recipe, convert_to_fp8
+from nanofp8.fp8 import Fp8Linear, Recipe, convert_to_fp8, dequantize
 from nanofp8.optim import O2Linear
 
 STEPS, LR, CLIP = 4, 1e-2, 1e9
@@ -112,6 +112,8 @@ def record_all_gathers(model, seen):
 
 def run_encoder(mesh):
     model = F8.convert(encoder(), RECIPES["tensor"], ffn_only)
+    for m in model.modules():
+        m.cache_weight = True  # (train.py's O1 setting: it must not serve a stale cast)
     shard(model, mesh, model[0].layers)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)  # (the default on GPUs)
     losses, norms = train(model, opt, batches(32, 10, seq=6))
@@ -209,6 +211,8 @@ def test_encoder_trains_as_one_process(ranks):
     left alone), fully_shard per layer then the model, AdamW (foreach) and clip_grad_norm_:
     the losses and final weights of the one-process FP8 run, bit for bit, on both ranks."""
     ref = convert_to_fp8(encoder(), RECIPES["tensor"], lambda f, l: ffn_only(f, l) and F8.multiple_of_16(f, l))
+    for m in ref.modules():
+        m.cache_weight = True
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=True)
     losses, _ = train(ref, opt, batches(32, 10, seq=6))
     norms = []
@@ -303,6 +307,25 @@ def test_what_is_left_at_fp32_and_why():
     assert type(model[1].weight) is nn.Parameter
     converted = F8.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10)))
     assert type(converted[0]) is F8.Fp8AllGatherLinear and type(converted[1]) is nn.Linear
+    assert type(F8.convert(nn.Linear(32, 32))) is F8.Fp8AllGatherLinear  # a bare Linear, returned
+    bare = F8.convert(nn.Linear(32, 32), Recipe.from_name("delayed"))
+    assert type(bare) is Fp8Linear and "delayed" in bare.fp8_all_gather_left["linear"]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_gathered_weight_reads_as_its_fp8_values(name):
+    """A GatheredFp8Weight used by anything but its layer (FSDP2's zeros_like for a parameter
+    without a gradient, a print) is the dequantized FP8 weight, of the parameter's dtype."""
+    recipe, w = RECIPES[name], torch.randn(48, 256)
+    layer = F8.Fp8AllGatherLinear(256, 48, recipe=recipe)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    (qw, _) = layer.cast_weight()
+    data = (qw.data.view(torch.uint8),) + ((qw.data.view(torch.uint8),) if name == "row" else ())
+    scales = (qw.scale, None) if name == "row" else (qw.scale,)
+    gathered = F8.GatheredFp8Weight(data, recipe, w.shape, scales, scales, torch.float32)
+    assert torch.equal(gathered + 0, dequantize(qw))
+    assert torch.equal(torch.zeros_like(gathered), torch.zeros(48, 256))
 
 
 def test_unsharded_it_is_the_fp8_linear():
