@@ -23,8 +23,11 @@ and what travels is its FP8 cast, viewed as uint8 (gloo has no float8 dtype; to 
 same bytes). FSDP2 rebuilds the weight as a GatheredFp8Weight: those FP8 bytes and their scales,
 shaped like the weight, which Fp8AllGatherLinear hands to its GEMMs as the FP8 weight operand,
 cast once, on the rank that owned each row. The weight gradient is a plain fp32 tensor, which
-FSDP2 reduce-scatters as it always does. Later all-gathers write into the same buffers (`out`):
-nothing cached can outlive the bytes of this all-gather.
+FSDP2 reduce-scatters as it always does. Later all-gathers refill the same buffers and hand the
+new scales over (`out`), and the layer reads its operands from the gathered weight on every
+forward, whatever cache_weight says: no cast can outlive the all-gather that brought it.
+Mixed precision (mp_policy's param_dtype) changes only the dtype the gathered weight reports:
+the FP8 cast is always made from the fp32 piece.
 
 3. Why the ranks must agree on one scale
 ----------------------------------------
@@ -34,7 +37,8 @@ piece with a scale of its own (from its own rows' amax) would have its rows read
 too small by the ratio of the two scales, with no error. So before the cast every rank measures
 the amax of its piece and one MAX all-reduce (4 bytes) gives all of them the amax of the whole
 weight. The maximum is exact, so the scale, and then every byte, is what one process casting
-the unsharded weight would make: training under FSDP2 is bit-exact with the single process.
+the unsharded weight makes: fed the same batch on every rank, training under FSDP2 is bit-exact
+with one process (tests/test_fsdp.py holds both claims).
 
 4. Which recipes, and how their scales are agreed
 -------------------------------------------------
@@ -53,15 +57,20 @@ turns it into scales, and each rank casts its rows with their scales.
       forward pass writes after the cast; agreeing on it would move the history's bookkeeping
       into the all-gather. These layers keep the fp32 all-gather.
   O2/O3 layers (O2Linear, O3Linear) keep weights of their own making; they are left as they are.
+  A weight that is a DTensor already (tensor parallel, or sharded) is left too: the subclass
+      must be in place before fully_shard cuts the weight.
 
-fp8_all_gather(model) records what it left, and why, in model.fp8_all_gather_left.
+fp8_all_gather(model) records what it left, and why, in model.fp8_all_gather_left. Where FSDP2
+cuts a weight unevenly (17 rows on 2 ranks: 9 + 8), each piece is padded to the longest, as
+FSDP2 requires of what an extension sends, and the padding rows are never read.
 
 5. Counting bytes, and why there is no post-step hook
 -----------------------------------------------------
 Each FP8 all-gather adds its payload to nanofp8.counter's COMM as "fsdp_all_gather_fp8" (the
 bytes the rank hands over; (W-1) times that on the wire) and its amax all-reduce as
 "fsdp_amax_all_reduce". FSDP2 sends all parameters of a module in one collective; the FP8
-pieces ride in it beside the fp32 biases (as uint8 bytes, since the dtypes differ).
+pieces ride in it beside the fp32 biases (as uint8 bytes, since the dtypes differ). Those other
+parameters are FSDP2's own bytes, which COMM does not see.
 The scale is measured inside the all-gather, from the piece about to travel, so it can never be
 stale, and no hook after the optimizer step is needed. (torchao offers one that computes every
 weight's scale in a single all-reduce after the step: a latency saving of one small collective
@@ -129,6 +138,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         dim = mesh.ndim - 1  # the dim FSDP2 shards along (HSDP: (replicate, shard))
         group, world = mesh.get_group(dim), mesh.size(dim)
         n, k = outer_size
+        if piece.shape[1:] != (k,):
+            raise ValueError(f"{module.fqn}: FP8 all-gathers need FSDP2 to shard weights along dim 0 "
+                             f"(its default); drop the shard_placement_fn for this layer")
         rows = -(-n // world)  # torch.chunk's piece; the last ones may be short or empty
         start = min(mesh.get_local_rank(dim) * rows, n)
         grids = _local_amaxes(piece, start, n, k, r)

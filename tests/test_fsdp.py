@@ -167,11 +167,43 @@ def run_dcp(mesh, ckpt):
     return {"plain": plain, "ahead": ahead, "resumed": resumed}
 
 
+def gpt():
+    from nanofp8.model import GPT, GPTConfig, apply_fp8
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=96))
+    apply_fp8(model, RECIPES["tensor"])
+    return model
+
+
+def train_gpt(model, opt):
+    """The project's GPT as train.py runs it: bf16 autocast, clipping at 1.0 (it clips here)."""
+    g, losses = torch.Generator().manual_seed(3), []
+    for _ in range(2):
+        x, y = torch.randint(0, 96, (4, 16), generator=g), torch.randint(0, 96, (4, 16), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def run_gpt(mesh):
+    model = F8.fp8_all_gather(gpt())  # as engine=torch uses it: after model.apply_fp8
+    shard(model, mesh, model.blocks)
+    comm_stats(reset=True)
+    return {"losses": train_gpt(model, torch.optim.AdamW(model.parameters(), lr=1e-3)),
+            "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"]}
+
+
 def worker(rank, world, outdir):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt"))}
+    out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt")), "gpt": run_gpt(mesh)}
     for name, recipe in RECIPES.items():
         out[name] = run_mlp(mesh, recipe)
     out["fp32"] = run_mlp(mesh, RECIPES["tensor"], fp8_gather=False)
@@ -225,6 +257,19 @@ def test_encoder_trains_as_one_process(ranks):
         assert_same_state(got["state"], ref.state_dict())
         norms.append(got["norms"])
     assert norms[0] == norms[1] and all(0 < n < CLIP for n in norms[0])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_the_projects_gpt_trains_as_one_process(ranks):
+    """apply_fp8 then fp8_all_gather, fully_shard per block then the model: the one-process
+    losses, bit for bit (clip_grad_norm_ clips here: the norm is about 2.2); every
+    block Linear travels in FP8 (2 blocks x 4 Linears, forward and backward all-gathers)."""
+    ref = gpt()
+    losses = train_gpt(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    for r in ranks:
+        assert r["gpt"]["losses"] == losses and r["gpt"]["left"] == {}
+        assert r["gpt"]["comm"]["fsdp_all_gather_fp8"]["calls"] == 2 * 2 * 4 * 2
 
 
 @pytest.mark.slow
