@@ -199,11 +199,37 @@ def run_gpt(mesh):
             "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"]}
 
 
+def run_other_layouts(mesh):
+    """FSDP2 sharding weights along dim 1 (refused, one line on every rank), and bf16 mixed
+    precision (the gathered weight reports bf16; its FP8 bytes are cast from the fp32 piece)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = F8.fp8_all_gather(convert_to_fp8(mlp(), RECIPES["tensor"]))
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    try:
+        model(torch.randn(8, 32))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    model = F8.fp8_all_gather(convert_to_fp8(mlp(), RECIPES["tensor"]))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    seen = {}
+
+    def first(m, args):
+        seen.setdefault("w", (m.weight.dtype, [(q.data.clone(), q.scale.clone()) for q in m.weight.operands()]))
+
+    model[0].register_forward_pre_hook(first)
+    model(torch.randn(8, 32))
+    return {"refused": refused, "bf16": seen["w"]}
+
+
 def worker(rank, world, outdir):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt")), "gpt": run_gpt(mesh)}
+    out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt")), "gpt": run_gpt(mesh),
+           "layouts": run_other_layouts(mesh)}
     for name, recipe in RECIPES.items():
         out[name] = run_mlp(mesh, recipe)
     out["fp32"] = run_mlp(mesh, RECIPES["tensor"], fp8_gather=False)
@@ -336,6 +362,23 @@ def test_dcp_resume_is_exact(ranks):
 def test_a_sharded_weight_is_left_with_a_reason(ranks):
     left = ranks[0]["late"]
     assert set(left) == {"0", "2", "4"} and "before fully_shard" in left["0"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_other_layouts(ranks):
+    """A weight sharded along dim 1 is refused with one line naming the fix, on both ranks; under
+    bf16 mixed precision the gathered weight is bf16 to its users, and its FP8 bytes and scale
+    are the cast of the fp32 weight (not of a bf16 rounding of it)."""
+    ref = convert_to_fp8(mlp(), RECIPES["tensor"])[0].cast_weight()
+    for r in ranks:
+        got = r["layouts"]
+        assert "shard weights along dim 0" in got["refused"] and "shard_placement_fn" in got["refused"]
+        dtype, operands = got["bf16"]
+        assert dtype == torch.bfloat16
+        for (data, scale), q in zip(operands, ref):
+            assert torch.equal(scale, q.scale)
+            assert torch.equal(data.view(torch.uint8), q.data.contiguous().view(torch.uint8))
 
 
 def test_what_is_left_at_fp32_and_why():
