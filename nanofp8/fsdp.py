@@ -1,0 +1,343 @@
+"""
+FP8 weights on the wire under torch's FSDP2, and one call that readies any model for it.
+
+1. What FSDP2 does with a weight
+--------------------------------
+`fully_shard(module)` cuts every parameter along dim 0 into one piece per rank and keeps only
+that piece. Before the module's forward (and again before its backward) it all-gathers the
+pieces into the whole weight, runs the module, and frees the whole weight again; after backward
+it reduce-scatters the gradient, so each rank gets the sum over ranks of its own piece, which
+the optimizer steps. By default the pieces travel as they are stored: 4 bytes a value in fp32.
+
+2. The extension: the weight says what travels
+----------------------------------------------
+A parameter whose local piece is a tensor subclass with two methods takes over the all-gather:
+
+    fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+        -> (tensors to all-gather, metadata)    on each rank, from its own piece
+    fsdp_post_all_gather(gathered tensors, metadata, param_dtype, out=None)
+        -> (the unsharded weight, the tensors FSDP2 frees after use)
+
+Here the piece is an Fp8AllGatherWeight (the fp32 values, which the optimizer steps as usual),
+and what travels is its FP8 cast, viewed as uint8 (gloo has no float8 dtype; to NCCL it is the
+same bytes). FSDP2 rebuilds the weight as a GatheredFp8Weight: those FP8 bytes and their scales,
+shaped like the weight, which Fp8AllGatherLinear hands to its GEMMs as the FP8 weight operand,
+cast once, on the rank that owned each row. The weight gradient is a plain fp32 tensor, which
+FSDP2 reduce-scatters as it always does. Later all-gathers refill the same buffers and hand the
+new scales over (`out`), and the layer reads its operands from the gathered weight on every
+forward, whatever cache_weight says: no cast can outlive the all-gather that brought it.
+Mixed precision (mp_policy's param_dtype) changes only the dtype the gathered weight reports:
+the FP8 cast is always made from the fp32 piece.
+
+3. Why the ranks must agree on one scale
+----------------------------------------
+A tensor-scaled FP8 weight is bytes plus ONE scale: w ~= byte / scale. The gathered bytes are
+the concatenation of every rank's piece, so they are read with one scale; a rank that cast its
+piece with a scale of its own (from its own rows' amax) would have its rows read too large or
+too small by the ratio of the two scales, with no error. So before the cast every rank measures
+the amax of its piece and one MAX all-reduce (4 bytes) gives all of them the amax of the whole
+weight. The maximum is exact, so the scale, and then every byte, is what one process casting
+the unsharded weight makes: fed the same batch on every rank, training under FSDP2 is bit-exact
+with one process (tests/test_fsdp.py holds both claims).
+
+4. Which recipes, and how their scales are agreed
+-------------------------------------------------
+Every scale is made from amaxes gathered the same way: each rank fills its part of the grid of
+amaxes (zeros elsewhere), one MAX all-reduce completes it on every rank, the recipe's scale rule
+turns it into scales, and each rank casts its rows with their scales.
+
+  tensor, current scaling: one amax; W^T of the dgrad GEMM is the transpose of the same bytes.
+  block (128x128 weight tiles): one amax per tile. Tiles may straddle two ranks' rows, so the
+      grid is all-reduced as a whole; W^T is again the transpose of the same bytes.
+  row: W is scaled per row along K, and rows stay on their rank. But dgrad contracts over N, so
+      W^T needs a scale per column, over every rank's rows: a second FP8 copy travels, cast with
+      the all-reduced column amaxes. 2 bytes a value, still half of fp32, and bit-exact (one copy
+      with W^T re-cast from FP8 values would round twice).
+  delayed scaling: refused. The weight's scale comes from the layer's amax history, which the
+      forward pass writes after the cast; agreeing on it would move the history's bookkeeping
+      into the all-gather. These layers keep the fp32 all-gather.
+  O2/O3 layers (O2Linear, O3Linear) keep weights of their own making; they are left as they are.
+  A weight that is a DTensor already (tensor parallel, or sharded) is left too: the subclass
+      must be in place before fully_shard cuts the weight.
+
+fp8_all_gather(model) records what it left, and why, in model.fp8_all_gather_left. Where FSDP2
+cuts a weight unevenly (17 rows on 2 ranks: 9 + 8), each piece is padded to the longest, as
+FSDP2 requires of what an extension sends, and the padding rows are never read.
+
+5. Counting bytes, and why there is no post-step hook
+-----------------------------------------------------
+Each FP8 all-gather adds its payload to nanofp8.counter's COMM as "fsdp_all_gather_fp8" (the
+bytes the rank hands over; (W-1) times that on the wire) and its amax all-reduce as
+"fsdp_amax_all_reduce". FSDP2 sends all parameters of a module in one collective; the FP8
+pieces ride in it beside the fp32 biases (as uint8 bytes, since the dtypes differ). Those other
+parameters are FSDP2's own bytes, which COMM does not see.
+The scale is measured inside the all-gather, from the piece about to travel, so it can never be
+stale, and no hook after the optimizer step is needed. (torchao offers one that computes every
+weight's scale in a single all-reduce after the step: a latency saving of one small collective
+per layer, paid for with a second source of truth.)
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from .counter import COMM
+from .fp8 import Fp8Linear, Fp8Tensor, convert_to_fp8, dequantize, measure_amax, quantize
+
+# -----------------------------------------------------------------------------
+# 1. The sharded weight: fp32 values that all-gather as FP8
+
+# Ops that keep the subclass: the ones FSDP2 uses to cut, pad, move and copy a piece (its own
+# padded buffer must be an Fp8AllGatherWeight too). Any other op, the optimizer's arithmetic
+# included, sees the plain fp32 tensor inside and returns plain tensors.
+_KEEP = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default,
+         torch.ops.aten.slice.Tensor, torch.ops.aten.split.Tensor, torch.ops.aten.narrow.default,
+         torch.ops.aten.as_strided.default, torch.ops.aten.empty_like.default,
+         torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default,
+         torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default,
+         torch.ops.aten._pin_memory.default}
+
+
+def _wrapper(cls, like, shape=None, dtype=None):
+    shape = like.shape if shape is None else shape
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype or like.dtype, device=like.device,
+                                               requires_grad=like.requires_grad)
+
+
+class Fp8AllGatherWeight(torch.Tensor):
+    """A weight (or FSDP2's piece of one) whose all-gather sends its FP8 cast. `hp` holds the
+    values; the recipe comes from the module that owns the parameter."""
+
+    @staticmethod
+    def __new__(cls, hp):
+        return _wrapper(cls, hp)
+
+    def __init__(self, hp):
+        self.hp = hp
+
+    def __repr__(self):
+        return f"Fp8AllGatherWeight({self.hp})"
+
+    def __tensor_flatten__(self):
+        return ["hp"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner["hp"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        args, kwargs = tree_map_only(Fp8AllGatherWeight, lambda t: t.hp, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        return tree_map_only(torch.Tensor, Fp8AllGatherWeight, out) if func in _KEEP else out
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        piece, r = self.hp, module.recipe
+        dim = mesh.ndim - 1  # the dim FSDP2 shards along (HSDP: (replicate, shard))
+        group, world = mesh.get_group(dim), mesh.size(dim)
+        n, k = outer_size
+        if piece.shape[1:] != (k,):
+            raise ValueError(f"{module.fqn}: FP8 all-gathers need FSDP2 to shard weights along dim 0 "
+                             f"(its default); drop the shard_placement_fn for this layer")
+        rows = -(-n // world)  # torch.chunk's piece; the last ones may be short or empty
+        start = min(mesh.get_local_rank(dim) * rows, n)
+        grids = _local_amaxes(piece, start, n, k, r)
+        flat = torch.cat([g.reshape(-1) for g in grids])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)  # the amaxes of the whole weight
+        COMM.add("fsdp_amax_all_reduce", flat.nbytes, flat.nbytes * 2 * (world - 1) / world)
+        amaxes = torch.split(flat, [g.numel() for g in grids])
+        amaxes = [a.view(g.shape) for a, g in zip(amaxes, grids)]
+        fmt = r.fwd_fmt
+        scales = [r.scale_rule(a, fmt, r.margin, r.power_of_two) for a in amaxes]
+        sent = []
+        for scale in _piece_scales(scales, start, len(piece), k, r):
+            # (a scale per element, or broadcastable to one: quantize multiplies by what it is given)
+            data = quantize(piece, fmt, "tensor", scale=scale, amax=amaxes[0]).data if len(piece) else \
+                piece.new_empty((0, k), dtype=fmt.dtype)
+            sent.append(torch.nn.functional.pad(data.view(torch.uint8), (0, 0, 0, rows - len(piece))))
+        nbytes = sum(t.nbytes for t in sent)
+        COMM.add("fsdp_all_gather_fp8", nbytes, nbytes * (world - 1), fmt.dtype)
+        return tuple(sent), (r, (n, k), tuple(scales), tuple(amaxes))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        recipe, shape, scales, amaxes = metadata
+        if out is not None:  # the same buffers, refilled: only the scales are new
+            out.scales, out.amaxes = scales, amaxes
+            return
+        w = GatheredFp8Weight(tuple(all_gather_outputs), recipe, shape, scales, amaxes, param_dtype)
+        return w, tuple(all_gather_outputs)
+
+
+def _local_amaxes(piece, start, n, k, r):
+    """This rank's share of the amax grids of the whole (n, k) weight, zeros where other ranks'
+    rows are: one value (tensor), one per 128x128 tile (block), or per row and per column (row)."""
+    zeros = piece.new_zeros
+    if r.granularity == "tensor":
+        return [measure_amax(piece, "tensor", None) if len(piece) else zeros(())]
+    if r.granularity == "row":
+        rows, cols = zeros(n, 1), zeros(k, 1)
+        if len(piece):
+            rows[start:start + len(piece)] = measure_amax(piece, "row", None)
+            cols = measure_amax(piece.t(), "row", None)
+        return [rows, cols]
+    br, bc = r.weight_tile
+    grid = zeros(-(-n // br), -(-k // bc))
+    if len(piece):  # the piece, put where it sits in its tile rows (zeros do not change a max)
+        t0, t1 = start // br, -(-(start + len(piece)) // br)
+        aligned = zeros((t1 - t0) * br, k)
+        aligned[start - t0 * br:start - t0 * br + len(piece)] = piece
+        grid[t0:t1] = measure_amax(aligned, "block", (br, bc))
+    return [grid]
+
+
+def _piece_scales(scales, start, rows, k, r):
+    """The scales of this rank's rows, one per copy that travels, broadcastable to (rows, k)."""
+    if r.granularity == "tensor":
+        return [scales[0]]
+    if r.granularity == "row":  # W along K (per row), and W cast for W^T (per column)
+        return [scales[0][start:start + rows], scales[1].reshape(1, k)]
+    br, bc = r.weight_tile
+    ti = (torch.arange(rows, device=scales[0].device) + start) // br
+    tj = torch.arange(k, device=scales[0].device) // bc
+    return [scales[0][ti[:, None], tj]]
+
+
+# -----------------------------------------------------------------------------
+# 2. The gathered weight: FP8 bytes and scales, shaped like the weight
+
+
+class GatheredFp8Weight(torch.Tensor):
+    """The unsharded weight FSDP2 rebuilds from the FP8 all-gather: the bytes (one copy, or two
+    for row scaling; uint8, padded rows at the end) and the agreed scales. operands() gives the
+    FP8 W and W^T of the forward and dgrad GEMMs. Any other use sees the dequantized weight."""
+
+    @staticmethod
+    def __new__(cls, data, recipe, shape, scales, amaxes, dtype):
+        return _wrapper(cls, data[0], torch.Size(shape), dtype)
+
+    def __init__(self, data, recipe, shape, scales, amaxes, dtype):
+        self.data_u8, self.recipe, self.scales, self.amaxes = data, recipe, scales, amaxes
+
+    def __repr__(self):
+        return f"GatheredFp8Weight(shape={tuple(self.shape)}, recipe={self.recipe})"
+
+    def operands(self):
+        n, k = self.shape
+        r, fmt = self.recipe, self.recipe.fwd_fmt
+        fp8 = [d[:n].view(fmt.dtype) for d in self.data_u8]
+        if r.granularity == "row":
+            qw = Fp8Tensor(fp8[0], self.scales[0], fmt, "row", (1, k), self.shape, self.dtype, self.amaxes[0])
+            wt = fp8[1].t()  # W cast with column scales, read transposed: W^T along N
+            return qw, Fp8Tensor(wt, self.scales[1], fmt, "row", (1, n), wt.shape, self.dtype, self.amaxes[1])
+        block = (1, k) if r.granularity == "tensor" else tuple(r.weight_tile)
+        qw = Fp8Tensor(fp8[0], self.scales[0], fmt, r.granularity, block, self.shape, self.dtype, self.amaxes[0])
+        return qw, qw.t()
+
+    def dequantize(self):
+        return dequantize(self.operands()[0], self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+                    torch.ops.aten.as_strided.default):  # FSDP2's view of its unsharded weight
+            w = args[0]
+            if func is torch.ops.aten.as_strided.default and tuple(args[1]) != tuple(w.shape):
+                raise NotImplementedError(f"GatheredFp8Weight: as_strided to {tuple(args[1])}")
+            return GatheredFp8Weight(w.data_u8, w.recipe, w.shape, w.scales, w.amaxes, w.dtype)
+        args, kwargs = tree_map_only(GatheredFp8Weight, lambda t: t.dequantize(), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+# -----------------------------------------------------------------------------
+# 3. The layer, and the calls that set a model up
+
+
+class Fp8AllGatherLinear(Fp8Linear):
+    """An Fp8Linear whose weight all-gathers in FP8 under FSDP2: its GEMMs take the gathered
+    FP8 operands as they arrived. Unsharded (one process, before fully_shard) it casts its
+    weight itself, on every forward: the same bytes, since one process agrees with itself."""
+
+    def hp_weight(self):
+        w = self.weight
+        return w.hp if isinstance(w, Fp8AllGatherWeight) else w
+
+    def weight_operands(self):
+        w = self.weight
+        return w.operands() if isinstance(w, GatheredFp8Weight) else self.cast_weight()
+
+
+def _refusal(m):
+    """Why layer m keeps the fp32 all-gather, or None when its weight can travel in FP8."""
+    if type(m) is not Fp8Linear:
+        return f"{type(m).__name__} keeps a weight of its own making (O2/O3)"
+    if m.recipe.scaling == "delayed":
+        return "delayed scaling: the weight's scale comes from the layer's amax history"
+    if isinstance(m.weight, DTensor):
+        return "the weight is a DTensor already: call fp8_all_gather before fully_shard or TP"
+    return None
+
+
+def _fp8_all_gather_layer(m):
+    """An Fp8AllGatherLinear sharing m's buffers (the same scaling state, not a copy), bias and
+    settings, its weight's values wrapped in an Fp8AllGatherWeight."""
+    new = Fp8AllGatherLinear.from_linear(m, m.recipe, m.fqn)
+    for name, buf in m.named_buffers(recurse=False):
+        setattr(new, name, buf)
+    new.observer, new.cache_weight = m.observer, m.cache_weight
+    new.weight = nn.Parameter(Fp8AllGatherWeight(m.weight.data), m.weight.requires_grad)
+    new.register_state_dict_post_hook(_plain_weight)
+    return new
+
+
+def fp8_all_gather(model):
+    """Make every Fp8Linear of `model` all-gather its weight in FP8 under FSDP2, in place (a
+    bare Fp8Linear is returned replaced). Call it before fully_shard and before making the
+    optimizer: each layer becomes an Fp8AllGatherLinear with a new weight Parameter. The layers
+    it leaves at fp32, with the reason, are in the returned module's fp8_all_gather_left."""
+    left = {}
+    if isinstance(model, Fp8Linear) and not isinstance(model, Fp8AllGatherLinear):
+        why = _refusal(model)
+        model = model if why else _fp8_all_gather_layer(model)
+        left = {model.fqn: why} if why else {}
+    for parent_name, parent in list(model.named_modules()):
+        for name, m in list(parent.named_children()):
+            if not isinstance(m, Fp8Linear) or isinstance(m, Fp8AllGatherLinear):
+                continue
+            fqn = f"{parent_name}.{name}" if parent_name else name
+            if (why := _refusal(m)) is not None:
+                left[fqn] = why
+            else:
+                setattr(parent, name, _fp8_all_gather_layer(m))
+    model.fp8_all_gather_left = left
+    return model
+
+
+def _plain_weight(module, state_dict, prefix, local_metadata):
+    """The state_dict holds the plain fp32 values (sharing storage with the weight, so loading
+    into them, as DCP does, loads the weight): no checkpoint ever pickles the subclass."""
+    key = prefix + "weight"
+    w = state_dict.get(key)
+    if isinstance(w, DTensor) and isinstance(w._local_tensor, Fp8AllGatherWeight):
+        state_dict[key] = DTensor.from_local(
+            w._local_tensor.hp, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+    elif isinstance(w, Fp8AllGatherWeight):
+        state_dict[key] = w.hp
+
+
+def multiple_of_16(fqn, linear):
+    """FP8 GEMMs need both dims of a weight to be multiples of 16 (nanofp8.model's rule)."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+def convert(module, recipe=None, module_filter=None):
+    """torchao's convert_to_float8_training for any nn.Module: swap its nn.Linear layers that
+    module_filter(fqn, linear) keeps (and whose dims are multiples of 16) for FP8 layers whose
+    weights all-gather in FP8 under FSDP2. Returns the module, ready for fully_shard; no hook
+    after the optimizer step is needed (the scales are measured in the all-gather)."""
+
+    def keep(fqn, linear):
+        return multiple_of_16(fqn, linear) and (module_filter is None or module_filter(fqn, linear))
+
+    return fp8_all_gather(convert_to_fp8(module, recipe, keep))
