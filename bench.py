@@ -450,6 +450,89 @@ def comm_model_parallel():
     return rows
 
 
+def _comm_torch_worker(rank, world, port, level, out):
+    """engine=torch: three training steps of COMM_CFG sharded by FSDP2 as train.py shards it
+    (nanofp8/torchstack.py; at O1 the block Linears' weights gathered in FP8, nanofp8/fsdp.py),
+    counting what FSDP2 hands its all-gathers and reduce-scatters (its custom-collective hooks,
+    which call the same collectives) and what fsdp.py adds to COMM (the amax all-reduces)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from nanofp8 import dist as fdist
+    from nanofp8 import torchstack
+    from nanofp8.layout import make_layout
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, _, _ = build(COMM_CFG, level, "torch")
+    model = torchstack.shard_model(model, {"precision": level, "sequence_parallel": False},
+                                   make_layout(device="cpu", engine="torch"), "fp8")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sent = {"all_gather": 0, "reduce_scatter": 0}
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch 2.11: the latter)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    class Gather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            sent["all_gather"] += input_tensor.nbytes * (world - 1)
+            return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class Scatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            sent["reduce_scatter"] += input_tensor.nbytes * (world - 1) / world
+            return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(Gather())
+            m.set_custom_reduce_scatter(Scatter())
+    idx = torch.randint(0, COMM_CFG.vocab_size, (4, COMM_CFG.block_size), generator=torch.Generator().manual_seed(rank))
+    steps = 3
+    fdist.comm_stats(reset=True)
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ours = fdist.comm_stats(reset=True)["by_op"]
+    n = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        torch.save({k: v / steps / n for k, v in sent.items()} | {
+            "fp8_all_gather": ours.get("fsdp_all_gather_fp8", {}).get("bytes_sent", 0) / steps / n,
+            "amax": ours.get("fsdp_amax_all_reduce", {}).get("bytes_sent", 0) / steps / n}, out)
+    dist.destroy_process_group()
+
+
+def comm_torch(worlds):
+    """Rows of bytes per parameter per step under engine=torch's FSDP2, bf16 and O1."""
+    import torch.multiprocessing as mp
+
+    rows = []
+    for world in worlds:
+        base = None
+        for level in ("bf16", "O1"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            out = os.path.join(tempfile.mkdtemp(), "comm_torch.pt")
+            mp.spawn(_comm_torch_worker, args=(world, port, level, out), nprocs=world, join=True)
+            r = torch.load(out, weights_only=False)
+            total = r["all_gather"] + r["reduce_scatter"] + r["amax"]
+            base = base or total
+            rows.append({"world": world, "engine": "torch (FSDP2)", "level": level,
+                         "all_gather_B_per_param": r["all_gather"], "of_which_fp8": r["fp8_all_gather"],
+                         "reduce_scatter_B_per_param": r["reduce_scatter"], "amax_B_per_param": r["amax"],
+                         "model_B_per_param": total, "model_vs_bf16": total / base})
+    return rows
+
+
 def cmd_comm(args):
     import torch.multiprocessing as mp
 
@@ -477,11 +560,18 @@ def cmd_comm(args):
     emit("comm", rows, ["world", "level", "fp8_layers_B_per_param", "fp8_layers_vs_fp32", "rest_B_per_param",
                         "model_B_per_param", "model_vs_fp32", "fp8_layer_share"],
          argparse.Namespace(json=None))  # printed; written below
+    torch_rows = comm_torch(args.worlds)
+    print("\nengine=torch (FSDP2), same GPT and steps: bytes each rank puts on the wire per parameter per "
+          "step; all-gathers run before each block's forward and again before its backward, gradients are "
+          "reduce-scattered in fp32; O1 gathers the block Linears' weights in FP8 (of_which_fp8)")
+    emit("comm_torch", torch_rows, ["world", "engine", "level", "all_gather_B_per_param", "of_which_fp8",
+                                    "reduce_scatter_B_per_param", "amax_B_per_param", "model_B_per_param",
+                                    "model_vs_bf16"], argparse.Namespace(json=None))
     mp_rows = comm_model_parallel()
     print(f"\nModel parallelism on 2 gloo ranks, same GPT, batch 4 x {COMM_CFG.block_size}: bytes on the "
           "wire per token, FP8 layers and payloads (+ scales) vs BF16 layers of the same cut")
     emit("comm_model_parallel", mp_rows, ["parallel", "pass", "unit", "fp8_B_per_token", "bf16_B_per_token",
-                                          "fp8_vs_bf16", "fp8_ops"], args, {"comm": rows})
+                                          "fp8_vs_bf16", "fp8_ops"], args, {"comm": rows, "comm_torch": torch_rows})
 
 
 # -----------------------------------------------------------------------------

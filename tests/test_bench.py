@@ -58,6 +58,14 @@ def test_comm_two_ranks(tmp_path):
         assert rows[level]["fp8_layers_vs_fp32"] <= 0.26, rows[level]
         assert rows[level]["rest_B_per_param"] == rows["bf16"]["rest_B_per_param"] == 4.0, rows[level]
         assert rows[level]["model_vs_fp32"] > rows[level]["fp8_layers_vs_fp32"]
+    # engine=torch, FSDP2: O1 gathers the block Linears' weights in FP8, a quarter of their fp32
+    # bytes (the scale is agreed by an all-reduce, not sent); gradients are reduce-scattered in fp32
+    ft = {r["level"]: r for r in json.loads(out.read_text())["comm_torch"]}
+    assert ft["bf16"]["of_which_fp8"] == 0 and ft["O1"]["of_which_fp8"] > 0
+    fp32_of_fp8_layers = ft["bf16"]["all_gather_B_per_param"] - (ft["O1"]["all_gather_B_per_param"] - ft["O1"]["of_which_fp8"])
+    assert 0.25 <= ft["O1"]["of_which_fp8"] / fp32_of_fp8_layers <= 0.26, ft
+    assert ft["O1"]["reduce_scatter_B_per_param"] == ft["bf16"]["reduce_scatter_B_per_param"] == 2.0
+    assert ft["O1"]["model_vs_bf16"] < 0.6
     # model parallelism: FP8 payloads + 4-byte scales against BF16 layers of the same cut (width 128)
     mp = {(r["parallel"], r["pass"]): r for r in json.loads(out.read_text())["comm_model_parallel"]}
     assert set(mp) == {(p, s) for p in ("tensor", "tensor+sequence", "pipeline") for s in ("fwd", "fwd+bwd")}
