@@ -1413,6 +1413,12 @@ def cmd_report(args):
                   "weights); `rest` = every other parameter (embeddings, LM head, norms, biases), whose "
                   "gradients travel in fp32 at every level; `model` = all bytes over all parameters; "
                   "`fp8_layer_share` = the block Linears' share of the parameters.", ""]
+        if d.get("comm_torch"):
+            parts += ["engine=torch (FSDP2, `nanofp8/torchstack.py`), the same GPT and steps, bytes per parameter "
+                      "per step on the wire: what FSDP2 hands its collectives (weights all-gathered before each "
+                      "block's forward and again before its backward, gradients reduce-scattered in fp32); O1 "
+                      "gathers the block Linears' weights in FP8 (`of_which_fp8`, `nanofp8/fsdp.py`):", "",
+                      _md_table(d["comm_torch"], [k for k in d["comm_torch"][0] if k not in ("note", "engine")]), ""]
         if d.get("comm_model_parallel"):
             mp_rows = d["comm_model_parallel"]
             parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",

@@ -20,6 +20,7 @@ zero.py      ZeRO in FP8 (level O3); overlap.py: gradient buckets launched durin
              counter.py: the bytes each collective sends
 parallel.py  FP8 tensor, sequence and pipeline parallelism; layout.py: the DeviceMesh (pp x dp x tp)
 fsdp.py      FP8 weight all-gathers under torch's FSDP2; convert(): any model, ready for fully_shard
+torchstack.py  engine=torch: the GPT on FSDP2, DTensor tensor parallelism and DCP checkpoint sets
 stats.py     what each FP8 cast did (saturation, underflow, SQNR) and the alarms
 run.py       what differs between layouts in train.py's loop, resume, checkpoint sets on disk
 ckptfile.py  the checkpoint file; outdir.py: sets, manifests, the lock; checkpoint.py: conversion

@@ -17,6 +17,9 @@ a run checks about itself: non-finite weights, skipped steps, a diverged state t
 saved, replicas drifting apart, a resume that would silently make another run, an out_dir that
 cannot take a checkpoint; how the ranks write one checkpoint set (nanofp8/outdir.py); and the
 command's one line and exit status per kind of failure.
+
+engine=torch (layout.engine): where its answer differs (FSDP2 and DTensor instead of the wrappers
+above, DCP shards in the checkpoint set), the function hands over to nanofp8/torchstack.py.
 """
 
 import io
