@@ -65,7 +65,7 @@ from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
-from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
+from nanofp8.run import (Clock, fp8_all_gather, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
                          no_sync, nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
                          save_unless_diverged, shard_model, show_fp8_layers, sync_gradients, weights_finite,
                          wrap_data_parallel)
@@ -360,8 +360,8 @@ def main(argv=None):
     data = open_splits(cfg["dataset"], cfg["block_size"], layout)  # rank 0 prepares it if need be
     vocab_size = vocab_size_for(read_dataset_meta(data_dir(cfg["dataset"])), cfg["vocab_size"],
                                 DEFAULTS["vocab_size"], cfg["dataset"], log)
-    compile_model = cfg["compile"] if cfg["compile"] is not None else (
-        layout.device_type == "cuda" and not layout.model_parallel and not cfg["fp8_stats_interval"])
+    compile_model = cfg["compile"] if cfg["compile"] is not None else (layout.device_type == "cuda" and not (
+        layout.model_parallel or cfg["fp8_stats_interval"] or fp8_all_gather(cfg, layout)))
     ckpt, converted, model_args = resume_point(cfg, layout, vocab_size, log)
     if nothing_to_do(cfg, (ckpt or converted or {}).get("iter_num", 0), log):
         finish(cfg, layout)

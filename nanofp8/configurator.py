@@ -337,6 +337,10 @@ def check_engine(cfg):
     if tp > 1 and cfg["fp8_lm_head"]:
         raise ConfigError(f"fp8_lm_head=True with engine=torch and tensor_parallel={tp}: the replicated LM head runs "
                           f"bf16 there; set fp8_lm_head=False, or {use}")
+    if cfg["compile"] and cfg["precision"] != "bf16" and tp == 1:
+        raise ConfigError(f"compile=True with engine=torch at precision={cfg['precision']}: torch.compile does not "
+                          f"follow FSDP2's all-gather of FP8 weights (nanofp8/fsdp.py; compiled, a 2-rank run trained "
+                          f"wrong); set compile=False, or {use}")
     if cfg["fp8_stats_interval"]:
         raise ConfigError(f"fp8_stats_interval={cfg['fp8_stats_interval']} with engine=torch: the FP8 statistics "
                           f"are collected by the hand-written engine only; set fp8_stats_interval=0, or {use}")

@@ -182,6 +182,13 @@ def wrap_data_parallel(model, cfg, layout):
     return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True, wgrads=wgrads)
 
 
+def fp8_all_gather(cfg, layout):
+    """Whether FSDP2 all-gathers the FP8 layers' weights in FP8 (engine=torch, FP8 levels, data
+    parallel, no TP: nanofp8/fsdp.py). torch.compile does not follow that all-gather: compiled,
+    a 2-rank CPU run's loss rose where the eager run's fell, so compile stays off there."""
+    return layout.engine == "torch" and cfg["precision"] != "bf16" and layout.dp > 1 and layout.tp == 1
+
+
 def no_sync(model):
     """The replicas do not sum gradients in this micro-step (DDP's and Fp8DataParallel's no_sync).
     One process has none to sum; FSDP2 reduce-scatters at every micro-step (torchstack.py)."""

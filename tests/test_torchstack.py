@@ -193,6 +193,7 @@ def test_what_engine_torch_does_not_run_is_refused_in_one_line():
                        ([TORCH, TP2, "fp8_scaling=delayed", O1], "each TP rank keeps its own amax history"),
                        ([TORCH, TP2, "fp8_lm_head=True", O1], "fp8_lm_head=True with engine=torch"),
                        ([TORCH, "fp8_stats_interval=5", O1], "fp8_stats_interval=5 with engine=torch"),
+                       ([TORCH, "compile=True", O1], "torch.compile does not follow FSDP2's all-gather of FP8"),
                        (["engine=jax"], "engine")):
         with pytest.raises(ConfigError, match=None) as e:
             load(args)
@@ -212,3 +213,17 @@ def test_one_process_engine_torch_trains_and_checkpoints(tmp_path):
     a, b = weights(tmp_path / "full"), weights(tmp_path / "stop")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert find_checkpoint(str(tmp_path / "stop"))[0].files == ["ckpt.pt", "dcp/__0_0.distcp", "dcp/.metadata"]
+
+
+def test_compile_stays_off_where_fsdp2_gathers_fp8_weights():
+    """A compiled 2-rank O1 run with FP8 all-gathers trained wrong (its loss rose at iter 1 where
+    the eager run's fell): compile=None must not turn it on there, on any device."""
+    from nanofp8.layout import Layout
+    from nanofp8.run import fp8_all_gather
+
+    cfg = {"precision": "O1"}
+    assert fp8_all_gather(cfg, Layout(dp=2, world=2, engine="torch"))
+    assert not fp8_all_gather(cfg, Layout(dp=2, world=2))  # the hand-written engine
+    assert not fp8_all_gather(cfg, Layout(dp=1, tp=2, world=2, engine="torch"))  # TP: fp32 gathers
+    assert not fp8_all_gather({"precision": "bf16"}, Layout(dp=2, world=2, engine="torch"))
+    assert not fp8_all_gather(cfg, Layout(engine="torch"))  # one process: nothing gathered
