@@ -11,11 +11,11 @@ reads all of these kinds of directories, for sample.py, export.py and train.py's
        O2         model["...weight"] is the fp16 master m and model["...weight_scale"] its scale s:
                   w = m / s (a power of two, so exact)
        O3         model["...weight"] is only the E4M3 copy the GEMMs read. The real weight is the
-                  fp16 master, cut into world-size flat shards held by the optimizer. Each rank
-                  wrote its shard to a file of its own, optimizer-rank{r}.pt
-                  (["optimizer"]["state"][i]["master"] and "master_scale"), which the model
-                  file names (optimizer["zero_shard_files"]); with_shards reads them back, in
-                  the form one file of an older nanofp8 held them: optimizer["zero_shards"]
+                  fp16 master, cut into world-size flat shards held by the optimizer: each rank
+                  writes its state_dict to a file of its own, optimizer-rank{r}.pt
+                  (["optimizer"]["state"][i]["master"] and "master_scale"), named by the model
+                  file's optimizer["zero_shard_files"]. with_shards reads them all back into
+                  optimizer["zero_shards"], the list one file of an older nanofp8 held
        TP / PP    one file per (tensor, pipeline) rank, ckpt-tp{t}-pp{p}.pt, each with its
                   shards of the block matrices (parallel.merge_tp_state_dicts glues them)
 

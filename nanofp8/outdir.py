@@ -15,14 +15,14 @@ the checks that out_dir can take a checkpoint before any training starts.
 Writing a set takes two steps. Every rank that writes saves its files into the set's directory,
 atomically (a temp file renamed into place, nanofp8/ckptfile.py): data-parallel rank 0 of each
 (tensor, pipeline) position its model file, and at O3 every rank its own optimizer shard, which
-no other rank ever receives. When all of them have, rank 0
-writes manifest.json the same way, so it appears whole or not at all. The manifest names the
-iteration, the layout that wrote the set, and every file with its size and sha256. A set
-without a manifest is partial (its save was interrupted or failed); a set whose manifest names a
-missing file is broken. Readers (resume, sample.py, export.py, init_from=DIR) take the newest
-complete set, by `sequence` (a count of the saves in this out_dir: the order of writing, not of
-iterations), and list the sets they ignore and why. A set is removed only once `keep` newer
-complete sets exist (prune), so at every moment the last good set is on disk.
+no other rank ever receives. When all of them have, rank 0 writes manifest.json the same way,
+so it appears whole or not at all. The manifest names the iteration, the layout that wrote the
+set, and every file with its size and sha256. A set without a manifest is partial (its save
+was interrupted or failed); a set whose manifest names a missing file is broken. Readers
+(resume, sample.py, export.py, init_from=DIR) take the newest complete set, by `sequence` (a
+count of the saves in this out_dir: the order of writing, not of iterations), and list the sets
+they ignore and why. A set is removed only once `keep` newer complete sets exist (prune), so at
+every moment the last good set is on disk.
 
 Checkpoint files written before sets existed (out_dir/ckpt.pt, ckpt-tp*-pp*.pt, no manifest)
 are still read when no set exists (nanofp8/checkpoint.py: find_checkpoint), and count as the

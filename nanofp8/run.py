@@ -432,11 +432,11 @@ def save_checkpoint_set(files, cfg, layout, iter_num, **extra):
         problem = next((p for _, p in records if p), None)
         done = None
         if problem is None and layout.master:
-            files = dict(r for rs, _ in records for r in rs)  # in rank order: rank 0's model file first
+            written = dict(r for rs, _ in records for r in rs)  # in rank order: rank 0's model file first
             info = {"precision": cfg["precision"], "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
                     "zero_world": layout.world if cfg["precision"] == "O3" else None, "world_size": layout.world}
             try:
-                done = commit_set(path, iter_num, files, info, config=dict(cfg), **extra)
+                done = commit_set(path, iter_num, written, info, config=dict(cfg), **extra)
                 prune(out_dir, cfg["keep_checkpoints"])
             except WriteError as e:
                 problem = str(e)
