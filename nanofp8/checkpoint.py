@@ -11,8 +11,11 @@ reads all of these kinds of directories, for sample.py, export.py and train.py's
        O2         model["...weight"] is the fp16 master m and model["...weight_scale"] its scale s:
                   w = m / s (a power of two, so exact)
        O3         model["...weight"] is only the E4M3 copy the GEMMs read. The real weight is the
-                  fp16 master, cut into world-size flat shards held by the optimizer
-                  (optimizer["zero_shards"][rank]["state"][i]["master"] and "master_scale")
+                  fp16 master, cut into world-size flat shards held by the optimizer: each rank
+                  writes its state_dict to a file of its own, optimizer-rank{r}.pt
+                  (["optimizer"]["state"][i]["master"] and "master_scale"), named by the model
+                  file's optimizer["zero_shard_files"]. with_shards reads them all back into
+                  optimizer["zero_shards"], the list one file of an older nanofp8 held
        TP / PP    one file per (tensor, pipeline) rank, ckpt-tp{t}-pp{p}.pt, each with its
                   shards of the block matrices (parallel.merge_tp_state_dicts glues them)
 
@@ -48,7 +51,8 @@ from nanofp8.fp8 import BLOCK, E4M3, expand_tiles, quantize
 from nanofp8.interop import is_hf_gpt2, load_hf_gpt2, load_portable
 from nanofp8.model import GPT, GPTConfig
 from nanofp8.ckptfile import CheckpointError, load_checkpoint
-from nanofp8.outdir import MANIFEST, SET_NAME, CheckpointSet, legacy_files, newest_set, nothing_found, read_set
+from nanofp8.outdir import (MANIFEST, SET_NAME, SHARD_FILE, CheckpointSet, legacy_files, newest_set, nothing_found,
+                            read_set)
 
 # -----------------------------------------------------------------------------
 # 1. Any checkpoint -> one fp32 state_dict of the single-device GPT
@@ -89,6 +93,28 @@ def find_checkpoint(out_dir):
         notes.append(f"ignoring {', '.join(single if newer else ranks)} in {out_dir}: an earlier iteration")
         legacy = ranks if newer else single
     return CheckpointSet(out_dir, legacy), notes
+
+
+def load_shard(found, name, iter_num, map_location="cpu"):
+    """One rank's O3 optimizer state (its state_dict) from its file `name` in the set `found`,
+    checked against the manifest and against the model file's iteration `iter_num`."""
+    path = found.file(name)
+    shard = load_checkpoint(path, map_location=map_location, expect=found.expected(name), keys=("optimizer", "iter_num"))
+    if shard["iter_num"] != iter_num:
+        raise CheckpointError(f"{path} is of iteration {shard['iter_num']}, the model file beside it of "
+                              f"{iter_num}: not one checkpoint")
+    return shard["optimizer"]
+
+
+def with_shards(ckpt, found):
+    """A model file with O3's optimizer shards read from their files (load_shard), every rank's,
+    into ckpt["optimizer"] = {"zero_shards": [rank 0's state_dict, ...]}: what a conversion to one
+    process reads. Other files are returned as they are (an O3 file of an older nanofp8 holds its
+    zero_shards itself)."""
+    names = (ckpt.get("optimizer") or {}).get("zero_shard_files")
+    if names is not None:
+        ckpt["optimizer"] = {"zero_shards": [load_shard(found, n, ckpt["iter_num"]) for n in names]}
+    return ckpt
 
 
 def _param_order(model_args):
@@ -227,20 +253,21 @@ def read_checkpoint(out_dir):
     from nanofp8.parallel import merge_tp_state_dicts
 
     found, notes = find_checkpoint(out_dir)
-    files = [found.file(f) for f in found.files]
     if found.manifest is not None and found.layout().get("engine") == "torch":  # DCP shards
-        from nanofp8.torchstack import read_dcp_set
+        from nanofp8.torchstack import META as torchstack_meta, read_dcp_set
 
         state, meta = read_dcp_set(found)
         layout = dict(tensor_parallel=meta["config"].get("tensor_parallel", 1), pipeline_parallel=1, zero_world=None)
         return state, dict(model_args=meta["model_args"], config=meta["config"], iter_num=meta["iter_num"],
-                           best_val_loss=meta.get("best_val_loss", float("inf")), files=files[:1] + [
-                               found.file("dcp")],
+                           best_val_loss=meta.get("best_val_loss", float("inf")),
+                           files=[found.file(f) for f in (torchstack_meta, "dcp")],
                            precision=meta["config"]["precision"], notes=notes, layout=layout)
+    names = [f for f in found.files if not SHARD_FILE.fullmatch(f)]  # the model files (with_shards reads the rest)
+    files = [found.file(f) for f in names]
     stages = {}
     first = None
-    for name, path in zip(found.files, files):
-        ckpt = load_checkpoint(path, map_location="cpu", expect=found.expected(name))
+    for name, path in zip(names, files):
+        ckpt = with_shards(load_checkpoint(path, map_location="cpu", expect=found.expected(name)), found)
         first = first or ckpt
         if ckpt["iter_num"] != first["iter_num"]:
             raise CheckpointError(f"the checkpoints in {found.path} are from different iterations "
@@ -269,7 +296,7 @@ def read_checkpoint(out_dir):
 
 def _layout(ckpt):
     cfg, opt = ckpt["config"], ckpt.get("optimizer")
-    shards = opt.get("zero_shards") if isinstance(opt, dict) else None
+    shards = (opt.get("zero_shards") or opt.get("zero_shard_files")) if isinstance(opt, dict) else None
     return dict(tensor_parallel=cfg.get("tensor_parallel", 1), pipeline_parallel=cfg.get("pipeline_parallel", 1),
                 zero_world=len(shards) if shards else None)
 
@@ -330,8 +357,8 @@ def resume_from(out_dir, cfg, world_size):
     moments = None
     cut_before = info["layout"]["tensor_parallel"] * info["layout"]["pipeline_parallel"] > 1
     if not cut_before and cfg["tensor_parallel"] * cfg["pipeline_parallel"] == 1:
-        moments = fp32_moments(load_checkpoint(info["files"][0], map_location="cpu",
-                                               expect=found.expected(found.files[0])))
+        moments = fp32_moments(with_shards(load_checkpoint(info["files"][0], map_location="cpu",
+                                                           expect=found.expected(found.files[0])), found))
     fresh = [] if moments else ["optimizer moments (Adam m and v restart from zero)"]
     if "bf16" not in (info["precision"], cfg["precision"]):
         fresh.append("FP8 scaling state (amax histories)")

@@ -23,6 +23,8 @@ import torch
 # model_args (GPTConfig fields), config (the run's settings), iter_num, best_val_loss, rng, and
 # checksums: a CRC-32 of every tensor's bytes, by its path in the dict ("model/tok_emb.weight",
 # "optimizer/state/3/exp_avg"), so that a damaged file is reported by the tensor that is damaged.
+# At O3 the optimizer entry only names the files of the shards, {"zero_shard_files": [rank 0's,
+# ...]}; each of those holds format, optimizer (that rank's state_dict), iter_num and checksums.
 # A training run writes its files in checkpoint sets whose manifest also holds each file's size
 # and sha256 (nanofp8/outdir.py); load_checkpoint checks the file against it when given one.
 
@@ -182,11 +184,15 @@ def process_alive(pid):
     return True
 
 
-def load_checkpoint(path, map_location="cpu", expect=None):
+CKPT_KEYS = ("model", "model_args", "config", "iter_num")  # what a model file holds at least
+
+
+def load_checkpoint(path, map_location="cpu", expect=None, keys=CKPT_KEYS):
     """Load and sanity-check a checkpoint; every failure is a CheckpointError naming the file.
     expect: the file's entry in its set's manifest ({"bytes", "sha256"}): a file of another size or
     another sha256 is damaged, and the error names the first tensor whose CRC-32 differs. Without
-    one (a file outside a set) the tensors' CRC-32s are checked."""
+    one (a file outside a set) the tensors' CRC-32s are checked. keys: the entries the file must
+    have (an O3 optimizer shard's file: "optimizer" and "iter_num")."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}")
     intact = None
@@ -224,7 +230,7 @@ def load_checkpoint(path, map_location="cpu", expect=None):
             raise CheckpointError(f"{path} is damaged: its sha256 differs from its manifest's, outside "
                                   f"its tensors (the iteration or the settings); restore the file from "
                                   f"a copy or use another checkpoint")
-    for key in ("model", "model_args", "config", "iter_num"):
+    for key in keys:
         if key not in ckpt and not (key == "model" and "dcp" in ckpt):  # (engine=torch: the shards in dcp/)
             raise CheckpointError(f"checkpoint {path} has no '{key}' entry")
     return ckpt

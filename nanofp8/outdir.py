@@ -5,20 +5,24 @@ the checks that out_dir can take a checkpoint before any training starts.
     out/
       ckpt-00000020/        the newest checkpoint set: the state after iteration 20
         ckpt.pt             one file per (tensor, pipeline) rank: ckpt-tp0-pp0.pt, ckpt-tp1-pp0.pt
+        optimizer-rank0.pt  O3 only: each rank's shard of the optimizer state, written by that rank
+        optimizer-rank1.pt
         manifest.json       written last: the set is complete once it exists
       ckpt-00000010/        the set before it (keep_checkpoints=2)
       train.lock            the run writing here (pid, host, start); removed when it ends
       fp8_stats.jsonl       the FP8 statistics (nanofp8/stats.py trims it on resume)
 
-Writing a set takes two steps. Every rank that writes saves its file into the set's directory,
-atomically (a temp file renamed into place, nanofp8/model.py). When all of them have, rank 0
-writes manifest.json the same way, so it appears whole or not at all. The manifest names the
-iteration, the layout that wrote the set, and every file with its size and sha256. A set
-without a manifest is partial (its save was interrupted or failed); a set whose manifest names a
-missing file is broken. Readers (resume, sample.py, export.py, init_from=DIR) take the newest
-complete set, by `sequence` (a count of the saves in this out_dir: the order of writing, not of
-iterations), and list the sets they ignore and why. A set is removed only once `keep` newer
-complete sets exist (prune), so at every moment the last good set is on disk.
+Writing a set takes two steps. Every rank that writes saves its files into the set's directory,
+atomically (a temp file renamed into place, nanofp8/ckptfile.py): data-parallel rank 0 of each
+(tensor, pipeline) position its model file, and at O3 every rank its own optimizer shard, which
+no other rank ever receives. When all of them have, rank 0 writes manifest.json the same way,
+so it appears whole or not at all. The manifest names the iteration, the layout that wrote the
+set, and every file with its size and sha256. A set without a manifest is partial (its save
+was interrupted or failed); a set whose manifest names a missing file is broken. Readers
+(resume, sample.py, export.py, init_from=DIR) take the newest complete set, by `sequence` (a
+count of the saves in this out_dir: the order of writing, not of iterations), and list the sets
+they ignore and why. A set is removed only once `keep` newer complete sets exist (prune), so at
+every moment the last good set is on disk.
 
 Checkpoint files written before sets existed (out_dir/ckpt.pt, ckpt-tp*-pp*.pt, no manifest)
 are still read when no set exists (nanofp8/checkpoint.py: find_checkpoint), and count as the
@@ -46,10 +50,16 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nanofp8-set-1"
 LOCK = "train.lock"
 SET_NAME = re.compile(r"ckpt-(\d{8,})")
+SHARD_FILE = re.compile(r"optimizer-rank(\d+)\.pt")  # (shard_file's names)
 
 
 def set_name(iter_num):
     return f"ckpt-{iter_num:08d}"
+
+
+def shard_file(rank):
+    """The file of a set that holds O3's optimizer shard of data-parallel rank `rank`."""
+    return f"optimizer-rank{rank}.pt"
 
 
 @dataclass

@@ -8,7 +8,7 @@ model cut over tensor and pipeline ranks.
     loss = pipeline_loss(model, batches, layout, autocast, cfg)  # model parallel: GPipe's step
     finite = sync_gradients(model, layout); norm = clip(model, max_norm, layout)
     check_replicas(model, layout)                 # at every evaluation
-    save_unless_diverged(...)                     # a checkpoint set: O3 shards, RNG streams
+    save_unless_diverged(...)                     # a checkpoint set: a file per O3 shard, RNG streams
 
 Where the answers differ, they differ for a reason written next to them: a pipeline runs all
 micro-batches at once (GPipe), a model-parallel gradient is spread over ranks before it is
@@ -22,7 +22,6 @@ engine=torch (layout.engine): where its answer differs (FSDP2 and DTensor instea
 above, DCP shards in the checkpoint set), the function hands over to nanofp8/torchstack.py.
 """
 
-import io
 import math
 import os
 import signal
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import device, emulate, parallel, torchstack
-from .checkpoint import find_checkpoint, initial_weights, load_moments
+from .checkpoint import find_checkpoint, initial_weights, load_moments, load_shard
 from .configurator import ConfigError
 from .data import DataError
 from .dist import Fp8DataParallel
@@ -45,7 +44,7 @@ from .layout import GroupError, is_collective_failure, report_collective_failure
 from .model import GPTConfig
 from .ckptfile import CheckpointError, WriteError, load_checkpoint, load_model_state, root_cause, save_checkpoint
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
-                     prune, release_lock, release_locks, room_for, scan, set_name)
+                     prune, release_lock, release_locks, room_for, scan, set_name, shard_file)
 from .optim import clip_grad_norm
 from .stats import format_linear_table, linear_table
 from .zero import ZeroFp8AdamW
@@ -347,7 +346,8 @@ def check_step(model, stepped, skipped_in_a_row, grad_norm, iter_num, weights_ok
 
 # -----------------------------------------------------------------------------
 # Checkpoints: a set per save (nanofp8/outdir.py) with one file per (tensor, pipeline) rank, each
-# written by that position's data-parallel rank 0
+# written by that position's data-parallel rank 0; at O3 also one optimizer shard per rank, each
+# written by its own rank
 
 
 def checkpoint_name(layout):
@@ -381,7 +381,8 @@ def prepare_out_dir(cfg, layout, log):
     current_out_dir = out_dir = cfg["out_dir"]
     if cfg["eval_only"]:
         return
-    problem = check_writable(out_dir) if layout.writer else None
+    writes = layout.writer or cfg["precision"] == "O3"  # (O3: every rank writes its optimizer shard)
+    problem = check_writable(out_dir) if writes else None
     if layout.master and problem is None:
         try:
             note = acquire_lock(out_dir)
@@ -434,16 +435,16 @@ def check_room(model, cfg, layout, log):
         f"{cfg['keep_checkpoints']} kept in {cfg['out_dir']} ({free / 2**30:,.1f} GiB free)")
 
 
-def save_checkpoint_set(state, cfg, layout, iter_num, write=None, **extra):
+def save_checkpoint_set(files, cfg, layout, iter_num, write=None, **extra):
     """Write one checkpoint set (nanofp8/outdir.py), on every rank: rank 0 makes its directory,
-    every writing rank saves its file into it, and once all of them have, rank 0 writes the
-    manifest that makes the set complete, then removes the sets beyond keep_checkpoints. A write
-    that fails on any rank is a WriteError on every rank, and the partial set is removed; so is
-    the set of a save that Ctrl-C interrupts in one process (under torchrun the next save removes
-    it; readers ignore it). Returns the set (on rank 0; None elsewhere). write(set directory), if
-    given, writes on every rank, after the writer's file, and returns [(file, record)] (engine=torch:
-    its DCP shards, torchstack.write_dcp)."""
-    out_dir, name = cfg["out_dir"], checkpoint_name(layout)
+    every rank saves its files into it (files: {name: contents}, empty on a rank that writes
+    none), and once all of them have, rank 0 writes the manifest that makes the set complete,
+    then removes the sets beyond keep_checkpoints. A write that fails on any rank is a WriteError
+    on every rank, and the partial set is removed; so is the set of a save that Ctrl-C interrupts
+    in one process (under torchrun the next save removes it; readers ignore it). Returns the set
+    (on rank 0; None elsewhere). write(set directory), if given, writes on every rank after its
+    files and returns [(file, record)] (engine=torch: its DCP shards, torchstack.write_dcp)."""
+    out_dir = cfg["out_dir"]
     path = os.path.join(out_dir, set_name(iter_num))
     try:
         problem = None
@@ -454,11 +455,10 @@ def save_checkpoint_set(state, cfg, layout, iter_num, write=None, **extra):
                 problem = str(e)
         problem = agree(layout, problem)  # the directory exists before anyone writes into it
         record = []
-        if problem is None and (layout.writer or write):
+        if problem is None and (files or write):
             try:
                 os.makedirs(path, exist_ok=True)  # (an out_dir that is not shared between nodes)
-                if layout.writer:
-                    record.append((name, save_checkpoint(state, os.path.join(path, name))))
+                record = [(name, save_checkpoint(state, os.path.join(path, name))) for name, state in files.items()]
                 record += write(path) if write else []
             except WriteError as e:
                 problem = str(e)
@@ -468,12 +468,12 @@ def save_checkpoint_set(state, cfg, layout, iter_num, write=None, **extra):
         problem = next((p for _, p in records if p), None)
         done = None
         if problem is None and layout.master:
-            files = dict(f for r, _ in records for f in r)  # in rank order: rank 0's file first
+            written = dict(r for rs, _ in records for r in rs)  # in rank order: rank 0's model file first
             info = {"precision": cfg["precision"], "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
                     "zero_world": layout.world if cfg["precision"] == "O3" else None, "world_size": layout.world,
                     **({"engine": "torch"} if layout.engine == "torch" else {})}
             try:
-                done = commit_set(path, iter_num, files, info, config=dict(cfg), **extra)
+                done = commit_set(path, iter_num, written, info, config=dict(cfg), **extra)
                 prune(out_dir, cfg["keep_checkpoints"])
             except WriteError as e:
                 problem = str(e)
@@ -493,9 +493,10 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
                          derived, log):
     """Checkpoint after an evaluation, as a new set (the older ones kept up to keep_checkpoints),
     but never a state that has diverged (diverged()): it would push the last good one out. A final
-    evaluation that has diverged stops the run. Called on every rank (O3 shards and the RNG
-    streams are gathered). Saves the config as it was asked for and, apart, what the run derived
-    (derived: its model_args, device, tokens per iteration, ...)."""
+    evaluation that has diverged stops the run. Called on every rank (the RNG streams are
+    gathered; at O3 each rank writes its own optimizer shard). Saves the config as it was asked
+    for and, apart, what the run derived (derived: its model_args, device, tokens per
+    iteration, ...)."""
     why = diverged(raw_model, cfg, layout, val_loss, best_val_loss, skipped_in_a_row)
     if why:
         log(f"not saving a checkpoint: {why}; {last_good(cfg['out_dir'])}")
@@ -507,7 +508,7 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
     dcp = layout.engine == "torch"  # model and optimizer: every rank's shards in dcp/
     state = {
         **({"dcp": torchstack.DCP_DIR} if dcp else {"model": raw_model.state_dict(),  # with FP8 scaling state
-                                                    "optimizer": optimizer_state(optimizer, layout)}),
+                                                    "optimizer": optimizer_state(optimizer)}),
         "model_args": derived["model_args"],
         "config": dict(cfg),
         "derived": {k: v for k, v in derived.items() if k != "model_args"},
@@ -517,11 +518,16 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
         "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
                  "tokens_seen": iter_num * derived["tokens_per_iter"]},
     }
+    files = {checkpoint_name(layout): state} if layout.writer else {}
+    if isinstance(optimizer, ZeroFp8AdamW):  # O3: every rank writes its own shard, and only that
+        files[shard_file(optimizer.rank)] = {"optimizer": optimizer.state_dict(), "iter_num": iter_num}
     write = (lambda path: torchstack.write_dcp(raw_model, optimizer, path, layout)) if dcp else None
-    done = save_checkpoint_set(state, cfg, layout, iter_num, write, val_loss=val_loss, best_val_loss=best)
+    done = save_checkpoint_set(files, cfg, layout, iter_num, write, val_loss=val_loss, best_val_loss=best)
     if done is not None:
         log(f"saved checkpoint to {done.path}" + (f" ({len(done.files) - 1} DCP files)" if dcp else f" ("
-            f"{len(done.files)} files: one per tensor and pipeline rank)" if layout.model_parallel else ""))
+            f"{len(done.files)} files: one per tensor and pipeline rank)" if layout.model_parallel else "")
+            + (f" (the model, and the optimizer in {optimizer.world} shards: a file per rank)"
+               if isinstance(optimizer, ZeroFp8AdamW) else ""))
 
 
 def finish(cfg, layout):
@@ -572,30 +578,18 @@ def check_resume_layout(ckpt, cfg, path, layout):
                               f"({-int(it[1])} to {int(it[0])}): not one consistent model")
 
 
-def optimizer_state(optimizer, layout):
-    """The optimizer state to save (called on every rank; None where not the writer). O3: every
-    rank holds its own shard; they are gathered and saved side by side in the one file."""
-    state = optimizer.state_dict()
+def optimizer_state(optimizer):
+    """What the model file holds of the optimizer. O3: only the names of the files that hold it,
+    one per rank, each written by the rank whose shard it is (save_unless_diverged): no rank ever
+    holds another rank's shard, neither when saving nor when resuming."""
     if not isinstance(optimizer, ZeroFp8AdamW):
-        return state
-    # Pickling collectives cannot carry FP8 tensors: serialize each shard with torch.save and
-    # gather the bytes (padded to the longest) as uint8.
-    dev = next(iter(optimizer.o2)).device
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(dev)
-    sizes = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(layout.world)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], device=dev))
-    longest = max(int(n) for n in sizes)
-    got = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(layout.world)]
-    dist.all_gather(got, torch.nn.functional.pad(mine, (0, longest - mine.numel())))
-    if not layout.writer:
-        return None
-    return {"zero_shards": [torch.load(io.BytesIO(g[: int(n)].cpu().numpy().tobytes()), map_location="cpu",
-                                       weights_only=True) for g, n in zip(got, sizes)]}
+        return optimizer.state_dict()
+    return {"zero_shard_files": [shard_file(r) for r in range(optimizer.world)]}
 
 
 def load_optimizer_state(optimizer, state, path, layout):
+    """Load the resumed optimizer state: this rank's own shard at O3 (resume_point read it from its
+    file; a file of an older nanofp8 holds every rank's, "zero_shards")."""
     if "zero_shards" in state:
         if len(state["zero_shards"]) != layout.world:
             raise CheckpointError(f"{path} holds O3 optimizer shards for {len(state['zero_shards'])} "
@@ -667,6 +661,12 @@ def resume_point(cfg, layout, vocab_size, log):
         ckpt["path"] = path
         check_resume_config(ckpt["config"], cfg, path)
         check_resume_layout(ckpt, cfg, path, layout)
+        shards = None if "dcp" in ckpt else ckpt["optimizer"].get("zero_shard_files")
+        if shards is not None:  # O3: this rank's own shard, from its own file
+            if len(shards) != layout.world:
+                raise CheckpointError(f"{found} holds O3 optimizer shards for {len(shards)} ranks; resume it "
+                                      f"with the same number of processes, not {layout.world}")
+            ckpt["optimizer"] = load_shard(found, shards[layout.rank], ckpt["iter_num"], layout.device)
     model_args = {k: cfg[k] for k in MODEL_KEYS} | {"vocab_size": vocab_size}
     for k in MODEL_KEYS if (ckpt or converted) else ():
         saved = (ckpt or converted)["model_args"][k]

@@ -26,10 +26,11 @@ the same scale: the ranks agree on it with one small MAX all-reduce of the shard
 bytes per weight tensor).
 
 Shards are cut from each weight flattened: rank r owns values [r*C, (r+1)*C) with
-C = held_shard_len(p, N) (whole blocks of 128 values), the tail zero-padded. Checkpoints hold
-each rank's own shard, so a run resumes at the same world size; at another size the shards do
-not line up and loading stops with an error (re-shard by gathering the fp16 masters, which is
-not done here).
+C = held_shard_len(p, N) (whole blocks of 128 values), the tail zero-padded. A checkpoint holds
+each rank's state_dict, its own shard, in a file that rank writes itself (nanofp8/run.py), so
+no rank ever holds another's. load_state_dict takes it back at the same world size only; at
+another size the shards do not line up, and nanofp8/checkpoint.py glues them in one process
+(resume_from: the masters and moments, re-cut by the new run).
 
 The collectives are dist.py's; this file adds the O3 layer, its optimizer, and the shared-scale
 all-gather that turns the updated shards back into one FP8 weight.

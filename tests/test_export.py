@@ -27,11 +27,12 @@ import conftest
 import export
 import sample
 import train
-from nanofp8.checkpoint import fp32_moments, freeze_fp8, load_for_inference, load_moments, read_checkpoint
+from nanofp8.checkpoint import (find_checkpoint, fp32_moments, freeze_fp8, load_for_inference, load_moments,
+                                read_checkpoint, with_shards)
 from nanofp8.fp8 import E4M3, quantize, sqnr
 from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable
 from nanofp8.model import GPT, GPTConfig
-from nanofp8.ckptfile import CheckpointError, load_checkpoint, load_model_state
+from nanofp8.ckptfile import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 from nanofp8.optim import dequantize_blocks
 
 from conftest import newest_checkpoint
@@ -108,10 +109,14 @@ def test_bf16_and_o1_sample(tmp_path, capsys, precision):
 def test_o3_two_ranks_to_one_process(tmp_path, capsys):
     """O3 on 2 ranks: the weights come back from the sharded fp16 masters, not from the FP8 copies
     in the model state, and in the right order: cast to E4M3 they give back (all but a few
-    rounding ties of) the FP8 bytes the ranks gathered. sample.py reads them; O3 on 1 rank
-    resumes them (shards re-cut, moments too), and so does O2 in a plain process."""
+    rounding ties of) the FP8 bytes the ranks gathered. Each rank's shard is a file of its own.
+    sample.py and export.py read them; so does a file of an older nanofp8 that holds every shard
+    itself; O3 on 1 rank resumes them (shards re-cut, moments too), and so does O2 in a plain
+    process."""
     out = str(tmp_path / "o3")
     torchrun(2, "precision=O3", f"out_dir={out}")
+    assert sorted(os.listdir(os.path.dirname(newest_checkpoint(out)))) == [
+        "ckpt.pt", "manifest.json", "optimizer-rank0.pt", "optimizer-rank1.pt"]
     state, info = read_checkpoint(out)
     assert info["layout"]["zero_world"] == 2
     fp8 = load_checkpoint(newest_checkpoint(out))["model"]
@@ -122,11 +127,26 @@ def test_o3_two_ranks_to_one_process(tmp_path, capsys):
         recast = quantize(state[k], E4M3).data.view(torch.uint8)  # fp16 master -> E4M3 again
         assert (recast == fp8[k].view(torch.uint8)).float().mean() > 0.99
     sample_runs(out, capsys)
+    export.main([f"--out_dir={out}", f"--to={tmp_path / 'fp32'}", "--format=fp32"])
+    exported, _ = load_portable(str(tmp_path / "fp32"))
+    assert exported.keys() <= state.keys() and all(torch.equal(v, state[k]) for k, v in exported.items())
+    # the checkpoint as an older nanofp8 wrote it: one ckpt.pt holding every rank's shard
+    old = load_checkpoint(newest_checkpoint(out))
+    moments = fp32_moments(with_shards(dict(old), find_checkpoint(out)[0]))
+    old["optimizer"] = {"zero_shards": [load_checkpoint(newest_checkpoint(out, f"optimizer-rank{r}.pt"),
+                                                        keys=())["optimizer"] for r in range(2)]}
+    os.makedirs(tmp_path / "old")
+    save_checkpoint(old, str(tmp_path / "old" / "ckpt.pt"))
+    old_state, old_info = read_checkpoint(str(tmp_path / "old"))
+    assert old_info["layout"]["zero_world"] == 2 and old_state.keys() == state.keys()
+    assert all(torch.equal(old_state[k], v) for k, v in state.items())
+    old_moments = fp32_moments(load_checkpoint(str(tmp_path / "old" / "ckpt.pt")))
+    assert all(torch.equal(old_moments[k][t], m[t]) for k, m in moments.items() for t in m)
     # O3 on 1 rank: the masters and moments glued from 2 shards and cut into 1
     printed = torchrun(1, "precision=O3", f"out_dir={out}", "init_from=resume", "max_iters=4")
     assert "(precision=O3 (2 ZeRO shards)) to precision=O3 (1 ZeRO shard)" in printed, printed
-    shards = load_checkpoint(newest_checkpoint(out))["optimizer"]["zero_shards"]
-    assert len(shards) == 1 and shards[0]["state"][0]["step"] == 4  # Adam's count went on
+    shard = load_checkpoint(newest_checkpoint(out, "optimizer-rank0.pt"), keys=("optimizer",))["optimizer"]
+    assert shard["zero"]["world_size"] == 1 and shard["state"][0]["step"] == 4  # Adam's count went on
     # and O2 in a plain process
     o2 = train.main(TINY + ["precision=O2", f"out_dir={out}", "init_from=resume", "max_iters=5"])
     printed = capsys.readouterr().out

@@ -862,6 +862,46 @@ def test_a_rank_dies_during_a_save(tmp_path, capsys):
     assert "ckpt-00000002/ckpt-tp0-pp0.pt" in capsys.readouterr().out
 
 
+O3_SHARD_WRITE_FAILS = """
+import errno, os, sys
+sys.path.insert(0, {repo!r})
+import torch, train
+if os.environ["RANK"] == "1":  # its own file of the checkpoint of iteration 4 finds the disk full
+    write = torch.save
+
+    def save(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("iter_num") == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(obj, f, *a, **k)
+
+    torch.save = save
+train.cli({tiny!r} + ["precision=O3", "gradient_accumulation_steps=2", "max_iters=4", "eval_interval=2",
+                      "out_dir={out}"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_an_o3_shard_that_cannot_be_written(tmp_path):
+    """At O3 every rank writes its own optimizer shard into the set: a write that fails on rank 1
+    only (the disk full) stops every rank with exit status 4 and one line (rank 0's) naming the
+    file and the last good set; the set of that save is removed, the one before stays whole."""
+    out = tmp_path / "out"
+    script = tmp_path / "worker.py"
+    script.write_text(O3_SHARD_WRITE_FAILS.format(repo=REPO, tiny=TINY, out=out))
+    r = torchrun(2, script=str(script), check=False, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == [f"error: cannot write {out}/ckpt-00000004/optimizer-rank1.pt: No space left on device; "
+                     f"nothing half-written is kept, and the last good checkpoint is {out}/ckpt-00000002 "
+                     f"(iter 2)"], r.stderr[-3000:]
+    assert "exitcode  : 4" in r.stderr and "[rank0]: Traceback" not in r.stderr, r.stderr[-3000:]
+    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt")) == ["ckpt-00000002"]
+    assert sorted(os.listdir(out / "ckpt-00000002")) == ["ckpt.pt", MANIFEST, "optimizer-rank0.pt",
+                                                         "optimizer-rank1.pt"]
+    _, info = read_any(str(out))
+    assert info["iter_num"] == 2 and info["layout"]["zero_world"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_ctrl_c_under_torchrun(tmp_path):

@@ -2,13 +2,14 @@
 losses, bit-identical weights on every rank, per-rank bytes, NaN skips and sharded checkpoints."""
 
 import copy
+import json
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from conftest import spawn
+from conftest import REPO, TINY, spawn, torchrun
 
 from nanofp8 import optim_foreach
 from nanofp8.dist import Fp8DataParallel, comm_stats
@@ -209,3 +210,123 @@ def test_o2_data_parallel_matches_single_process(reference, tmp_path):
     print(f"O2 data-parallel x2: max loss gap {max(gaps):.4f}")
     assert max(gaps) < 0.02 and gaps[-1] < 0.01, gaps
     assert all(r["same"]) and r["skipped"]
+
+
+# ---------------------------------------------------------------- train.py's O3 checkpoint: no rank gathers
+
+# Run under torchrun by the test below (one script, two modes). "save": train 2 iterations at O3
+# and checkpoint; while save_unless_diverged runs, count the bytes that every collective hands
+# this rank, and keep a copy of this rank's optimizer.state_dict() as it was when saved. "resume":
+# continue the run, and note every file this rank reads with torch.load.
+O3_SAVE_WORKER = """
+import copy, json, os, pickle, sys
+sys.path.insert(0, {repo!r})
+import torch, torch.distributed as dist
+import train
+
+out, args, mode = {out!r}, {args!r}, {mode!r}
+rank = int(os.environ["RANK"])
+seen = dict(received=0, loaded=[])
+saving = [False]
+
+
+def size(x):
+    if torch.is_tensor(x):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(size(v) for v in x)
+    return len(pickle.dumps(x))
+
+
+def counted(collective):  # every tensor or object it is given or fills, counted once it returns
+    def wrapped(*a, **k):
+        result = collective(*a, **k)
+        if saving[0]:
+            seen["received"] += sum(size(v) for v in (*a, *k.values()) if v is not None
+                                    and not isinstance(v, (int, str, dist.ProcessGroup, dist.ReduceOp)))
+        return result
+    return wrapped
+
+
+for name in ("all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce", "broadcast",
+             "broadcast_object_list", "gather", "gather_object", "reduce_scatter_tensor", "all_to_all_single"):
+    setattr(dist, name, counted(getattr(dist, name)))
+save = train.save_unless_diverged
+
+
+def saved(raw_model, optimizer, *a, **k):
+    torch.save(copy.deepcopy(optimizer.state_dict()), os.path.join(out, f"{{mode}}-in-memory-rank{{rank}}.pt"))
+    saving[0] = True
+    try:
+        return save(raw_model, optimizer, *a, **k)
+    finally:
+        saving[0] = False
+
+
+train.save_unless_diverged = saved
+load = torch.load
+
+
+def loaded(f, *a, **k):
+    if isinstance(f, str):
+        seen["loaded"].append(os.path.basename(f))
+    return load(f, *a, **k)
+
+
+torch.load = loaded
+train.main(args)
+json.dump(seen, open(os.path.join(out, f"{{mode}}-rank{{rank}}.json"), "w"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.usefixtures("shakespeare")
+def test_o3_checkpoint_is_saved_without_gathering(tmp_path):
+    """train.py at O3 on 2 ranks: each rank writes its own optimizer shard into the checkpoint set,
+    and no rank receives another's. While the checkpoint is saved, the collectives hand a rank fewer
+    bytes than its own shard (the flags and RNG streams a save agrees on: an all-gather of the shards
+    would be twice a shard); rank r's file holds exactly its optimizer.state_dict() at that moment;
+    the model file names the shard files and holds no optimizer tensor; the manifest lists every
+    file with its size and sha256. An exact resume reads the model file and its own shard, nothing
+    else."""
+    from nanofp8.checkpoint import find_checkpoint
+    from nanofp8.ckptfile import load_checkpoint
+
+    out = tmp_path / "run"
+    args = TINY + ["precision=O3", "gradient_accumulation_steps=2", "eval_interval=2", "lr_decay_iters=4",
+                   f"out_dir={out}"]
+    for mode, more in (("save", ["max_iters=2"]), ("resume", ["max_iters=3", "init_from=resume"])):
+        script = tmp_path / f"{mode}.py"
+        script.write_text(O3_SAVE_WORKER.format(repo=REPO, out=str(tmp_path), mode=mode, args=args + more))
+        torchrun(2, script=str(script), timeout=300)
+    found, _ = find_checkpoint(str(out / "ckpt-00000002"))
+    for r in range(2):
+        seen = json.loads((tmp_path / f"save-rank{r}.json").read_text())
+        mine = torch.load(tmp_path / f"save-in-memory-rank{r}.pt", weights_only=True)
+        own = sum(t.numel() * t.element_size() for t in _tensors(mine).values())
+        print(f"rank {r}: a save's collectives handed it {seen['received']:,} B; its own shard is {own:,} B")
+        assert seen["received"] < own, (r, seen["received"], own)
+        name = f"optimizer-rank{r}.pt"
+        shard = load_checkpoint(found.file(name), expect=found.expected(name), keys=("optimizer", "iter_num"))
+        assert shard["iter_num"] == 2 and shard["optimizer"]["zero"] == {"world_size": 2, "rank": r}
+        got, want = _tensors(shard["optimizer"]), _tensors(mine)
+        assert got.keys() == want.keys() and all(_bits(got[k]) == _bits(want[k]) for k in want)
+        assert shard["optimizer"]["param_groups"] == mine["param_groups"]
+        resumed = json.loads((tmp_path / f"resume-rank{r}.json").read_text())
+        assert sorted(resumed["loaded"]) == ["ckpt.pt", name], resumed
+    assert found.files == ["ckpt.pt", "optimizer-rank0.pt", "optimizer-rank1.pt"]
+    model_file = load_checkpoint(found.file("ckpt.pt"), expect=found.expected("ckpt.pt"))
+    assert model_file["optimizer"] == {"zero_shard_files": ["optimizer-rank0.pt", "optimizer-rank1.pt"]}
+
+
+def _tensors(obj, path=""):
+    """{path: tensor} of every tensor in a nested dict/list."""
+    if torch.is_tensor(obj):
+        return {path: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return {k: t for key, v in items for k, t in _tensors(v, f"{path}/{key}").items()}
+
+
+def _bits(t):
+    return (t.dtype, t.shape, t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
