@@ -510,20 +510,25 @@ def _comm_torch_worker(rank, world, port, level, out):
     dist.destroy_process_group()
 
 
-def comm_torch(worlds):
-    """Rows of bytes per parameter per step under engine=torch's FSDP2, bf16 and O1."""
+def _on_ranks(worker, world, *args):
+    """worker(rank, world, port, *args, out) on `world` gloo ranks; returns what rank 0 saved to out."""
     import torch.multiprocessing as mp
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "result.pt")
+    mp.spawn(worker, args=(world, port, *args, out), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def comm_torch(worlds):
+    """Rows of bytes per parameter per step under engine=torch's FSDP2, bf16 and O1."""
     rows = []
     for world in worlds:
         base = None
         for level in ("bf16", "O1"):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            out = os.path.join(tempfile.mkdtemp(), "comm_torch.pt")
-            mp.spawn(_comm_torch_worker, args=(world, port, level, out), nprocs=world, join=True)
-            r = torch.load(out, weights_only=False)
+            r = _on_ranks(_comm_torch_worker, world, level)
             total = r["all_gather"] + r["reduce_scatter"] + r["amax"]
             base = base or total
             rows.append({"world": world, "engine": "torch (FSDP2)", "level": level,
@@ -534,18 +539,11 @@ def comm_torch(worlds):
 
 
 def cmd_comm(args):
-    import torch.multiprocessing as mp
-
     rows = []
     for world in args.worlds:
         base = None
         for level in ("bf16", "O1", "O2", "O3"):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            out = os.path.join(tempfile.mkdtemp(), "comm.pt")
-            mp.spawn(_comm_worker, args=(world, port, level, out), nprocs=world, join=True)
-            r = torch.load(out, weights_only=False)
+            r = _on_ranks(_comm_worker, world, level)
             base = base or r
             rows.append({"world": world, "level": level,
                          "fp8_layers_B_per_param": r["fp8_layers"],
