@@ -57,7 +57,7 @@ import torch
 
 from nanofp8 import fp8
 from nanofp8.configurator import (RECIPE_KEYS, ConfigError, apply_recipe_preset, check_accumulation, check_train_config,
-                                  config_notes, configure, defaults_of, read_dataset_meta, stats_alarms)
+                                  compile_choice, config_notes, configure, defaults_of, read_dataset_meta, stats_alarms)
 from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dataset, check_tokens, data_dir,
                           get_batch, open_splits, vocab_size_for)
 from nanofp8.dist import Fp8DataParallel
@@ -65,8 +65,8 @@ from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
 from nanofp8.optim import Fp8AdamW, convert_to_o2
-from nanofp8.run import (Clock, fp8_all_gather, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
-                         no_sync, nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
+from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
+                         nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
                          save_unless_diverged, shard_model, show_fp8_layers, sync_gradients, weights_finite,
                          wrap_data_parallel)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
@@ -360,8 +360,7 @@ def main(argv=None):
     data = open_splits(cfg["dataset"], cfg["block_size"], layout)  # rank 0 prepares it if need be
     vocab_size = vocab_size_for(read_dataset_meta(data_dir(cfg["dataset"])), cfg["vocab_size"],
                                 DEFAULTS["vocab_size"], cfg["dataset"], log)
-    compile_model = cfg["compile"] if cfg["compile"] is not None else (layout.device_type == "cuda" and not (
-        layout.model_parallel or cfg["fp8_stats_interval"] or fp8_all_gather(cfg, layout)))
+    compile_model = compile_choice(cfg, layout)  # (compile=None: on for CUDA, where it is right)
     ckpt, converted, model_args = resume_point(cfg, layout, vocab_size, log)
     if nothing_to_do(cfg, (ckpt or converted or {}).get("iter_num", 0), log):
         finish(cfg, layout)
@@ -439,8 +438,8 @@ def main(argv=None):
         else:
             loss = torch.zeros((), device=layout.device)  # the mean over the micro-batches, for the log
             for micro_step, (x, y) in enumerate(batches):
-                # The replicas sum gradients during the last micro-step's backward only.
-                with no_sync(model) if micro_step < accum - 1 else nullcontext():
+                # The replicas sum gradients during the last micro-step's backward only (FSDP2: every one).
+                with model.no_sync() if hasattr(model, "no_sync") and micro_step < accum - 1 else nullcontext():
                     with autocast:
                         _, micro_loss = model(x, y)
                     (micro_loss / accum).backward()  # the step's gradient: the mean over micro-steps

@@ -346,6 +346,18 @@ def check_engine(cfg):
                           f"are collected by the hand-written engine only; set fp8_stats_interval=0, or {use}")
 
 
+def compile_choice(cfg, layout):
+    """Whether train.py torch.compiles the model, at this layout (nanofp8/layout.py): compile=True/False as given; None: on for CUDA, except
+    where the model is cut over ranks (its collectives run eagerly), where FP8 statistics observe
+    every cast, and where FSDP2 all-gathers FP8 weights (engine=torch, FP8 levels, data parallel,
+    no TP: nanofp8/fsdp.py). torch.compile does not follow that all-gather: compiled, a 2-rank
+    CPU run's loss rose where the eager run's fell."""
+    if cfg["compile"] is not None:
+        return cfg["compile"]
+    fp8_all_gather = layout.engine == "torch" and cfg["precision"] != "bf16" and layout.dp > 1 and layout.tp == 1
+    return layout.device_type == "cuda" and not (layout.model_parallel or cfg["fp8_stats_interval"] or fp8_all_gather)
+
+
 def check_accumulation(cfg, dp_size):
     """gradient_accumulation_steps counts the micro-batches of the whole step, over all replicas."""
     gas = cfg["gradient_accumulation_steps"]

@@ -28,7 +28,6 @@ import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import fields
 
 import torch
@@ -179,19 +178,6 @@ def wrap_data_parallel(model, cfg, layout):
         return DDP(model, device_ids=[torch.device(layout.device).index] if layout.device_type == "cuda" else None)
     wgrads = {"O2": "all_reduce", "O3": "reduce_scatter"}.get(cfg["precision"])
     return Fp8DataParallel(model, fmt=fmt, rest=rest, overlap=True, wgrads=wgrads)
-
-
-def fp8_all_gather(cfg, layout):
-    """Whether FSDP2 all-gathers the FP8 layers' weights in FP8 (engine=torch, FP8 levels, data
-    parallel, no TP: nanofp8/fsdp.py). torch.compile does not follow that all-gather: compiled,
-    a 2-rank CPU run's loss rose where the eager run's fell, so compile stays off there."""
-    return layout.engine == "torch" and cfg["precision"] != "bf16" and layout.dp > 1 and layout.tp == 1
-
-
-def no_sync(model):
-    """The replicas do not sum gradients in this micro-step (DDP's and Fp8DataParallel's no_sync).
-    One process has none to sum; FSDP2 reduce-scatters at every micro-step (torchstack.py)."""
-    return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
 
 
 def clip(model, max_norm, layout):

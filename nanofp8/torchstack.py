@@ -186,7 +186,7 @@ def shard_model(model, cfg, layout, comm):
     if layout.tp > 1:
         tensor_parallel(model, layout.mesh["tp"], cfg["sequence_parallel"], comm)
     if layout.dp > 1:
-        if layout.tp == 1 and cfg["precision"] != "bf16":  # (run.fp8_all_gather says the same)
+        if layout.tp == 1 and cfg["precision"] != "bf16":  # (run.compile_choice knows it too)
             from .fsdp import fp8_all_gather  # the FP8 weights' all-gather (section 1)
 
             fp8_all_gather(model)

@@ -217,13 +217,17 @@ def test_one_process_engine_torch_trains_and_checkpoints(tmp_path):
 
 def test_compile_stays_off_where_fsdp2_gathers_fp8_weights():
     """A compiled 2-rank O1 run with FP8 all-gathers trained wrong (its loss rose at iter 1 where
-    the eager run's fell): compile=None must not turn it on there, on any device."""
+    the eager run's fell): compile=None must not turn it on there, while it stays on for CUDA
+    elsewhere."""
     from nanofp8.layout import Layout
-    from nanofp8.run import fp8_all_gather
+    from nanofp8.configurator import compile_choice
 
-    cfg = {"precision": "O1"}
-    assert fp8_all_gather(cfg, Layout(dp=2, world=2, engine="torch"))
-    assert not fp8_all_gather(cfg, Layout(dp=2, world=2))  # the hand-written engine
-    assert not fp8_all_gather(cfg, Layout(dp=1, tp=2, world=2, engine="torch"))  # TP: fp32 gathers
-    assert not fp8_all_gather({"precision": "bf16"}, Layout(dp=2, world=2, engine="torch"))
-    assert not fp8_all_gather(cfg, Layout(engine="torch"))  # one process: nothing gathered
+    cfg = {"precision": "O1", "compile": None, "fp8_stats_interval": 0}
+    cuda = dict(device="cuda:0", world=2)
+    assert not compile_choice(cfg, Layout(dp=2, engine="torch", **cuda))  # FSDP2 gathers FP8 weights
+    assert compile_choice(cfg, Layout(dp=2, **cuda))  # the hand-written engine
+    assert compile_choice({**cfg, "precision": "bf16"}, Layout(dp=2, engine="torch", **cuda))  # fp32 gathers
+    assert compile_choice(cfg, Layout(engine="torch", device="cuda:0"))  # one process: nothing gathered
+    assert not compile_choice(cfg, Layout(dp=1, tp=2, engine="torch", **cuda))  # TP: eager collectives
+    assert not compile_choice(cfg, Layout(dp=2, world=2))  # CPU
+    assert compile_choice({**cfg, "compile": True}, Layout(dp=2, world=2))
