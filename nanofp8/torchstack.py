@@ -18,9 +18,12 @@ norm, LM head): each rank keeps 1/N of every parameter (a DTensor cut along dim 
 gradient and of its Adam moments. A block's weights are all-gathered before its forward and
 again before its backward, its gradients reduce-scattered after its backward, at every
 micro-step (holding whole gradients until the last one would cost the memory FSDP2 saves). At O1
-the FP8 layers' weights travel in FP8 (nanofp8/fsdp.py): each rank casts its shard with the one
-scale all ranks agree on, so the gathered bytes are the FP8 cast of the whole weight, which the
-forward and dgrad GEMMs read as they are. That is a quarter of the fp32 all-gather's bytes.
+the FP8 layers' weights travel in FP8 (nanofp8/fsdp.py): each rank casts its shard with scales
+all ranks agree on, so the gathered bytes are the FP8 cast of the whole weight, which the forward
+and dgrad GEMMs read as they are: a quarter of the fp32 all-gather's bytes (half with row scales,
+whose W^T travels as a second copy). torch.compile does not follow that all-gather (a compiled
+run trained wrong): compile stays off there (configurator.compile_choice). With TP as well, the
+weights are DTensors before FSDP2 cuts them, and gather in fp32.
 
 2. Tensor parallelism: DTensor
 ------------------------------
@@ -47,7 +50,7 @@ every rank at once, each rank its own shards and no rank another's, and ckpt.pt 
 position, every rank's dropout RNG), written by rank 0. The manifest lists every file with its
 hash, as for the hand-written engine. DCP stores each tensor by name with its whole shape, so a
 resume reads the shards it needs at any data-parallel size: FSDP2 over 2 ranks resumes over 1 or
-4, Adam's moments included, bit for bit at the same size. Another tensor_parallel, level or
+3 with the same weights and Adam moments, bit for bit (tests/test_torchstack.py). Another tensor_parallel, level or
 engine goes through nanofp8/checkpoint.py's conversion (weights exact, moments restart), and so
 do sample.py and export.py: read_dcp_set reads a set in one process into the single-device GPT.
 
@@ -57,13 +60,15 @@ bf16 and O1, FSDP2 and/or TP (+SP). Not here, refused by the config check with t
 pipeline parallelism, O2 and O3 (their FP8 weight gradient lives outside .grad, which is all
 FSDP2 reduce-scatters; their moments carry a scale per 128 values of a shard, tied to the
 layout that cut it), delayed scaling under TP (one amax history per TP rank, which DCP would
-save as one replicated tensor), and an FP8 LM head under TP.
+save as one replicated tensor), an FP8 LM head under TP, compile=True where FSDP2 gathers FP8
+weights, and the FP8 statistics.
 """
 
 import hashlib
 import os
 import warnings
 from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
