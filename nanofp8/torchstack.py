@@ -91,7 +91,7 @@ def local(t):
 
 
 # -----------------------------------------------------------------------------
-# 2. Tensor parallelism
+# Tensor parallelism (section 2 above)
 
 
 class _DTensorShard:
@@ -176,7 +176,7 @@ def tensor_parallel(model, mesh, sp, comm):
 
 
 # -----------------------------------------------------------------------------
-# 1. Data parallelism, and the model of a run
+# The model of a run: TP, then FSDP2 (section 1); what the training step does differently
 
 
 def shard_model(model, cfg, layout, comm):
@@ -191,7 +191,7 @@ def shard_model(model, cfg, layout, comm):
     if layout.tp > 1:
         tensor_parallel(model, layout.mesh["tp"], cfg["sequence_parallel"], comm)
     if layout.dp > 1:
-        if layout.tp == 1 and cfg["precision"] != "bf16":  # (run.compile_choice knows it too)
+        if layout.tp == 1 and cfg["precision"] != "bf16":  # (configurator.compile_choice knows it too)
             from .fsdp import fp8_all_gather  # the FP8 weights' all-gather (section 1)
 
             fp8_all_gather(model)
@@ -261,7 +261,7 @@ def replicated(p):
 
 
 # -----------------------------------------------------------------------------
-# 3. Checkpoints
+# Checkpoints (section 3)
 
 
 @contextmanager
