@@ -11,7 +11,7 @@ What is checked:
     bit for bit; the same checkpoint resumes exactly at another data-parallel size (no
     conversion), and at another tensor_parallel through the conversion, which says so; DCP
     re-cuts the shards of weights and Adam moments for 1 and 3 ranks (uneven shards), bit for bit;
-  * sample.py reads a DCP set in one process;
+  * sample.py and export.py read a DCP set in one process;
   * what engine=torch does not run is refused in one line naming the key.
 """
 
@@ -21,12 +21,14 @@ import pytest
 import torch
 
 import conftest
+import export
 import train
 from conftest import logged_losses, spawn
 from nanofp8 import torchstack
 from nanofp8.checkpoint import find_checkpoint, read_any
 from nanofp8.configurator import ConfigError
 from nanofp8.fp8 import Recipe, sqnr
+from nanofp8.interop import load_portable
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 
 pytestmark = pytest.mark.usefixtures("shakespeare")
@@ -96,6 +98,11 @@ def test_dcp_resume_is_exact_at_any_data_parallel_size(tmp_path):
     narrower = torchrun(2, *common, "max_iters=10", "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
     assert "resuming at iter 8" in narrower.stdout and "converting" not in narrower.stdout
     assert len(logged_losses(narrower.stdout)) == 2
+    # export.py reads the TP set in one process: the fused (3, n_embd, n_embd) pieces as rows again
+    export.main([f"--out_dir={tmp_path / 'stopped'}", f"--to={tmp_path / 'fp32'}", "--format=fp32"])
+    exported, state = load_portable(str(tmp_path / "fp32"))[0], weights(tmp_path / "stopped")
+    assert state["blocks.0.attn.c_attn.weight"].shape == (96, 32) and state["blocks.0.attn.c_attn.bias"].shape == (96,)
+    assert exported.keys() <= state.keys() and all(torch.equal(v, state[k]) for k, v in exported.items())
     one = conftest.run("train.py", *TINY, O1, TORCH, "max_iters=12", "init_from=resume",
                        f"out_dir={tmp_path / 'stopped'}")
     assert one.returncode == 0, one.stderr[-2000:]
