@@ -226,9 +226,13 @@ def load_resumed(stage, ckpt):
     if "dcp" in ckpt:
         return
     load_model_state(stage, ckpt["model"], ckpt["path"])
+    refuse_nonfinite(stage, ckpt["path"])
+
+
+def refuse_nonfinite(stage, source):
     bad = nonfinite_tensors(stage)
     if bad:
-        raise CheckpointError(f"{ckpt['path']} holds non-finite values in {bad[:5]}: the run that wrote "
+        raise CheckpointError(f"{source} holds non-finite values in {bad[:5]}: the run that wrote "
                               f"it had diverged; resume from an earlier checkpoint")
 
 
@@ -677,6 +681,7 @@ def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
         return 0, float("inf")
     if "dcp" in ckpt:
         torchstack.load_dcp(model, optimizer, ckpt)  # weights and optimizer state, at any dp size
+        refuse_nonfinite(model, ckpt["dcp"])
     else:
         load_optimizer_state(optimizer, ckpt["optimizer"], ckpt["path"], layout)
     if not ("rng" in ckpt and restore_rng(ckpt["rng"], layout)):
