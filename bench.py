@@ -583,6 +583,7 @@ VARIANTS = {
     "O1-delayed": ({"precision": "O1", "fp8_scaling": "delayed"}, 1),
     "O1-row": ({"precision": "O1", "fp8_granularity": "row"}, 1),
     "O1-block": ({"precision": "O1", "fp8_granularity": "block", "fp8_formats": "e4m3"}, 1),
+    "O1-mxfp8": ({"precision": "O1", "fp8_recipe": "mxfp8"}, 1),
     "O2": ({"precision": "O2"}, 1),
     "O2-fp8v": ({"precision": "O2", "o2_v_format": "fp8"}, 1),
     # two gloo ranks of half the batch each: the same 16 sequences per step as one process
