@@ -172,13 +172,15 @@ def mx_scale(amax, fmt, margin=0, power_of_two=True, fallback=None):
     emax = math.floor(math.log2(fmt.max))
     k = (torch.floor(torch.log2(amax64)) - emax + margin).clamp(-127, 127)
     k = torch.where(torch.isfinite(amax64), k, 0.0)
-    return (127 - k).to(torch.uint8).view(E8M0)  # E8M0's bits are the biased exponent
+    # 2^-k is exact in float64 and E8M0 holds it exactly (no bit view of an integer: under
+    # torch.compile a view made inside a Function's graph may not be saved for its backward)
+    return torch.exp2(-k).to(E8M0)
 
 
 def mx_scales(q):
     """q's MX scales as an MX GEMM takes them: the decode factors 2^k (1 / q.scale), as E8M0
-    bytes. Exact: 2^k's biased exponent is 254 minus 2^-k's (NaN's 0xFF stays 0xFF)."""
-    return (254 - q.scale.view(torch.uint8)).view(E8M0)
+    bytes. Exact: the reciprocal of a power of two is one, and E8M0 holds it (NaN stays NaN)."""
+    return q.scale.float().reciprocal().to(E8M0)
 
 
 def is_mx(q):
