@@ -108,7 +108,8 @@ import torch.nn as nn
 
 from . import device
 from .ckptfile import write_file
-from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, clip_edge, dequantize, is_mx
+from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, clip_edge, dequantize
+from .mx import is_mx
 
 
 # The additive statistics of a cast, in this order, then the ones that combine by max.

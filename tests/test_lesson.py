@@ -17,6 +17,7 @@ from cuda_contract import CudaScaledMM
 from nanofp8 import device, emulate
 from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, RECIPES, Fp8Linear, Recipe, compute_scale, dequantize,
                          quantize, scaled_gemm, sqnr)
+from nanofp8.mx import mx_scale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,13 +87,16 @@ def test_the_function_multiplies_operands_given_cast(granularity):
 
 
 def test_presets_are_one_frozen_table_and_knobs_override_them():
-    assert set(RECIPES) == {"tensorwise", "rowwise", "blockwise", "delayed"}
+    assert set(RECIPES) == {"tensorwise", "rowwise", "blockwise", "delayed", "mxfp8"}
     assert RECIPES["tensorwise"] == Recipe()
     row, block, delayed = RECIPES["rowwise"], RECIPES["blockwise"], RECIPES["delayed"]
     assert (row.granularity, row.fwd_fmt, row.bwd_fmt) == ("row", E4M3, E4M3)  # torchao's rowwise
     assert (block.granularity, block.fwd_fmt, block.bwd_fmt) == ("block", E4M3, E4M3)
     assert (block.act_tile, block.weight_tile) == ((1, 128), (128, 128))  # DeepSeek-V3
     assert (delayed.scaling, delayed.granularity) == ("delayed", "tensor")
+    mx = RECIPES["mxfp8"]  # OCP MX: 1x32 tiles for every operand, E8M0 scales by the shared-exponent rule
+    assert (mx.granularity, mx.fwd_fmt, mx.bwd_fmt, mx.act_tile, mx.weight_tile) == ("block", E4M3, E4M3, (1, 32), (1, 32))
+    assert mx.scale_rule is mx_scale
     with pytest.raises(dataclasses.FrozenInstanceError):
         row.granularity = "tensor"
     r = Recipe.from_name("rowwise", formats="hybrid", margin=2)
@@ -213,7 +217,8 @@ def test_train_picks_a_preset_by_name_and_knobs_override_it():
     assert recipe("fp8_recipe=delayed") == Recipe(scaling="delayed", backend="cpu")
     cfg = train.load_config(["precision=O1", "fp8_recipe=blockwise"])
     assert cfg["fp8_granularity"] == "block" and cfg["fp8_formats"] == "e4m3"  # what a checkpoint records
+    assert recipe("fp8_recipe=mxfp8") == Recipe.from_name("mxfp8", backend="cpu")  # tiles and rule: no key says them
     with pytest.raises(ConfigError, match="fp8_recipe"):
-        train.load_config(["fp8_recipe=mxfp8"])
+        train.load_config(["fp8_recipe=nvfp4"])
     with pytest.raises(ConfigError, match="delayed"):  # a preset and a knob that contradict it
         train.load_config(["precision=O1", "fp8_recipe=delayed", "fp8_granularity=row"])

@@ -12,8 +12,9 @@ import torch
 
 import train
 from nanofp8 import device, emulate
-from nanofp8.fp8 import (E4M3, E5M2, E8M0, MX_BLOCK, RECIPES, Fp8Linear, Recipe, clip_edge, dequantize,
-                         expand_tiles, is_mx, mx_scale, mx_scales, quantize, scaled_gemm, sqnr)
+from nanofp8.fp8 import (E4M3, E5M2, RECIPES, Fp8Linear, Recipe, clip_edge, dequantize,
+                         expand_tiles, quantize, scaled_gemm, sqnr)
+from nanofp8.mx import E8M0, MX_BLOCK, is_mx, mx_scale, mx_scales
 from nanofp8.stats import Alarms, Fp8Stats, cast_stats, summarize
 
 ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -191,7 +192,7 @@ def test_the_preset_reaches_the_recipe():
     cfg = train.load_config(["config/shakespeare_char.py", "precision=O1", "fp8_recipe=mxfp8"])
     r = train.build_recipe(cfg, "cpu")
     assert r.scale_rule is mx_scale and r.act_tile == r.weight_tile == (1, MX_BLOCK) and r.formats == "e4m3"
-    assert r.grid == "mx 1x32 E8M0" and RECIPES["mxfp8"].grid == r.grid
+    assert r.grid == "mx" and RECIPES["mxfp8"].grid == r.grid and RECIPES["blockwise"].grid == "block"
     r = train.build_recipe(train.load_config(["config/shakespeare_char.py", "precision=O1", "fp8_recipe=mxfp8",
                                               "fp8_formats=hybrid"]), "cpu")
     assert r.formats == "hybrid" and r.bwd_fmt is E5M2 and r.scale_rule is mx_scale
