@@ -634,16 +634,17 @@ MX_BLOCK = 32  # values per E8M0 scale along K (nanofp8.fp8.MX_BLOCK)
 MX_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # tl.dot_scaled's names
 
 # (BLOCK_M, BLOCK_N, num_stages, num_warps). sm_100: the block-scaled MMA is 128 rows tall and
-# its accumulator lives in tensor memory, so registers hold only the epilogue. Hopper: the bf16
-# upcast goes through registers, so 128x128 needs 8 warps (243 registers, 4 warps spill).
-# tests/test_mx_compile.py compiles each for its target and checks shared memory and spills.
+# its accumulator lives in tensor memory. Hopper: the bf16 upcast goes through registers, so
+# 128x128 needs 8 warps (about 240 registers a thread; 4 warps spill). Other generations (sm_120
+# has less shared memory) get Hopper's smaller tiles, untested. tests/test_mx_compile.py
+# compiles each list for its target and checks shared memory and spills.
 _MX_TILES_SM100 = [(128, 256, 3, 8), (128, 128, 4, 8), (128, 128, 3, 4)]
 _MX_TILES_SM90 = [(128, 128, 3, 8), (64, 128, 4, 4)]
 
 
 def mx_gemm_tiles(major):
     """The (BLOCK_M, BLOCK_N, num_stages, num_warps) configs tried on a GPU of this major version."""
-    return _MX_TILES_SM100 if major >= 10 else _MX_TILES_SM90
+    return _MX_TILES_SM100 if major == 10 else _MX_TILES_SM90
 
 
 def _mx_gemm_configs():
