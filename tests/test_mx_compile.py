@@ -82,8 +82,8 @@ def compiled():
 
 @pytest.mark.slow
 def test_mx_gemm_compiles_for_sm100_to_the_block_scaled_mma(compiled):
-    sm100 = [r for r in compiled if r["target"] == "sm_100a"]
     import kernels
+    sm100 = [r for r in compiled if r["target"] == "sm_100a"]
     assert len(sm100) == len(kernels.mx_gemm_tiles(10)) * (len(OUT_TYPES) + 1)
     for r in sm100:
         assert r["mma"] and all(m.startswith("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale")
