@@ -9,6 +9,8 @@ It holds the two kinds of kernel an FP8 linear layer needs, written to be read t
    (1x128 for activations and gradients, 128x128 for weights, as in DeepSeek-V3), and
    `quantize_transpose`, which also writes the transposed copy that backward GEMMs read.
 2. `fp8_gemm`: out = (a * a_inv) @ (b * b_inv)^T (+ bias), fp8 operands, fp32 accumulation.
+3. `gemm_mx`: the same product for MXFP8 operands (E4M3 data, one E8M0 scale per 32 values of
+   K), on `tl.dot_scaled`: Blackwell's block-scaled MMA on sm_100 (see its section below).
 
 The GEMM
 --------
@@ -613,6 +615,184 @@ def quantize_transpose(x, fmt_dtype, margin=0, power_of_two=False):
 
 
 # -----------------------------------------------------------------------------
+# The MX GEMM: MXFP8, the block-scaled format of Blackwell's tensor cores
+#
+# An MX operand (OCP Microscaling) is fp8 data with one E8M0 scale per 32 values along K: a byte
+# that is a bare exponent, 2^(byte - 127), so multiplying by it is exact. tl.dot_scaled takes the
+# data and those bytes as they are. On sm_100 Triton lowers it to the block-scaled MMA
+# (tcgen05.mma ... kind::mxf8f6f4.block_scale): the tensor core applies the scales itself, with
+# fp32 accumulation in tensor memory. Hopper has no MX instruction: Triton upcasts each fp8 tile
+# to bf16, multiplies it by its scales in bf16 and runs a bf16 wgmma. Measured on an H200 (triton
+# 3.6, scripts/gpu_check_mx.py): 108-114 dB against the fp32 reference, exact on the adversarial
+# cases except that the scale 2^-127 (byte 0, a bf16 subnormal) reads as zero, and 120 TFLOPS at
+# 4096-8192^3: slower than dequantizing to bf16 and a bf16 matmul. So on Hopper it is a check of
+# the kernel, not a fast path. The interpreter (triton >= 3.9) dequantizes to fp32 and multiplies
+# in fp32, as the reference does. tests/test_mx_compile.py compiles the kernel for sm_100 and
+# sm_90 and records what it became (results/kernels_sm100.json).
+
+MX_BLOCK = 32  # values per E8M0 scale along K (nanofp8.fp8.MX_BLOCK)
+MX_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # tl.dot_scaled's names
+
+# (BLOCK_M, BLOCK_N, num_stages, num_warps). sm_100: the block-scaled MMA is 128 rows tall and
+# its accumulator lives in tensor memory. Hopper: the bf16 upcast goes through registers, so
+# 128x128 needs 8 warps (about 240 registers a thread; 4 warps spill). Other generations (sm_120
+# has less shared memory) get Hopper's smaller tiles, untested. tests/test_mx_compile.py
+# compiles each list for its target and checks shared memory and spills.
+_MX_TILES_SM100 = [(128, 256, 3, 8), (128, 128, 4, 8), (128, 128, 3, 4)]
+_MX_TILES_SM90 = [(128, 128, 3, 8), (64, 128, 4, 4)]
+
+
+def mx_gemm_tiles(major):
+    """The (BLOCK_M, BLOCK_N, num_stages, num_warps) configs tried on a GPU of this major version."""
+    return _MX_TILES_SM100 if major == 10 else _MX_TILES_SM90
+
+
+def _mx_gemm_configs():
+    if INTERPRET or not torch.cuda.is_available():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": KBLOCK, "GROUP_M": 8})]
+    return mx_gemm_configs()
+
+
+def mx_gemm_configs():
+    """Every config of either generation; _prune_mx_configs keeps the GPU's own."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": KBLOCK, "GROUP_M": 8},
+                          num_stages=s, num_warps=w)
+            for bm, bn, s, w in sorted(set(_MX_TILES_SM100 + _MX_TILES_SM90))]
+
+
+def _prune_mx_configs(configs, named_args, **kwargs):
+    """Keep the configs of this GPU's generation."""
+    if len(configs) == 1:
+        return configs
+    want = set(mx_gemm_tiles(torch.cuda.get_device_capability(named_args["c_ptr"].device)[0]))
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
+                                   c.num_warps) in want]
+
+
+@triton.autotune(configs=_mx_gemm_configs(), key=["M", "N", "K", "A_FMT", "B_FMT", "HAS_BIAS"],
+                 prune_configs_by={"early_config_prune": _prune_mx_configs})
+@triton.jit
+def _mx_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+                    A_FMT: tl.constexpr, B_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """c (M, N) = (a * 2^ea) @ (b * 2^eb)^T (+ bias). a: (M, K), b: (N, K) fp8, contiguous,
+    K % 32 == 0; a_scale (M, K/32), b_scale (N, K/32): E8M0 bytes (uint8), contiguous.
+    One program per output tile, in grouped order (tutorial 03); A and B tiles arrive by TMA."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_m = tl.where(offs_m < M, offs_m, 0)  # rows past the edge read row 0, never stored
+    safe_n = tl.where(offs_n < N, offs_n, 0)
+    KS = K // 32  # scales per row
+    offs_s = tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # past K: zeros (TMA fills them)
+        b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+        # the scales of these BLOCK_K columns; past K: 127 (2^0, a finite factor for the zeros)
+        s_cols = ki * (BLOCK_K // 32) + offs_s
+        s_ok = s_cols[None, :] < KS
+        sa = tl.load(a_scale_ptr + safe_m[:, None] * KS + s_cols[None, :], mask=s_ok, other=127)
+        sb = tl.load(b_scale_ptr + safe_n[:, None] * KS + s_cols[None, :], mask=s_ok, other=127)
+        acc = tl.dot_scaled(a, sa, A_FMT, b.T, sb, B_FMT, acc)  # b's scales stay (N, K/32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = _round_to_bf16_grid(acc)
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _interpreter_has_dot_scaled():
+    from triton.runtime import interpreter
+    return hasattr(interpreter.InterpreterBuilder, "create_dot_scaled")
+
+
+def gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16, bias=None):
+    """out (M, N) = (a_data * a_scale) @ (b_data * b_scale)^T (+ bias), accumulated in fp32.
+
+    a_data (M, K), b_data (N, K): float8_e4m3fn or float8_e5m2 (MXFP8 uses E4M3), row-major.
+    a_scale (M, ceil(K/32)), b_scale (N, ceil(K/32)): torch.float8_e8m0fnu DECODE scales 2^k,
+    one per 32 values of a row along K (nanofp8.fp8.mx_scales(q) of an MX Fp8Tensor q).
+    The bias is added to the fp32 product before the cast to out_dtype. K need not be a multiple
+    of 32: the operands are then zero-padded to one (a copy). Needs a CUDA GPU with TMA (sm_90:
+    emulated through bf16; sm_100: the block-scaled MMA) or the interpreter of triton >= 3.9."""
+    for name, t in (("a_data", a_data), ("b_data", b_data)):
+        if not torch.is_tensor(t) or t.dtype not in MX_FORMATS or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor, got "
+                             f"{getattr(t, 'dtype', type(t))} of shape {tuple(getattr(t, 'shape', ()))}")
+    if a_data.shape[1] != b_data.shape[1]:
+        raise ValueError(f"contraction dims differ: a_data is {tuple(a_data.shape)}, b_data is "
+                         f"{tuple(b_data.shape)} (b_data must be (N, K), i.e. B^T)")
+    (M, K), N = a_data.shape, b_data.shape[0]
+    for name, s, rows in (("a_scale", a_scale, M), ("b_scale", b_scale, N)):
+        want = (rows, triton.cdiv(K, MX_BLOCK))
+        if not torch.is_tensor(s) or s.dtype != torch.float8_e8m0fnu or tuple(s.shape) != want:
+            raise ValueError(f"{name} must be a float8_e8m0fnu tensor of shape {want} (one decode "
+                             f"scale 2^k per {MX_BLOCK} values along K), got "
+                             f"{getattr(s, 'dtype', type(s))} of shape {tuple(getattr(s, 'shape', ()))}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if bias is not None and (not torch.is_tensor(bias) or tuple(bias.shape) != (N,)):
+        raise ValueError(f"bias must be a tensor of shape ({N},), got {getattr(bias, 'shape', bias)}")
+    if max(M, N) * (K + MX_BLOCK) >= 2**31 or M * N >= 2**31:
+        raise ValueError(f"M, N, K = {M}, {N}, {K}: operands or output of 2^31 or more elements "
+                         "are not supported (int32 offsets)")
+    _check_device(a_data, b_data, a_scale, b_scale, *([bias] if bias is not None else []))
+    dev = a_data.device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
+        raise ValueError("gemm_mx needs a Hopper (sm_90) or newer GPU (TMA loads); "
+                         "use the reference (dequantize and matmul) on older GPUs")
+    if INTERPRET and dev.type != "cuda" and not _interpreter_has_dot_scaled():
+        raise ValueError(f"triton {triton.__version__}'s interpreter has no tl.dot_scaled (3.9 has "
+                         "it): run gemm_mx on a GPU, or upgrade triton to run it on CPU")
+    if torch.compiler.is_compiling():  # one opaque op in the graph, as fp8_gemm
+        return gemm_mx_op(a_data, a_scale, b_data, b_scale, out_dtype, bias)
+    return _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias)
+
+
+def _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias):
+    (M, K), N = a_data.shape, b_data.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        out = torch.zeros((M, N), device=a_data.device, dtype=torch.float32)
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+
+    def operand(d):  # contiguous, K padded with zeros to a multiple of 32, 16-byte aligned (TMA)
+        u = d.contiguous().view(torch.uint8)
+        if K % MX_BLOCK:
+            u = F.pad(u, (0, -K % MX_BLOCK))
+        elif u.data_ptr() % 16:
+            u = u.clone()
+        return u.view(d.dtype)
+
+    a, b = operand(a_data), operand(b_data)
+    sa, sb = (s.contiguous().view(torch.uint8) for s in (a_scale, b_scale))
+    c = torch.empty((M, N), device=a.device, dtype=out_dtype)
+    if a.device.type == "cuda":
+        triton.set_allocator(tma_scratch)  # the TMA descriptors' scratch (per thread: see fp8_gemm)
+    grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)
+    _mx_gemm_kernel[grid](a, b, c, sa, sb, bias.contiguous() if bias is not None else sa, M, N,
+                          a.shape[1], A_FMT=MX_FORMATS[a.dtype], B_FMT=MX_FORMATS[b.dtype],
+                          HAS_BIAS=bias is not None,
+                          ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    return c
+
+
+@torch.library.custom_op("nanofp8::gemm_mx", mutates_args=())
+def gemm_mx_op(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias)
+
+
+@gemm_mx_op.register_fake
+def _(a_data, a_scale, b_data, b_scale, out_dtype, bias):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+# -----------------------------------------------------------------------------
 # `python kernels.py`: correctness check everywhere, benchmark on CUDA
 
 GEMM_SHAPES = ([(f"square {s}", (s, s, s)) for s in (1024, 2048, 4096, 8192)]  # (M, N, K)
@@ -662,6 +842,28 @@ def reference_gemm(a, b, a_inv_scale, b_inv_scale, bias=None):
     a32, b32 = dequantize(a, a_inv_scale), dequantize(b, b_inv_scale)
     out = sum(a32[:, k:k + KBLOCK] @ b32[:, k:k + KBLOCK].t() for k in range(0, a.shape[1], KBLOCK))
     return out if bias is None else out + bias.float()
+
+
+def reference_gemm_mx(a_data, a_scale, b_data, b_scale, bias=None):
+    """gemm_mx's contract: both MX operands dequantized to fp32 (exact: an fp8 value times a
+    power of two, its E8M0 decode scale repeated over 32 values of K), then reference_gemm's
+    fp32 product summed per 128-wide slice of K (+ bias)."""
+    def dequantize(d, s):
+        return d.float() * s.float().repeat_interleave(MX_BLOCK, 1)[:, :d.shape[1]]
+    one = torch.ones((), device=a_data.device)
+    return reference_gemm(dequantize(a_data, a_scale), dequantize(b_data, b_scale), one, one, bias)
+
+
+def mx_operand(x):
+    """(E4M3 data, E8M0 decode scales) of a finite x (rows, K) under the OCP MX rule: per 32 values of a
+    row, k = floor(log2(amax)) - 8 clamped to [-127, 127] (an all-zero block: -127), data =
+    saturate(x / 2^k). For the self-check and the benchmark (nanofp8.fp8 has the training cast)."""
+    rows, K = x.shape
+    blocks = F.pad(x.float(), (0, -K % MX_BLOCK)).reshape(rows, -1, MX_BLOCK)
+    amax = blocks.abs().amax(dim=-1).double()
+    k = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 8, -127.0).clamp(-127, 127)
+    data = (blocks / torch.exp2(k).float()[..., None]).clamp(-448, 448).reshape(rows, -1)[:, :K]
+    return data.to(torch.float8_e4m3fn), (k + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def native_block_gemm(a, b, a_inv, b_inv, out_dtype, padded=True):
@@ -716,6 +918,7 @@ def _self_check(device):
             print(f"fp8_gemm {name[fa]}x{name[fb]} {gran:6s} M,N,K={M},{N},{K}: max rel err {rel:.2e}, "
                   f"SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
                   f"{sqnr(x @ w.t() + bias, out):.1f} dB")
+    ok &= _self_check_mx(x, w, bias)
     if device == "cuda" and torch.cuda.get_device_capability()[0] == 9 and hasattr(F, "scaled_mm"):
         # torch's native block GEMM at K = 768 (6 K tiles: the case the v1 call gets wrong)
         a, sa = quantize(x[:, :768].contiguous(), torch.float8_e4m3fn, "block", (1, KBLOCK))
@@ -735,15 +938,34 @@ def _self_check(device):
     return ok
 
 
+def _self_check_mx(x, w, bias):
+    """gemm_mx of the OCP MX casts of x and w (K = 200 / 2000: padded to a multiple of 32)."""
+    cpu = x.device.type == "cpu"
+    if (cpu and not _interpreter_has_dot_scaled()) or (not cpu and torch.cuda.get_device_capability()[0] < 9):
+        print(f"gemm_mx: skipped (needs sm_90+ or the interpreter of triton >= 3.9; triton {triton.__version__})")
+        return True
+    (a, sa), (b, sb) = mx_operand(x), mx_operand(w)
+    ref = reference_gemm_mx(a, sa, b, sb, bias)
+    out = gemm_mx(a, sa, b, sb, torch.float32, bias)
+    rel = ((out - ref).abs().max() / ref.abs().max()).item()
+    # the interpreter and Hopper (bf16 upcast, fp32 wgmma sums) differ from the reference in fp32
+    # summation order only; sm_100's block-scaled MMA has not been measured: same bound as fp8_gemm
+    print(f"gemm_mx e4m3 (1x32 E8M0 scales) M,N,K={x.shape[0]},{w.shape[0]},{x.shape[1]}: max rel err "
+          f"{rel:.2e}, SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
+          f"{sqnr(x @ w.t() + bias, out):.1f} dB")
+    return rel < (1e-5 if cpu else 1e-3)
+
+
 def _benchmark(json_path=None):
     import datetime
     import json
     from triton.testing import do_bench
     e4m3, bf16, dev = torch.float8_e4m3fn, torch.bfloat16, "cuda"
-    names = ["triton", "triton fast", "triton block", "_scaled_mm", "_scaled_mm fast", "_scaled_mm block",
-             "bf16 matmul"]
+    names = ["triton", "triton fast", "triton block", "triton mx", "_scaled_mm", "_scaled_mm fast",
+             "_scaled_mm block", "bf16 matmul"]
     print(f"\nGEMM TFLOPS (2*M*N*K / time) on {torch.cuda.get_device_name()}, bf16 output; "
-          "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales")
+          "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales, "
+          "'mx' = gemm_mx, MXFP8 1x32 E8M0 scales (on Hopper: upcast to bf16)")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, compute capability "
           f"{torch.cuda.get_device_capability()}; 'n/a' where torch._scaled_mm refuses a GEMM")
     print(f"{'shape':22s} {'M':>5s} {'N':>6s} {'K':>6s} " + " ".join(f"{n:>15s}" for n in names))
@@ -754,9 +976,11 @@ def _benchmark(json_path=None):
         (qa, sa), (qb, sb) = quantize(x, e4m3, "tensor"), quantize(w, e4m3, "tensor")
         (ta, tsa), (tb, tsb) = quantize(x, e4m3, "block", (1, 128)), quantize(w, e4m3, "block", (128, 128))
         ia, ib, tia, tib = sa.reciprocal(), sb.reciprocal(), tsa.reciprocal(), tsb.reciprocal()
+        (ma, msa), (mb, msb) = mx_operand(x), mx_operand(w)
         fns = [lambda: fp8_gemm(qa, qb, ia, ib, bf16),
                lambda: fp8_gemm(qa, qb, ia, ib, bf16, fast_accum=True),
                lambda: fp8_gemm(ta, tb, tia, tib, bf16),
+               lambda: gemm_mx(ma, msa, mb, msb, bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16),
                lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=bf16, use_fast_accum=True),
                # native 1x128 x 128x128 (SM90, cuBLASLt >= 12.9, torch >= 2.11), in the scale
@@ -774,7 +998,7 @@ def _benchmark(json_path=None):
         results["gemm"].append(row)
         print(f"{label:22s} {M:5d} {N:6d} {K:6d} " + " ".join(
             f"{'n/a' if row[n] is None else row[n]:>15}" for n in names))
-        del x, w, qa, qb, ta, tb
+        del x, w, qa, qb, ta, tb, ma, mb
     print("\nquantization GB/s ((bytes read once + bytes written) / time), x = 8192 x 4096 bf16")
     x = torch.randn(8192, 4096, device=dev, dtype=bf16)
     io = x.numel() * (x.element_size() + 1)

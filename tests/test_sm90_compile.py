@@ -90,8 +90,9 @@ def _quantizer_variants():
     return out
 
 
-def _compile(job):
-    """Compile one variant for sm_90 (in a worker process); returns what the test checks."""
+def _compile(job, cap=90):
+    """Compile one variant for sm_{cap} (in a worker process); returns what the test checks.
+    (tests/test_mx_compile.py compiles the MX GEMM with it for sm_100 too.)"""
     name, kernel, sig, const, warps, stages = job
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -104,7 +105,7 @@ def _compile(job):
     fn = getattr(kernels, kernel)
     while not isinstance(fn, triton.runtime.JITFunction):  # under the autotuner
         fn = fn.fn
-    target = GPUTarget("cuda", 90, 32)
+    target = GPUTarget("cuda", cap, 32)
     opts = make_backend(target).parse_options({"num_warps": warps, "num_stages": stages}).__dict__
     sig = dict(sig, **{k: "constexpr" for k in const})
     t0 = time.time()
@@ -114,7 +115,7 @@ def _compile(job):
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o",
+        r = subprocess.run([get_ptxas(cap).path, "-v", f"--gpu-name=sm_{cap}a", src, "-o",
                             os.path.join(d, "k.cubin")], capture_output=True, text=True)
     log = r.stdout + r.stderr
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -122,6 +123,7 @@ def _compile(job):
     return dict(name=name, shared=k.metadata.shared, spills=int(spill.group(1)) + int(spill.group(2)),
                 regs=int(regs.group(1)), wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
                 neg=bool(re.search(r"\bneg\.f32", ptx)),
+                mma=sorted(set(re.findall(r"(?:tcgen05\.mma|wgmma\.mma_async)[\w.:]*", ptx))),
                 seconds=time.time() - t0)
 
 
