@@ -197,7 +197,25 @@ def check_train_config(cfg):
     check_model_parallel(cfg)
     check_engine(cfg)
     check_stats(cfg)
+    check_fp8_attention(cfg)
     return types.MappingProxyType(dict(cfg))
+
+
+def check_fp8_attention(cfg):
+    """fp8_attention=True (nanofp8/attention.py): at the FP8 levels, without attention dropout. Tensor
+    parallelism keeps whole heads on each rank, which attention reads from its tensors; engine=torch's
+    DTensor layers are not run through it."""
+    if not cfg["fp8_attention"]:
+        return
+    if cfg["precision"] == "bf16":
+        raise ConfigError("fp8_attention=True runs attention with the FP8 recipe of the FP8 levels: "
+                          "use precision=O1, O2 or O3, or fp8_attention=False")
+    if cfg["dropout"] > 0:
+        raise ConfigError(f"fp8_attention=True has no attention dropout (dropout={cfg['dropout']}): "
+                          "set dropout=0, or fp8_attention=False")
+    if cfg["engine"] == "torch" and cfg["tensor_parallel"] > 1:
+        raise ConfigError(f"fp8_attention=True with engine=torch and tensor_parallel={cfg['tensor_parallel']} "
+                          "is not supported: use engine=nanofp8 (whose tensor parallelism it runs with)")
 
 
 def check_stats(cfg):
