@@ -33,7 +33,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-
 from nanofp8.attention import fp8_attention
 
 # -----------------------------------------------------------------------------
@@ -156,7 +155,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=b)  # back into the residual stream
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.fp8_recipe = None  # set by apply_fp8(..., fp8_attention=True): Q K^T and P V in FP8
+        self.fp8_recipe = None  # set by apply_fp8(..., attention=True): Q K^T and P V in FP8
 
     def forward(self, x, rope=None):
         # (B, T, 3 * heads * head_dim): the columns are [q | k | v], each head after head
@@ -360,16 +359,14 @@ def fp8_module_filter(fp8_lm_head=False):
     return keep
 
 
-def apply_fp8(model, recipe, fp8_lm_head=False, fp8_attention=False):
-    """Run the chosen Linears of `model` in FP8 (in place), and with fp8_attention its attention
-    products Q K^T and P V too, by the same recipe (nanofp8/attention.py). Returns the names of
-    the Linears converted."""
+def apply_fp8(model, recipe, fp8_lm_head=False, attention=False):
+    """Run the chosen Linears of `model` in FP8 (in place), and with attention=True each block's
+    Q K^T and P V too, by the same recipe (nanofp8/attention.py). Returns the Linears' names."""
     from nanofp8.fp8 import Fp8Linear, convert_to_fp8
 
-    if fp8_attention and model.config.dropout > 0:
-        raise ValueError(f"fp8_attention has no attention dropout (dropout={model.config.dropout}): "
-                         "set dropout=0 or fp8_attention=False")
+    if attention and model.config.dropout > 0:
+        raise ValueError("FP8 attention has no attention dropout: build the model with dropout=0")
     convert_to_fp8(model, recipe, module_filter=fp8_module_filter(fp8_lm_head))
-    for block in model.blocks if fp8_attention else ():
+    for block in model.blocks if attention else ():
         block.attn.fp8_recipe = recipe
     return [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
