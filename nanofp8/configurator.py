@@ -202,9 +202,9 @@ def check_train_config(cfg):
 
 
 def check_fp8_attention(cfg):
-    """fp8_attention=True (nanofp8/attention.py): at the FP8 levels, without attention dropout. Tensor
-    parallelism keeps whole heads on each rank, which attention reads from its tensors; engine=torch's
-    DTensor layers are not run through it."""
+    """fp8_attention=True (nanofp8/attention.py): at the FP8 levels, without attention dropout. Any
+    layout and engine: tensor parallelism keeps whole heads on each rank, and attention reads its
+    heads from its tensors."""
     if not cfg["fp8_attention"]:
         return
     if cfg["precision"] == "bf16":
@@ -213,9 +213,6 @@ def check_fp8_attention(cfg):
     if cfg["dropout"] > 0:
         raise ConfigError(f"fp8_attention=True has no attention dropout (dropout={cfg['dropout']}): "
                           "set dropout=0, or fp8_attention=False")
-    if cfg["engine"] == "torch" and cfg["tensor_parallel"] > 1:
-        raise ConfigError(f"fp8_attention=True with engine=torch and tensor_parallel={cfg['tensor_parallel']} "
-                          "is not supported: use engine=nanofp8 (whose tensor parallelism it runs with)")
 
 
 def check_stats(cfg):

@@ -222,3 +222,20 @@ def test_compiles_into_one_graph():
     assert counter.frame_count == 1
     for e, c in zip(eager, (oc, qc.grad, kc.grad, vc.grad)):
         assert sqnr(e, c) > 35
+
+
+def test_refused_where_it_cannot_work():
+    """One ConfigError line naming the key and the way out: no FP8 recipe at bf16, no attention
+    dropout; the library call refuses a model with dropout too."""
+    import train
+    from nanofp8.configurator import ConfigError
+    from nanofp8.model import GPT, GPTConfig, apply_fp8
+
+    for args, what in ((["precision=bf16"], "precision=O1, O2 or O3"), (["precision=O1", "dropout=0.1"], "dropout=0")):
+        with pytest.raises(ConfigError, match=what):
+            train.load_config(args + ["fp8_attention=True"])
+    for level in ("O1", "O2", "O3"):  # any layout: tensor parallelism keeps whole heads on a rank
+        train.load_config([f"precision={level}", "fp8_attention=True"] + ["tensor_parallel=2"] * (level == "O1"))
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.1))
+    with pytest.raises(ValueError, match="dropout"):
+        apply_fp8(model, Recipe(), attention=True)
