@@ -17,9 +17,11 @@ Two GEMMs: S = Q K^T and O = P V. They run as FP8 GEMMs with E4M3 operands; thei
 GEMMs take the gradients in E5M2 at formats="hybrid" (E4M3 at "e4m3"), as the Linear layers do.
 The softmax stays fp32: its input spans a range (scores of -30 and +30 give probabilities 1e-26
 apart) that is exactly what 8 bits cannot hold, and it costs no GEMM. P itself is an FP8 operand
-all the same: its values lie in [0, 1], each row sums to 1, and E4M3 keeps ~2^-4 relative
-precision down to 2^-9 of its amax, so the small probabilities it flushes to zero weigh
-less than that in every output.
+all the same: its values lie in [0, 1], and E4M3 keeps ~2^-4 relative precision over the ~15
+binades below its amax and flushes to zero only what lies ~18 binades below (P < 4e-6 where the
+largest P is ~1): a thousand such probabilities weigh less than one rounding. What no format gives: a score's rounding error is relative to
+|q| |k| / sqrt(d), not to the score, so a key far larger than the others blurs the scores of the
+queries nearly orthogonal to it (in bf16 as well, less: tests/test_attention.py).
 
 A batch of heads is a batch of matrices: Q, K, V are (B, H, T, d) tensors, and fp8.quantize
 quantizes such a tensor as B*H matrices along its last dim; fp8.scaled_gemm(a, b) with
@@ -69,7 +71,7 @@ parallelism, the heads of the rank), "row": one scale per row of each GEMM opera
 key, a channel of V^T, ...), "block": one scale per act_tile (1 x 128: a row's 128 values along
 the contracted dim; any 1 x N tile, 1x32 MX tiles included). Scaling is current: delayed
 scaling's amax history (Fp8Linear) has no equivalent here, so a "delayed" recipe's attention
-measures each tensor as it casts it.
+measures each tensor as it casts it. nanofp8/stats.py does not observe these casts.
 
 What it costs: this is the lesson, not a fused kernel. S and P are materialized (B*H*T*T fp32,
 for the duration of one call), and fp8.scaled_gemm runs one GEMM per head (B*H per product).
