@@ -29,6 +29,7 @@ gets dQ at 5 dB on such a head (measured). The big-key case here keeps the score
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 from nanofp8 import attention
 from nanofp8.attention import Fp8AttentionFunction, fp8_attention
-from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, Recipe, sqnr
+from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, RECIPES, Recipe, sqnr
 
 A, G = 10 ** -3.1, 10 ** -2.5  # noise-to-signal power of one E4M3 / E5M2 cast
 MARGIN = 3.0
@@ -104,6 +105,23 @@ def test_gradients_against_float64(case, granularity, formats):
     if case == "zero_head":  # Q = K = V = 0: O = 0, dQ = dS K = 0, dK = dS^T Q = 0, exactly
         for x in (o, dq, dk):
             assert torch.equal(x[:, 0], torch.zeros_like(x[:, 0]))
+
+
+@pytest.mark.parametrize("preset", list(RECIPES))
+def test_every_recipe_preset(preset):
+    """Every named recipe runs attention with its own tiles, formats and scale rule (delayed: current
+    scaling here) within the floors of its granularity and formats; the fast backend and the
+    reference agree bit for bit (MX's 1x32 tiles and E8M0 scales included, where that preset exists)."""
+    for case in ("gaussian", "row_scales"):
+        q, k, v, do = inputs(case)
+        ref = reference(q, k, v, do)
+        recipe = RECIPES[preset]
+        got = run_fp8(q, k, v, do, replace(recipe, backend="cpu"))
+        for what, r, x in zip(("out", "dq", "dk", "dv"), ref, got):
+            floor = budget_db(what, recipe.granularity, recipe.formats) - MARGIN
+            assert sqnr(r, x) > floor, f"{case} {what}: {sqnr(r, x):.1f} dB, floor {floor:.1f} dB"
+        for x, y in zip(got, run_fp8(q, k, v, do, replace(recipe, backend="emulate"))):
+            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
