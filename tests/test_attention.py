@@ -86,7 +86,7 @@ def run_fp8(q, k, v, do, recipe):
     return o, q.grad, k.grad, v.grad
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "long_T" else c for c in CASES])
 @pytest.mark.parametrize("granularity, formats", [("tensor", "hybrid"), ("row", "hybrid"), ("block", "hybrid"),
                                                   ("tensor", "e4m3"), ("row", "e4m3")])
 def test_gradients_against_float64(case, granularity, formats):
@@ -112,7 +112,7 @@ def test_every_recipe_preset(preset):
     """Every named recipe runs attention with its own tiles, formats and scale rule (delayed: current
     scaling here) within the floors of its granularity and formats; the fast backend and the
     reference agree bit for bit (MX's 1x32 tiles and E8M0 scales included, where that preset exists)."""
-    for case in ("gaussian", "row_scales"):
+    for case in ("row_scales",):
         q, k, v, do = inputs(case)
         ref = reference(q, k, v, do)
         recipe = RECIPES[preset]
