@@ -116,6 +116,7 @@ LEVELS = {
     "O2-fp8v": dict(precision="O2", o2_v_format="fp8"),
     "O2-fp8acc": dict(precision="O2", o2_grad_accum="fp8"),
     "O2-fp8v-fp8acc": dict(precision="O2", o2_v_format="fp8", o2_grad_accum="fp8"),
+    "O1-mxfp8": dict(precision="O1", fp8_recipe="mxfp8"),
     "O1-fp8attn": dict(precision="O1", fp8_attention=True),  # Q K^T and P V in FP8 (nanofp8/attention.py)
 }
 WITH_RANKS = {"O3": dict(precision="O3")}  # levels build() also takes, for runs on several ranks (comm)
@@ -584,6 +585,7 @@ VARIANTS = {
     "O1-delayed": ({"precision": "O1", "fp8_scaling": "delayed"}, 1),
     "O1-row": ({"precision": "O1", "fp8_granularity": "row"}, 1),
     "O1-block": ({"precision": "O1", "fp8_granularity": "block", "fp8_formats": "e4m3"}, 1),
+    "O1-mxfp8": ({"precision": "O1", "fp8_recipe": "mxfp8"}, 1),
     "O2": ({"precision": "O2"}, 1),
     "O2-fp8v": ({"precision": "O2", "o2_v_format": "fp8"}, 1),
     # two gloo ranks of half the batch each: the same 16 sequences per step as one process
@@ -964,7 +966,7 @@ THROUGHPUT_MODELS = {
 # fp32: the bf16 level's model with autocast off. On a CPU whose torch has no bf16 GEMM (AVX2:
 # environment()'s cpu_capability) bf16 is far slower than fp32, so there the ratios to both say
 # what the machine does, not what FP8 does.
-THROUGHPUT_LEVELS = ("fp32", "bf16", "O1", "O2")
+THROUGHPUT_LEVELS = ("fp32", "bf16", "O1", "O2", "O1-mxfp8")
 # measured when named (--levels ... O1-fp8attn): its attention is one FP8 GEMM per head (a compile
 # unrolls them all), so it is no default
 EXTRA_THROUGHPUT_LEVELS = ("O1-fp8attn",)

@@ -126,7 +126,7 @@ grad_comm = "auto"  # data parallel, weight gradients of the FP8 layers: "auto" 
 grad_comm_rest = "fp32"  # data parallel, every other gradient (FP8 levels): "fp32" | "bf16"
 mp_comm = "auto"  # tensor/sequence/pipeline payloads: "auto" | "fp8" | "bf16" | "fp32" (bf16 level:
 #                   not "fp8"; auto = bf16 there, see mp_comm_format for the FP8 levels)
-fp8_recipe = None  # a preset (fp8.RECIPES: tensorwise, rowwise, blockwise, delayed) setting the keys below
+fp8_recipe = None  # a preset (fp8.RECIPES: tensorwise, rowwise, blockwise, delayed, mxfp8) setting the keys below
 fp8_scaling = "current"  # "current" | "delayed"
 fp8_granularity = "tensor"  # "tensor" | "row" | "block"
 fp8_formats = "hybrid"  # "hybrid" (E4M3 forward, E5M2 gradients) | "e4m3"
@@ -172,11 +172,11 @@ def load_config(argv):
 
 
 def build_recipe(cfg, device_type):
-    """The FP8 layers' Recipe, from the fp8_* keys (a preset named by fp8_recipe has set those it
-    sets: configurator.apply_recipe_preset). The backend: torch._scaled_mm on CUDA, the fp32
-    reference's fast CPU twin ("cpu") on a CPU."""
+    """The FP8 layers' Recipe: the fp8_recipe preset (its tiles and scale rule: mxfp8's), the fp8_* keys
+    over it. The backend: torch._scaled_mm on CUDA, the fp32 reference's fast CPU twin on a CPU."""
     backend = cfg["fp8_backend"] or ("torch" if device_type == "cuda" else "cpu")
-    return fp8.Recipe(**{field: cfg[key] for key, field in RECIPE_KEYS.items()}, backend=backend)
+    keys = {field: cfg[key] for key, field in RECIPE_KEYS.items()}
+    return fp8.Recipe.from_name(cfg["fp8_recipe"] or "tensorwise", **keys, backend=backend)
 
 
 def setup_precision(model, cfg, device_type):
@@ -206,7 +206,7 @@ def setup_precision(model, cfg, device_type):
     state = {"O1": "fp32 master, fp32 Adam", "O2": f"fp16 master, FP8 grads, FP8 m, {cfg['o2_v_format']} v",
              "O3": f"FP8 weights, FP8 grads, sharded fp16 master / FP8 m / {cfg['o2_v_format']} v"}[level]
     desc = (f"{level}: {len(names)} Linears{' and attention' * cfg['fp8_attention']} in FP8 ({recipe.scaling} "
-            f"scaling, {recipe.granularity}, {recipe.formats}, backend={recipe.backend}; {state}), the rest bf16 autocast")
+            f"scaling, {recipe.grid}, {recipe.formats}, backend={recipe.backend}; {state}), the rest bf16 autocast")
     if cfg["fp8_lm_head"] and "lm_head" not in names:
         if cfg["fp8_strict"]:
             raise ConfigError(f"fp8_lm_head=True, fp8_strict=True: the LM head cannot run in FP8 "

@@ -105,7 +105,7 @@ from .overlap import InOrder, Pending, plan_buckets
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)  # (E8M0: MX scales)
 
 # -----------------------------------------------------------------------------
 # 1. FP8 chunks: the unit that travels
@@ -117,7 +117,7 @@ class Fp8Chunks:
     with its scales: what one collective moves.
 
     data  (R, C) FP8; the values of a row past `cols` are padding up to a multiple of the block
-    scale (R, C // block) fp32, multiply-before-cast: one per `block` values of a row
+    scale (R, C // block) fp32 (or E8M0: MX's scales), multiply-before-cast: one per `block` values of a row
     """
 
     data: torch.Tensor
@@ -128,18 +128,18 @@ class Fp8Chunks:
         """(R, cols) in `dtype`: every value times the inverse of its block's scale."""
         rows, c = self.data.shape
         nb = self.scale.shape[1]
-        x = self.data.float().reshape(rows, nb, c // nb) * self.scale.reciprocal().view(rows, nb, 1)
+        x = self.data.float().reshape(rows, nb, c // nb) * self.scale.float().reciprocal().view(rows, nb, 1)
         return x.view(rows, c)[:, : self.cols].to(dtype)
 
     def to_bytes(self):
-        """One uint8 buffer (R, C + 4 * scales per row): each row's FP8 bytes followed by the raw
-        bytes of its fp32 scales, so payload and scales travel in a single collective."""
+        """One uint8 buffer (R, C + 4 * scales per row; 1 * for E8M0): each row's FP8 bytes followed
+        by the raw bytes of its scales, so payload and scales travel in a single collective."""
         return torch.cat([self.data.view(torch.uint8), self.scale.contiguous().view(torch.uint8)], dim=1)
 
     @staticmethod
-    def from_bytes(buf, c, cols, dtype):
+    def from_bytes(buf, c, cols, dtype, scale_dtype=torch.float32):
         """The inverse of to_bytes, for a buffer whose rows hold c FP8 bytes, then the scales."""
-        return Fp8Chunks(buf[:, :c].view(dtype), buf[:, c:].contiguous().view(torch.float32), cols)
+        return Fp8Chunks(buf[:, :c].view(dtype), buf[:, c:].contiguous().view(scale_dtype), cols)
 
 
 def quantize_chunks(x2, fmt, block=None, observe=None):
@@ -225,7 +225,8 @@ def reduce_scatter_fp8(x, group=None, fmt=E5M2, block=None, op="sum", out_dtype=
         for q, b in zip(qs, packed):
             piece = recv[:, lo : lo + b.shape[1]].contiguous() if many else recv
             lo += b.shape[1]
-            total = Fp8Chunks.from_bytes(piece, q.data.shape[1], q.cols, q.data.dtype).dequantize().sum(0)
+            piece = Fp8Chunks.from_bytes(piece, q.data.shape[1], q.cols, q.data.dtype, q.scale.dtype)
+            total = piece.dequantize().sum(0)
             out.append((total / world if op == "mean" else total).to(out_dtype or x.dtype))
         return out if many else out[0]
 
@@ -253,7 +254,7 @@ def all_gather_fp8(x, group=None, fmt=E4M3, block=None, numel=None, shape=None, 
     COMM.add("all_gather_fp8", send.nbytes, send.nbytes * (world - 1), q.data.dtype, q.scale.nbytes)
 
     def finish():
-        got = Fp8Chunks.from_bytes(recv, q.data.shape[1], q.cols, q.data.dtype)
+        got = Fp8Chunks.from_bytes(recv, q.data.shape[1], q.cols, q.data.dtype, q.scale.dtype)
         if keep_fp8:
             return got
         out = got.dequantize(dtype).reshape(-1)[:numel]

@@ -97,7 +97,8 @@ def quantize(x2, fmt, granularity, block, margin=0, power_of_two=False, scale_ru
         return fp8.quantize(x2, fmt, granularity, block, margin=margin, power_of_two=power_of_two, amax=am,
                             scale_rule=scale_rule)
     scale = scale_rule(am, fmt, margin, power_of_two)
-    y = _times_tiles(x2.float(), scale, block) if granularity == "block" else x2.float() * scale
+    s32 = scale.float()  # (an E8M0 scale, MX's, is kept in its byte in the container)
+    y = _times_tiles(x2.float(), s32, block) if granularity == "block" else x2.float() * s32
     data = y.clamp_(-fmt.max, fmt.max).to(fmt.dtype).contiguous()
     return Fp8Tensor(data, scale, fmt, granularity, block, x2.shape, x2.dtype, am)
 

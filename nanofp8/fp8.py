@@ -60,6 +60,15 @@ How many scales (a Recipe's granularity):
   * "block":  one scale per tile: 1x128 for activations and gradients (one token, 128 channels),
               128x128 for weights, as in DeepSeek-V3. An outlier costs precision to its own tile.
 
+MXFP8 (the OCP Microscaling format, Blackwell's FP8 recipe) is "block" with 1x32 tiles along each
+GEMM's contraction dim, for weights too, and a scale that is a bare power of two, stored in one
+byte (E8M0: an 8-bit exponent, no sign, no mantissa). The rule (mx_scale) is not fp8_max / amax:
+each block of 32 shares the exponent k = floor(log2(amax)) - emax, where emax is the exponent of
+the format's largest binade (8 for E4M3: 448 = 1.75 * 2^8), and is cast as x / 2^k. Its amax then
+lands in [256, 512), and values beyond 448 *saturate*: by design the rule clips the few values
+whose block max has a mantissa above 1.75 (a fraction of a percent of all values; nanofp8/stats.py
+knows). What it buys: the scale costs 1 byte per 32 values, and the hardware applies it exactly.
+
 3. The three GEMMs of a Linear layer
 ------------------------------------
 For y = x W^T (x: M x K tokens by features, W: N x K), training runs three GEMMs:
@@ -128,6 +137,8 @@ FORMAT_CONVENTIONS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
 GRANULARITIES = ("tensor", "row", "block")  # the one list: config, sample, bench, stats, tests read it
 AMAX_EPS = 1e-12  # amax floor: an all-zero tensor gets a large finite scale, never inf
 BLOCK = 128  # tile edge of block scaling (DeepSeek-V3): 1x128 activations, 128x128 weights
+MX_BLOCK = 32  # values per scale in MXFP8 (OCP Microscaling): 1x32 tiles along K, every operand
+E8M0 = torch.float8_e8m0fnu  # MX scales: 2^(bits - 127); 0xFF is NaN; no zero, no sign
 K_STEP = 128  # a block GEMM adds its fp32 partial sums one K_STEP-wide slice of K at a time
 
 # -----------------------------------------------------------------------------
@@ -149,6 +160,34 @@ def compute_scale(amax, fmt, margin=0, power_of_two=False, fallback=None):
     return torch.where(torch.isfinite(amax64), scale, fallback.float().expand_as(scale))
 
 
+def mx_scale(amax, fmt, margin=0, power_of_two=True, fallback=None):
+    """The OCP Microscaling rule: scale = 2^-k with k = floor(log2(amax)) - emax(fmt) (+ margin),
+    k clamped to E8M0's [-127, 127], returned as E8M0 bytes (the multiply-before-cast factor, as
+    every scale here). An all-zero block (log2(0) = -inf) gets k = -127: its zeros stay zeros. A
+    NaN or inf amax gets k = 0 (its data is NaN anyway: quantize keeps non-finite visible).
+    The exponent is floor(log2) in float64, exact for every fp32 amax, subnormals included
+    (torch.frexp would be the obvious tool, but under torch.compile its CPU code does not build).
+    power_of_two is implied; `fallback` (delayed scaling's) does not apply to a current-only rule."""
+    amax64 = amax.detach().double()
+    emax = math.floor(math.log2(fmt.max))
+    k = (torch.floor(torch.log2(amax64)) - emax + margin).clamp(-127, 127)
+    k = torch.where(torch.isfinite(amax64), k, 0.0)
+    # 2^-k is exact in float64 and E8M0 holds it exactly (no bit view of an integer: under
+    # torch.compile a view made inside a Function's graph may not be saved for its backward)
+    return torch.exp2(-k).to(E8M0)
+
+
+def mx_scales(q):
+    """q's MX scales as an MX GEMM takes them: the decode factors 2^k (1 / q.scale), as E8M0
+    bytes. Exact: the reciprocal of a power of two is one, and E8M0 holds it (NaN stays NaN)."""
+    return q.scale.float().reciprocal().to(E8M0)
+
+
+def is_mx(q):
+    """Is q an MX operand: 1x32-style tiles with E8M0 scales?"""
+    return q.granularity == "block" and q.scale.dtype == E8M0
+
+
 @dataclass
 class Fp8Tensor:
     """FP8 data + fp32 scales + what is needed to give the original tensor back.
@@ -157,7 +196,8 @@ class Fp8Tensor:
     t() gives is a view of the same bytes: a GEMM copies what it needs row-major). Leading dims
     make a batch of matrices, each scaled on its own except by a "tensor" scale.
     scale (the multiply-before-cast factor) has shape () for "tensor", (..., rows, 1) for "row",
-    and (..., ceil(rows/br), ceil(cols/bc)) for "block" with tiles `block` = (br, bc)."""
+    and (..., ceil(rows/br), ceil(cols/bc)) for "block" with tiles `block` = (br, bc); fp32, or
+    E8M0 for MX (mx_scale), whose inverse is still handed out in fp32."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -177,7 +217,7 @@ class Fp8Tensor:
         inverts, so a container whose scale is replaced (clipping divides an FP8 gradient's scale)
         never hands out the old inverse."""
         if self._inv is None or self._inv[0] is not self.scale:
-            self._inv = (self.scale, self.scale.reciprocal())
+            self._inv = (self.scale, self.scale.float().reciprocal())  # (.float(): E8M0 has no reciprocal)
         return self._inv[1]
 
     def t(self):
@@ -245,8 +285,10 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
         scale = scale_rule(amax, fmt, margin, power_of_two)
     # Not a bare scale.float(): on an fp32 tensor that returns the tensor itself, a second name for
     # the same storage, and torch.compile refuses to save such an alias for the backward pass.
-    scale = scale if scale.dtype == torch.float32 else scale.float()
-    el = expand_tiles(scale, block, x2.shape) if granularity == "block" else scale
+    # E8M0 scales (MX) are kept in their byte, and multiplied in fp32.
+    scale = scale if scale.dtype in (torch.float32, E8M0) else scale.float()
+    s32 = scale.float() if scale.dtype == E8M0 else scale
+    el = expand_tiles(s32, block, x2.shape) if granularity == "block" else s32
     # Saturate: clamp to the format's range, then round to nearest even. A non-finite input
     # becomes NaN (E4M3's cast would silently turn inf into 448). Contiguous (row-major) whatever
     # x's layout: an elementwise op on a transposed view (the x^T of a backward GEMM) keeps it.
@@ -257,7 +299,7 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
 
 def _scaled(q):
     """q's values times its inverse scales, in fp32, in q.data's shape."""
-    s = q.scale.reciprocal()
+    s = q.scale.float().reciprocal()
     return q.data.float() * (expand_tiles(s, q.block, q.data.shape) if q.granularity == "block" else s)
 
 
@@ -376,6 +418,13 @@ class Recipe:
         object.__setattr__(self, "fwd_fmt", fwd)  # (frozen: set once, here)
         object.__setattr__(self, "bwd_fmt", bwd)
 
+    @property
+    def grid(self):  # the scales' layout, for logs: "tensor", "row", "block 1x128/128x128", "mx 1x32 E8M0"
+        if self.granularity == "block":
+            (a, b), (c, d) = self.act_tile, self.weight_tile
+            return f"mx {a}x{b} E8M0" if self.scale_rule is mx_scale else f"block {a}x{b}/{c}x{d}"
+        return self.granularity
+
     @classmethod
     def from_name(cls, name, **overrides):  # a named preset (RECIPES), single knobs overriding it
         if name not in RECIPES:
@@ -388,6 +437,9 @@ RECIPES = {  # the named presets: what each recipe of the field sets
     "rowwise": Recipe(granularity="row", formats="e4m3"),  # E4M3 gradients too, as torchao's
     "blockwise": Recipe(granularity="block", formats="e4m3"),  # DeepSeek-V3: 1x128 / 128x128 tiles
     "delayed": Recipe(scaling="delayed"),  # amax history (Transformer Engine, MS-AMP)
+    # OCP MXFP8 (Blackwell; torchao's MX, TE's MXFP8BlockScaling): E4M3, 1x32 tiles, E8M0 scales
+    "mxfp8": Recipe(granularity="block", formats="e4m3", act_tile=(1, MX_BLOCK), weight_tile=(1, MX_BLOCK),
+                    scale_rule=mx_scale),
 }
 
 
@@ -605,7 +657,7 @@ class Fp8Linear(nn.Linear):
 
     def extra_repr(self):
         r = self.recipe
-        return (f"{super().extra_repr()}, fp8={r.scaling}/{r.granularity}/{r.formats}, "
+        return (f"{super().extra_repr()}, fp8={r.scaling}/{r.grid}/{r.formats}, "
                 f"backend={r.backend}")
 
 

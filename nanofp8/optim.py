@@ -260,7 +260,7 @@ class O2Linear(O2CompileParts, Fp8Linear):
     grad_accum = "fp16"
 
     @classmethod
-    def from_fp8_linear(cls, lin):
+    def from_fp8_linear(cls, lin, cast=True):  # cast=False: a subclass stores another weight first (O3)
         new = cls(lin.in_features, lin.out_features, lin.bias is not None, device="meta",
                   recipe=lin.recipe, fqn=lin.fqn)
         new._init_scaling_state(lin.weight.device)
@@ -273,7 +273,8 @@ class O2Linear(O2CompileParts, Fp8Linear):
         new.register_buffer("wgrad_in_scale", torch.ones((), device=s.device), persistent=False)
         new.ensure_grad_hook()
         new.train(lin.training)
-        new.refresh_fp8_weight()
+        if cast:
+            new.refresh_fp8_weight()
         new.register_load_state_dict_post_hook(O2Linear._loaded_state)
         return new
 

@@ -52,45 +52,48 @@ from .optim_foreach import (count_steps, decoupled_update, dequantize_blocks_all
 class O3Linear(O2Linear):
     """Fp8Linear whose `.weight` is the full FP8 (E4M3) weight, stored in the layout the recipe's
     forward GEMM reads: `.weight_scale` is its scale grid (tensor: one scale, row: one per output
-    row, block: one per 128x128 tile). The forward GEMM takes it as it is: the weight is rounded
-    to FP8 once, from the fp32 update (re-quantizing a per-tensor FP8 weight with row or block
-    scales would round it twice). The dgrad GEMM needs W^T quantized along the output rows: a
-    tensor scale and square tiles transpose with the data; row scales do not, so under "row" W^T
-    is re-quantized from the FP8 weight (a second rounding of the dgrad operand only). The fp16
+    row, block: one per tile of the recipe's weight_tile, 128x128 or MX's 1x32 with E8M0 scales).
+    The forward GEMM takes it as it is: the weight is rounded to FP8 once, from the fp32 update
+    (re-quantizing a per-tensor FP8 weight with row or block scales would round it twice). The
+    dgrad GEMM needs W^T quantized along the output rows: a tensor scale and square tiles
+    transpose with the data; row scales and 1xN tiles do not, so there W^T is re-quantized from
+    the FP8 weight (a second rounding of the dgrad operand only). The fp16
     master lives, sharded, in ZeroFp8AdamW. The gradient is kept in FP8 on the weight
     (optim.fp8_grad), as for O2."""
 
     @classmethod
     def from_fp8_linear(cls, lin):
-        new = super().from_fp8_linear(lin)
-        q = quantize(lin.weight.detach(), E4M3, lin.recipe.granularity, (BLOCK, BLOCK))
+        new = super().from_fp8_linear(lin, cast=False)
+        r = lin.recipe
+        q = quantize(lin.weight.detach(), E4M3, r.granularity, r.weight_tile, scale_rule=r.scale_rule)
         new.weight = nn.Parameter(q.data.view(lin.weight.shape))
         new.weight_scale = q.scale.clone()  # (the buffer O2 registered, now the recipe's grid)
         new.init_master = lin.weight.detach().float()  # taken (and dropped) by the optimizer
         new.ensure_grad_hook()  # the new weight holds the FP8 gradient
-        # The casts O2 made were of the fp16 weight: a compiled forward reads them as they are
-        # (eager code would notice the new weight and cast again).
+        # The casts a compiled forward reads (eager code would notice the new weight and cast again)
         new.refresh_fp8_weight(record=False)
         return new
 
     def weight_layout(self):
-        """(shape, granularity) of the stored FP8 weight: what gather_shared_scale produces."""
-        return self.weight.shape, self.recipe.granularity
+        """(shape, granularity, block tile, scale rule) of the stored FP8 weight: what
+        gather_shared_scale produces."""
+        r = self.recipe
+        return self.weight.shape, r.granularity, r.weight_tile, r.scale_rule
 
     def fp8_weight(self):
         """The stored weight as an Fp8Tensor (no copy, no rounding)."""
         g = self.recipe.granularity
         return Fp8Tensor(self.weight.detach(), self.weight_scale, E4M3, g,
-                         (BLOCK, BLOCK) if g == "block" else (1, self.weight.shape[1]),
+                         tuple(self.recipe.weight_tile) if g == "block" else (1, self.weight.shape[1]),
                          self.weight.shape, torch.float32)
 
     def hp_weight(self):
         return dequantize(self.fp8_weight(), torch.float32)
 
     def cast_weight(self):
-        qw = self.fp8_weight()
-        if qw.granularity == "row":
-            return qw, quantize(self.hp_weight().t(), E4M3, "row")
+        qw, r = self.fp8_weight(), self.recipe
+        if qw.granularity == "row" or qw.granularity == "block" and qw.block[0] == 1:  # (scales that do not transpose)
+            return qw, quantize(self.hp_weight().t(), E4M3, qw.granularity, r.weight_tile, scale_rule=r.scale_rule)
         return qw, qw.t()
 
     @torch.no_grad()
@@ -243,16 +246,16 @@ class ZeroFp8AdamW(Fp8AdamW):
         return True
 
 
-def _shard_amax(w, shape, granularity, lo):
+def _shard_amax(w, shape, granularity, lo, block=(BLOCK, BLOCK)):
     """The amax of every scale's values among this rank's flat shard `w`: the values
     [lo, lo + len(w)) of a matrix of `shape` (N, K) flattened, zero-padded past N * K (padding is
     not counted). Returns (amax grid, the scale grid -> one scale per value of w). A tensor scale
-    covers the matrix, a row scale a row, a block scale a BLOCK x BLOCK tile; the shard is laid
+    covers the matrix, a row scale a row, a block scale a `block` tile; the shard is laid
     into the whole rows of tiles it touches (zeros elsewhere), so fp8.py's tile amax and
     expand_tiles apply as they do to a whole weight."""
     (N, K), c = shape, w.numel()
     n = max(0, min(c, N * K - lo))  # this rank's values that are the matrix's (not padding)
-    tile = {"tensor": (N, K), "row": (1, K), "block": (BLOCK, BLOCK)}[granularity]
+    tile = {"tensor": (N, K), "row": (1, K), "block": tuple(block)}[granularity]
     grid = () if granularity == "tensor" else (-(-N // tile[0]), -(-K // tile[1]))
     amax = w.new_zeros(grid if grid else (1, 1))
     if granularity == "tensor":
@@ -280,23 +283,26 @@ def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
     rank quantizes its shard with the common scales and the bytes are gathered. The result is a
     valid FP8 tensor on every rank, bit-identical everywhere, and bit-identical to quantizing the
     whole tensor at once (tests/test_comm.py).
-    layouts: per shard, (shape, granularity) of the whole tensor: "tensor" (one scale), "row"
-    (one per row) or "block" (one per 128x128 tile); None: one scale per tensor.
-    Returns [(flat FP8 data of world * shard length, fp32 scale grid)]."""
+    layouts: per shard, (shape, granularity[, block tile[, scale rule]]) of the whole tensor: "tensor"
+    (one scale), "row" (one per row) or "block" (one per tile); None: one scale per tensor.
+    Returns [(flat FP8 data of world * shard length, scale grid: fp32, or E8M0 under MX's rule)]."""
     if not shards:
         return []
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    grids = [_shard_amax(w.detach().reshape(-1).float(), *(lay or ((1, world * w.numel()), "tensor")),
-                         rank * w.numel()) for w, lay in zip(shards, layouts or [None] * len(shards))]
+    layouts = [(*lay, *((BLOCK, BLOCK), compute_scale)[len(lay) - 2:]) if lay else  # (defaults)
+               ((1, world * w.numel()), "tensor", None, compute_scale) for w, lay in zip(shards, layouts or [None] * len(shards))]
+    grids = [_shard_amax(w.detach().reshape(-1).float(), shape, g, rank * w.numel(), tile)
+             for w, (shape, g, tile, _) in zip(shards, layouts)]
     amax = torch.cat([a.reshape(-1) for a, _ in grids])
     if world > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         COMM.add("all_reduce_amax", amax.nbytes, amax.nbytes * 2 * (world - 1) / world)
-    scales = [s.view(a.shape) for s, (a, _) in zip(compute_scale(amax, fmt).split([a.numel() for a, _ in grids]), grids)]
+    scales = [lay[3](a, fmt).view(g.shape)  # (the rule is elementwise: per tensor as at once)
+              for a, (g, _), lay in zip(amax.split([g.numel() for g, _ in grids]), grids, layouts)]
     pending = []
     for w, (_, per_value), s in zip(shards, grids, scales):
-        q = quantize(w.view(1, -1), fmt, scale=per_value(s).view(1, -1))
-        pending.append(all_gather_fp8(Fp8Chunks(q.data, s.new_ones(1, 1), w.numel()),
+        q = quantize(w.view(1, -1), fmt, scale=per_value(s.float()).view(1, -1))
+        pending.append(all_gather_fp8(Fp8Chunks(q.data, torch.ones(1, 1, device=s.device), w.numel()),
                                       group, keep_fp8=True, async_op=True))
     return [(pd.wait().data.reshape(-1), s) for pd, s in zip(pending, scales)]
 

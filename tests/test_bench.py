@@ -20,7 +20,7 @@ def test_memory_tiny(tmp_path):
     data = json.loads(out.read_text())
     assert {"device", "date", "torch"} <= set(data["env"])
     rows = {r["level"]: r for r in data["memory"]}
-    assert set(rows) == {"bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc", "O1-fp8attn"}
+    assert set(rows) == {"bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc", "O1-mxfp8", "O1-fp8attn"}
     assert all(LEVEL_KEYS <= set(r) for r in rows.values())
     # the precision table, measured: 16 -> 7 bytes per block-Linear parameter between backward and
     # step (6 at the step), 1 B less with FP8 v, 1 B less with FP8 gradient accumulation; plus the
@@ -32,6 +32,9 @@ def test_memory_tiny(tmp_path):
         assert between <= rows[level]["linear_B_per_param"] < between + 0.01, level
         assert at_step <= rows[level]["linear_B_per_param_at_step"] < at_step + 0.01, level
     assert rows["O1"]["activation_B_per_token"] < rows["bf16"]["activation_B_per_token"]
+    # MX: the FP8 W and W^T held for the step carry one E8M0 byte per 32 values each (fp32 scales
+    # per 32 values would be 4 B each: 2 + 8/32)
+    assert 2 + 2 / 32 <= rows["O1-mxfp8"]["gemm_weight_B_per_param"] < 2 + 2 / 32 + 0.001
     # FP8 attention keeps FP8 Q, K, V and an fp32 lse per head (3 * 64 + 2 * 4 B per token and
     # layer here) where the CPU's attention keeps fp32 Q, K, V and O (4 * 64 * 4 B)
     saved = rows["O1"]["activation_B_per_token"] - rows["O1-fp8attn"]["activation_B_per_token"]
@@ -284,7 +287,7 @@ def test_throughput_tiny(tmp_path):
                 "--json", str(tmp_path / "throughput_cpu.json")])
     d = json.loads((tmp_path / "throughput_cpu.json").read_text())
     rows = {r["level"]: r for r in d["throughput"]}
-    assert set(rows) == {"fp32", "bf16", "O1", "O2"} and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert set(rows) == {"fp32", "bf16", "O1", "O2", "O1-mxfp8"} and all(r["tokens_per_s"] > 0 for r in rows.values())
     assert rows["bf16"]["vs_bf16"] == 1 and rows["fp32"]["vs_fp32"] == 1
     assert rows["O1"]["vs_fp32"] == pytest.approx(rows["O1"]["vs_bf16"] * rows["bf16"]["vs_fp32"])
     assert all(r["device_kind"].startswith("CPU") for r in rows.values()) and d["env"]["cpu_capability"]

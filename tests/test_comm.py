@@ -33,7 +33,8 @@ from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
 from nanofp8 import zero as Z
-from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, sqnr
+from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, MX_BLOCK, Recipe, convert_to_fp8, dequantize, is_mx, mx_scale, quantize,
+                         sqnr)
 from nanofp8.layout import make_layout
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.optim import (Fp8AdamW, clip_grad_norm, convert_to_o2, fp8_grad, fp8_grad_hook, holds_fp8_grad,
@@ -287,8 +288,10 @@ def shared_scale_gathers(rank):
     full = torch.randn(200, 300, generator=g) * torch.logspace(-3, 3, 200)[:, None] * torch.logspace(0, 1, 300)
     c = D.shard_len(full.numel(), 2)
     shard = F.pad(full.reshape(-1), (0, 2 * c - full.numel()))[rank * c : (rank + 1) * c]
-    return {gran: Z.gather_shared_scale([shard], None, E4M3, layouts=[(full.shape, gran)])[0]
-            for gran in GRANULARITIES}, full
+    got = {gran: Z.gather_shared_scale([shard], None, E4M3, layouts=[(full.shape, gran)])[0]
+           for gran in GRANULARITIES}
+    got["mx"] = Z.gather_shared_scale([shard], None, E4M3, layouts=[(full.shape, "block", (1, MX_BLOCK), mx_scale)])[0]
+    return got, full
 
 
 def worker(rank, world, out_dir):  # run by conftest.spawn: the process group is up
@@ -508,31 +511,41 @@ def test_shared_scale_gather_equals_one_quantization_of_the_whole(ranks):
 
     for r in ranks:
         got, full = r["shared_scale"]
+        assert got["mx"][1].dtype == torch.float8_e8m0fnu  # MX's scales stay E8M0 bytes
         for gran, (data, scale) in got.items():
-            ref = quantize(full, E4M3, gran, (BLOCK, BLOCK))
-            assert torch.equal(scale, ref.scale.view(scale.shape)), gran
+            ref = (quantize(full, E4M3, "block", (1, MX_BLOCK), scale_rule=mx_scale) if gran == "mx"
+                   else quantize(full, E4M3, gran, (BLOCK, BLOCK)))
+            assert scale.dtype == ref.scale.dtype and torch.equal(scale.reshape(-1).view(torch.uint8),
+                                                                  ref.scale.reshape(-1).view(torch.uint8)), gran
             assert torch.equal(data[: full.numel()].view(torch.uint8), ref.data.reshape(-1).view(torch.uint8)), gran
 
 
-@pytest.mark.parametrize("gran", list(GRANULARITIES))
+@pytest.mark.parametrize("gran", list(GRANULARITIES) + ["mx"])
 def test_o3_weight_is_rounded_once_in_the_recipe_layout(gran):
     """The forward GEMM's weight operand of an O3 layer is the stored FP8 weight, quantized once
     from the fp32 weight with the recipe's scales; before, a per-tensor E4M3 copy was quantized
-    again with row/block scales."""
+    again with row/block scales. MX: the stored weight is MX (1x32 along K, E8M0 scales) and W^T
+    is re-quantized along N, its own 1x32 tiles."""
     from nanofp8.fp8 import BLOCK, dequantize, quantize
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(320, 300))
-    m = Z.convert_to_o3(convert_to_fp8(model, Recipe(granularity=gran, backend="emulate")))[0]
+    recipe = Recipe.from_name("mxfp8", backend="emulate") if gran == "mx" else Recipe(granularity=gran, backend="emulate")
+    m = Z.convert_to_o3(convert_to_fp8(model, recipe))[0]
     w = m.init_master
     w[:8] *= 1e5  # outlier rows: a per-tensor scale pushes the other rows into E4M3's subnormals
-    m.weight.data.copy_(quantize(w, E4M3, gran, (BLOCK, BLOCK)).data)
-    m.weight_scale = quantize(w, E4M3, gran, (BLOCK, BLOCK)).scale
+    cast = lambda v: quantize(v, E4M3, recipe.granularity, recipe.weight_tile, scale_rule=recipe.scale_rule)  # noqa: E731
+    m.weight.data.copy_(cast(w).data)
+    m.weight_scale = cast(w).scale
     m.weight_changed()
     qw, qw_t = m.weight_operands()
-    once = quantize(w, E4M3, gran, (BLOCK, BLOCK))
-    assert qw.granularity == gran and torch.equal(qw.data.view(torch.uint8), once.data.view(torch.uint8))
-    twice = quantize(dequantize(quantize(w, E4M3), torch.float32), E4M3, gran, (BLOCK, BLOCK))
+    once = cast(w)
+    assert qw.granularity == recipe.granularity and torch.equal(qw.data.view(torch.uint8), once.data.view(torch.uint8))
+    if gran == "mx":
+        assert is_mx(qw) and is_mx(qw_t) and qw_t.block == (1, MX_BLOCK) and qw_t.data.shape == (320, 300)
+        assert torch.equal(qw_t.data.view(torch.uint8), cast(dequantize(once, torch.float32).t()).data.view(torch.uint8))
+    twice = quantize(dequantize(quantize(w, E4M3), torch.float32), E4M3, recipe.granularity, recipe.weight_tile,
+                     scale_rule=recipe.scale_rule)
     # judged on the ordinary rows (an outlier row's error would hide theirs in one global SQNR)
     s_once = sqnr(w[8:], dequantize(qw, torch.float32)[8:])
     s_twice = sqnr(w[8:], dequantize(twice, torch.float32)[8:])

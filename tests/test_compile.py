@@ -34,14 +34,15 @@ from nanofp8.fp8 import Recipe, convert_to_fp8, sqnr
 # second on "emulate", which tests both backends with half the compiles. train.py runs the model
 # under autocast: the default recipe is compiled that way too.
 RECIPES = [("current", "tensor", False), ("current", "row", False), ("current", "block", False),
-           ("delayed", "tensor", False), ("current", "tensor", True)]
+           ("delayed", "tensor", False), ("current", "tensor", True), ("current", "mxfp8", False)]
 
 
 def mlp(scaling, granularity):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(160, 144), nn.ReLU(), nn.Linear(144, 136))
     for layer, backend in (("0", "torch"), ("2", "emulate")):
-        recipe = Recipe(scaling=scaling, granularity=granularity, history_len=4, backend=backend)
+        recipe = (Recipe.from_name("mxfp8", backend=backend) if granularity == "mxfp8" else  # (E8M0 scales)
+                  Recipe(scaling=scaling, granularity=granularity, history_len=4, backend=backend))
         convert_to_fp8(model, recipe, module_filter=lambda fqn, lin: fqn == layer)
     return model
 

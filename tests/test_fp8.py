@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from nanofp8 import device, emulate, fp8
 from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, Recipe, convert_to_fp8,
-                         dequantize, quantize, scaled_gemm, sqnr)
+                         dequantize, mx_scale, quantize, scaled_gemm, sqnr)
 
 ML = {E4M3.name: ml_dtypes.float8_e4m3fn, E5M2.name: ml_dtypes.float8_e5m2}
 FORMATS = [E4M3, E5M2]
@@ -238,8 +238,8 @@ def test_delayed_scaling_eval_does_not_write_state():
 # -- the GEMM and the layer --------------------------------------------------------
 
 RECIPES = [Recipe(granularity="tensor"), Recipe(granularity="row"), Recipe(granularity="block"),
-           Recipe(scaling="delayed"), Recipe(granularity="block", formats="e4m3")]
-RIDS = ["tensor", "row", "block", "delayed", "block-e4m3"]
+           Recipe(scaling="delayed"), Recipe(granularity="block", formats="e4m3"), Recipe.from_name("mxfp8")]
+RIDS = ["tensor", "row", "block", "delayed", "block-e4m3", "mxfp8"]
 
 
 def _twins(recipe, seed=0, shape=(4, 50, 256), out=192):
@@ -267,7 +267,10 @@ def test_fp8_linear_against_fp32(recipe):
     y, dx, dw, db = _run(layer, x)
     # torchao's thresholds are 18/17/17 dB. Observed on this Gaussian case: output ~28.7 dB,
     # dgrad and wgrad ~25 dB with hybrid formats (E5M2 gradients), ~28 dB with E4M3 everywhere.
-    assert sqnr(y0, y) > 27 and sqnr(dx0, dx) > 24 and sqnr(dw0, dw) > 24
+    # MX: nn.Linear's weights are uniform, and flat blocks are where MX's rule clips most by design
+    # (~9% of their values, by up to 1/8: the weight's cast 26 dB, not 32), so y and dx ~24.8 dB.
+    mx = recipe.scale_rule is mx_scale
+    assert sqnr(y0, y) > (24 if mx else 27) and sqnr(dx0, dx) > 24 and sqnr(dw0, dw) > 24
     assert torch.equal(db, db0)  # the bias gradient is an fp32 sum, untouched by FP8
 
 
