@@ -117,6 +117,7 @@ LEVELS = {
     "O2-fp8acc": dict(precision="O2", o2_grad_accum="fp8"),
     "O2-fp8v-fp8acc": dict(precision="O2", o2_v_format="fp8", o2_grad_accum="fp8"),
     "O1-mxfp8": dict(precision="O1", fp8_recipe="mxfp8"),
+    "O1-fp8attn": dict(precision="O1", fp8_attention=True),  # Q K^T and P V in FP8 (nanofp8/attention.py)
 }
 WITH_RANKS = {"O3": dict(precision="O3")}  # levels build() also takes, for runs on several ranks (comm)
 
@@ -591,6 +592,7 @@ VARIANTS = {
     "O3-dp2": ({"precision": "O3", "batch_size": 8, "gradient_accumulation_steps": 2}, 2),
     "O1-tp2-sp": ({"precision": "O1", "tensor_parallel": 2, "sequence_parallel": True}, 2),
     "O1-pp2": ({"precision": "O1", "pipeline_parallel": 2}, 2),
+    "O1-fp8attn": ({"precision": "O1", "fp8_attention": True}, 1),
 }
 # The same seed gives the same initial weights, training batches and evaluation text at every
 # level, so a variant's gap is taken seed by seed against bf16 (paired). Not quite for these:
@@ -965,6 +967,9 @@ THROUGHPUT_MODELS = {
 # environment()'s cpu_capability) bf16 is far slower than fp32, so there the ratios to both say
 # what the machine does, not what FP8 does.
 THROUGHPUT_LEVELS = ("fp32", "bf16", "O1", "O2", "O1-mxfp8")
+# measured when named (--levels ... O1-fp8attn): its attention is one FP8 GEMM per head (a compile
+# unrolls them all), so it is no default
+EXTRA_THROUGHPUT_LEVELS = ("O1-fp8attn",)
 STEP_TARGET = 1.5  # the CPU main job: O1's step time at most this many times bf16's (issue #19)
 
 
@@ -1479,7 +1484,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="the levels take turns this many times; median")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--compiled_only", action="store_true", help="on a GPU: the compiled runs alone")
-    p.add_argument("--levels", nargs="+", default=list(THROUGHPUT_LEVELS), choices=THROUGHPUT_LEVELS)
+    p.add_argument("--levels", nargs="+", default=list(THROUGHPUT_LEVELS),
+                   choices=THROUGHPUT_LEVELS + EXTRA_THROUGHPUT_LEVELS)
     sub.add_parser("gemm")
     p = sub.add_parser("predict", help="predicted H100/B200 step time of bf16, O1, O2 (predict.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="predict.py's own arguments")

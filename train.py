@@ -135,6 +135,7 @@ fp8_history_len = 16  # delayed scaling: amax history length
 fp8_amax_algo = "max"  # delayed scaling: "max" | "most_recent"
 fp8_margin = 0  # scales are divided by 2^margin (0 to 8: see check_values)
 fp8_lm_head = False  # also run the LM head in FP8
+fp8_attention = False  # also attention's Q K^T and P V in FP8, by that recipe (nanofp8/attention.py)
 # seeing the numerics (nanofp8/stats.py)
 fp8_stats_interval = 0  # every this many iterations: per-layer FP8 cast statistics (0 = off)
 fp8_strict = False  # a GEMM that cannot run in FP8 is an error, not a high-precision fallback
@@ -190,7 +191,7 @@ def setup_precision(model, cfg, device_type):
     if level == "bf16":
         return "bf16 autocast, fp32 master weights"
     recipe = build_recipe(cfg, device_type)
-    names = apply_fp8(model, recipe, cfg["fp8_lm_head"])
+    names = apply_fp8(model, recipe, cfg["fp8_lm_head"], cfg["fp8_attention"])
     if not names:  # FP8 GEMMs need both dims % 16: an "FP8" run with none would be bf16 in disguise
         raise ConfigError(f"precision={level}: no block Linear can run in FP8: their widths "
                           f"(n_embd={model.config.n_embd}, MLP {model.config.hidden}) must be multiples of 16")
@@ -204,8 +205,8 @@ def setup_precision(model, cfg, device_type):
         convert_to_o3(model)
     state = {"O1": "fp32 master, fp32 Adam", "O2": f"fp16 master, FP8 grads, FP8 m, {cfg['o2_v_format']} v",
              "O3": f"FP8 weights, FP8 grads, sharded fp16 master / FP8 m / {cfg['o2_v_format']} v"}[level]
-    desc = (f"{level}: {len(names)} Linears in FP8 ({recipe.scaling} scaling, {recipe.grid}, "
-            f"{recipe.formats}, backend={recipe.backend}; {state}), the rest bf16 autocast")
+    desc = (f"{level}: {len(names)} Linears{' and attention' * cfg['fp8_attention']} in FP8 ({recipe.scaling} "
+            f"scaling, {recipe.grid}, {recipe.formats}, backend={recipe.backend}; {state}), the rest bf16 autocast")
     if cfg["fp8_lm_head"] and "lm_head" not in names:
         if cfg["fp8_strict"]:
             raise ConfigError(f"fp8_lm_head=True, fp8_strict=True: the LM head cannot run in FP8 "

@@ -14,6 +14,7 @@ The engine beside it, one concern per file:
 
 device.py    CUDA: what torch._scaled_mm takes, refusals and fallbacks, block-scale layouts, Triton glue
 emulate.py   the CPU backend: the reference's arithmetic, bit for bit, on fast FP8 decoding
+attention.py FP8 attention (fp8_attention=True): Q K^T and P V as FP8 GEMMs, one Function
 optim_foreach.py  Fp8AdamW's foreach twin (the default, bit-equal to the loop); o2_compile.py: the
              per-step FP8 weight cast an O2 layer keeps for compiled forwards; memory.py: bytes
 zero.py      ZeRO in FP8 (level O3); overlap.py: gradient buckets launched during backward;
@@ -33,7 +34,7 @@ fp8.py       device.gemm (every backend but the reference), device.cast (Triton 
 optim.py     optim_foreach (the twin step), o2_compile.O2CompileParts
 dist.py      overlap.InOrder, overlap.Pending, overlap.plan_buckets, counter.COMM,
              counter.comm_stats, emulate.fp8_to_float
-model.py     none
+model.py     attention.fp8_attention (opt-in: fp8_attention=True)
 
 train.py, the script that puts it all together, imports the engine by module: configurator, data,
 layout, run, stats, zero, ckptfile.

@@ -197,7 +197,22 @@ def check_train_config(cfg):
     check_model_parallel(cfg)
     check_engine(cfg)
     check_stats(cfg)
+    check_fp8_attention(cfg)
     return types.MappingProxyType(dict(cfg))
+
+
+def check_fp8_attention(cfg):
+    """fp8_attention=True (nanofp8/attention.py): at the FP8 levels, without attention dropout. Any
+    layout and engine: tensor parallelism keeps whole heads on each rank, and attention reads its
+    heads from its tensors."""
+    if not cfg["fp8_attention"]:
+        return
+    if cfg["precision"] == "bf16":
+        raise ConfigError("fp8_attention=True runs attention with the FP8 recipe of the FP8 levels: "
+                          "use precision=O1, O2 or O3, or fp8_attention=False")
+    if cfg["dropout"] > 0:
+        raise ConfigError(f"fp8_attention=True has no attention dropout (dropout={cfg['dropout']}): "
+                          "set dropout=0, or fp8_attention=False")
 
 
 def check_stats(cfg):

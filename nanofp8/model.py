@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from nanofp8.attention import fp8_attention
 
 # -----------------------------------------------------------------------------
 # Configuration
@@ -154,15 +155,19 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=b)  # back into the residual stream
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.fp8_recipe = None  # set by apply_fp8(..., attention=True): Q K^T and P V in FP8
 
     def forward(self, x, rope=None):
         # (B, T, 3 * heads * head_dim): the columns are [q | k | v], each head after head
         q, k, v = rearrange(self.c_attn(x), "b t (qkv h d) -> qkv b h t d", qkv=3, d=self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.fp8_recipe is not None:  # opt-in: nanofp8/attention.py (no dropout: refused there)
+            y = fp8_attention(q, k, v, self.fp8_recipe)
+            return self.resid_dropout(self.c_proj(rearrange(y, "b h t d -> b t (h d)")))
         # The fused kernel (flash / memory-efficient attention) never materializes the T x T
-        # matrix. Attention itself stays in bf16: it is a small share of the FLOPs at these sizes
-        # and its softmax inputs are exactly the kind of values FP8 would hurt.
+        # matrix. By default attention stays in bf16: it is a small share of the FLOPs at these
+        # sizes and its softmax inputs are exactly the kind of values FP8 would hurt.
         dtype, on_cpu = q.dtype, q.device.type == "cpu"
         if on_cpu:
             # PyTorch's CPU flash-attention kernel is ~5x slower in bf16 than in fp32 (its
@@ -354,9 +359,14 @@ def fp8_module_filter(fp8_lm_head=False):
     return keep
 
 
-def apply_fp8(model, recipe, fp8_lm_head=False):
-    """Run the chosen Linears of `model` in FP8 (in place). Returns the names converted."""
+def apply_fp8(model, recipe, fp8_lm_head=False, attention=False):
+    """Run the chosen Linears of `model` in FP8 (in place), and with attention=True each block's
+    Q K^T and P V too, by the same recipe (nanofp8/attention.py). Returns the Linears' names."""
     from nanofp8.fp8 import Fp8Linear, convert_to_fp8
 
+    if attention and model.config.dropout > 0:
+        raise ValueError("FP8 attention has no attention dropout: build the model with dropout=0")
     convert_to_fp8(model, recipe, module_filter=fp8_module_filter(fp8_lm_head))
+    for block in model.blocks if attention else ():
+        block.attn.fp8_recipe = recipe
     return [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]

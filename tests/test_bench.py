@@ -20,7 +20,7 @@ def test_memory_tiny(tmp_path):
     data = json.loads(out.read_text())
     assert {"device", "date", "torch"} <= set(data["env"])
     rows = {r["level"]: r for r in data["memory"]}
-    assert set(rows) == {"bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc", "O1-mxfp8"}
+    assert set(rows) == {"bf16", "O1", "O2", "O2-fp8v", "O2-fp8acc", "O2-fp8v-fp8acc", "O1-mxfp8", "O1-fp8attn"}
     assert all(LEVEL_KEYS <= set(r) for r in rows.values())
     # the precision table, measured: 16 -> 7 bytes per block-Linear parameter between backward and
     # step (6 at the step), 1 B less with FP8 v, 1 B less with FP8 gradient accumulation; plus the
@@ -35,6 +35,10 @@ def test_memory_tiny(tmp_path):
     # MX: the FP8 W and W^T held for the step carry one E8M0 byte per 32 values each (fp32 scales
     # per 32 values would be 4 B each: 2 + 8/32)
     assert 2 + 2 / 32 <= rows["O1-mxfp8"]["gemm_weight_B_per_param"] < 2 + 2 / 32 + 0.001
+    # FP8 attention keeps FP8 Q, K, V and an fp32 lse per head (3 * 64 + 2 * 4 B per token and
+    # layer here) where the CPU's attention keeps fp32 Q, K, V and O (4 * 64 * 4 B)
+    saved = rows["O1"]["activation_B_per_token"] - rows["O1-fp8attn"]["activation_B_per_token"]
+    assert saved >= 2 * (4 * 64 * 4 - (3 * 64 + 2 * 4)), saved
 
 
 def test_levels_and_variants_are_tables(monkeypatch):

@@ -18,7 +18,7 @@ SEAMS = {
     "nanofp8/optim.py": {("optim_foreach", "optim_foreach"), ("o2_compile", "O2CompileParts")},
     "nanofp8/dist.py": {("overlap", "InOrder"), ("overlap", "Pending"), ("overlap", "plan_buckets"),
                         ("counter", "COMM"), ("counter", "comm_stats"), ("emulate", "fp8_to_float")},
-    "nanofp8/model.py": set(),
+    "nanofp8/model.py": {("attention", "fp8_attention")},
 }
 TRAIN_MODULES = {"configurator", "data", "layout", "run", "stats", "zero", "ckptfile"}
 
