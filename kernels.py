@@ -630,7 +630,7 @@ def quantize_transpose(x, fmt_dtype, margin=0, power_of_two=False):
 # in fp32, as the reference does. tests/test_mx_compile.py compiles the kernel for sm_100 and
 # sm_90 and records what it became (results/kernels_sm100.json).
 
-MX_BLOCK = 32  # values per E8M0 scale along K (nanofp8.fp8.MX_BLOCK)
+MX_BLOCK = 32  # values per E8M0 scale along K (nanofp8.mx.MX_BLOCK)
 MX_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # tl.dot_scaled's names
 
 # (BLOCK_M, BLOCK_N, num_stages, num_warps). sm_100: the block-scaled MMA is 128 rows tall and
@@ -716,7 +716,7 @@ def gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16, bias=Non
 
     a_data (M, K), b_data (N, K): float8_e4m3fn or float8_e5m2 (MXFP8 uses E4M3), row-major.
     a_scale (M, ceil(K/32)), b_scale (N, ceil(K/32)): torch.float8_e8m0fnu DECODE scales 2^k,
-    one per 32 values of a row along K (nanofp8.fp8.mx_scales(q) of an MX Fp8Tensor q).
+    one per 32 values of a row along K (nanofp8.mx.mx_scales(q) of an MX Fp8Tensor q).
     The bias is added to the fp32 product before the cast to out_dtype. K need not be a multiple
     of 32: the operands are then zero-padded to one (a copy). Needs a CUDA GPU with TMA (sm_90:
     emulated through bf16; sm_100: the block-scaled MMA) or the interpreter of triton >= 3.9."""

@@ -14,6 +14,7 @@ The engine beside it, one concern per file:
 
 device.py    CUDA: what torch._scaled_mm takes, refusals and fallbacks, block-scale layouts, Triton glue
 emulate.py   the CPU backend: the reference's arithmetic, bit for bit, on fast FP8 decoding
+mx.py        MXFP8 (OCP Microscaling): the shared-exponent rule, E8M0 scales, 1x32 tiles
 attention.py FP8 attention (fp8_attention=True): Q K^T and P V as FP8 GEMMs, one Function
 optim_foreach.py  Fp8AdamW's foreach twin (the default, bit-equal to the loop); o2_compile.py: the
              per-step FP8 weight cast an O2 layer keeps for compiled forwards; memory.py: bytes
@@ -30,7 +31,8 @@ data.py      token data and reproducible batches; configurator.py: configs and t
 
 The seams: the only engine names the library's core imports (tests/test_design.py holds them):
 
-fp8.py       device.gemm (every backend but the reference), device.cast (Triton and CPU casts)
+fp8.py       device.gemm (every backend but the reference), device.cast (Triton and CPU casts),
+             mx.mx_scale (the "mxfp8" preset's scale rule)
 optim.py     optim_foreach (the twin step), o2_compile.O2CompileParts
 dist.py      overlap.InOrder, overlap.Pending, overlap.plan_buckets, counter.COMM,
              counter.comm_stats, emulate.fp8_to_float

@@ -33,9 +33,9 @@ from conftest import spawn
 from nanofp8 import dist as D
 from nanofp8 import parallel as P
 from nanofp8 import zero as Z
-from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, MX_BLOCK, Recipe, convert_to_fp8, dequantize, is_mx, mx_scale, quantize,
-                         sqnr)
+from nanofp8.fp8 import E4M3, E5M2, GRANULARITIES, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.layout import make_layout
+from nanofp8.mx import MX_BLOCK, is_mx, mx_scale
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.optim import (Fp8AdamW, clip_grad_norm, convert_to_o2, fp8_grad, fp8_grad_hook, holds_fp8_grad,
                            quantize_wgrad, set_fp8_grad)

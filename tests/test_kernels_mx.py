@@ -286,21 +286,21 @@ def test_mx_autotuner_keeps_the_gpus_own_tiles(monkeypatch):
 
 def test_an_mx_fp8tensor_pair_goes_in_as_it_is():
     # How nanofp8 calls it: an MX Fp8Tensor q (fp8.quantize with the mxfp8 preset's rule) gives
-    # q.data and fp8.mx_scales(q) (its decode scales); the result is fp8.gemm_reference's. And the
+    # q.data and mx.mx_scales(q) (its decode scales); the result is fp8.gemm_reference's. And the
     # self-check's cast (kernels.mx_operand) is the training cast, byte for byte.
-    fp8 = pytest.importorskip("nanofp8.fp8")
+    from nanofp8 import fp8, mx
     g = torch.Generator().manual_seed(8)
     M, N, K = 70, 40, 200  # K: 6.25 blocks of 32 (a partial last block)
     x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-30, 30, (M, 1), generator=g).float())
     x[3, 64:96] = 0.0  # an all-zero block: k = -127
     w = torch.randn(N, K, generator=g)
     bias = torch.randn(N, generator=g)
-    xq, wq = (fp8.quantize(t, fp8.E4M3, "block", (1, fp8.MX_BLOCK), scale_rule=fp8.mx_scale) for t in (x, w))
-    assert fp8.is_mx(xq) and fp8.is_mx(wq)
-    out = kernels.gemm_mx(xq.data, fp8.mx_scales(xq), wq.data, fp8.mx_scales(wq), torch.float32, bias)
+    xq, wq = (fp8.quantize(t, fp8.E4M3, "block", (1, mx.MX_BLOCK), scale_rule=mx.mx_scale) for t in (x, w))
+    assert mx.is_mx(xq) and mx.is_mx(wq)
+    out = kernels.gemm_mx(xq.data, mx.mx_scales(xq), wq.data, mx.mx_scales(wq), torch.float32, bias)
     ref = fp8.gemm_reference(xq, wq, torch.float32, bias)
     assert ((out - ref).abs() / ref.abs().amax(dim=1, keepdim=True)).max() < 1e-6
     for t, q in ((x, xq), (w, wq)):
         data, s = kernels.mx_operand(t)
         assert torch.equal(data.view(torch.uint8), q.data.view(torch.uint8))
-        assert torch.equal(s.view(torch.uint8), fp8.mx_scales(q).view(torch.uint8))
+        assert torch.equal(s.view(torch.uint8), mx.mx_scales(q).view(torch.uint8))
