@@ -84,7 +84,8 @@ from nanofp8.fp8 import (E4M3, E5M2, K_STEP, MX_BLOCK, Fp8Tensor, compute_scale,
 #       10.0 (B200/GB200; PyTorch's tests run MX GEMMs on SM100OrLater only:
 #       common_cuda.py evaluate_platform_supports_mx_gemm, line 203 in 2.11). On SM90 (H100,
 #       H200) every torch check passes and cuBLASLt then finds no kernel: a RuntimeError
-#       ("CUBLAS_STATUS_NOT_SUPPORTED", from scaled_gemm's heuristic query), never a result.
+#       ("CUBLAS_STATUS_NOT_SUPPORTED", from scaled_gemm's heuristic query), never a result
+#       (read from the sources; nanofp8 never makes that call, so nothing hangs on the wording).
 #     - what PyTorch's tests run, and all nanofp8 sends: E4M3 x E4M3 with bf16 output and no
 #       bias. An fp32 output, a bias or an E5M2 operand goes to the alternative below.
 #     Where MX cannot run natively (an H100, an H200, a CPU, the cases above), an MX GEMM runs on
