@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from nanofp8 import emulate
-from nanofp8.fp8 import (E4M3, E5M2, K_STEP, Fp8Tensor, compute_scale, expand_tiles, gemm_reference,
-                         gemm_scaled_mm, quantize)
+from nanofp8.fp8 import (E4M3, E5M2, K_STEP, MX_BLOCK, Fp8Tensor, compute_scale, expand_tiles,
+                         gemm_reference, gemm_scaled_mm, is_mx, mx_scales, quantize)
 
 # -----------------------------------------------------------------------------
 # 1. torch._scaled_mm's rules, and what runs where they refuse
@@ -55,6 +55,44 @@ from nanofp8.fp8 import (E4M3, E5M2, K_STEP, Fp8Tensor, compute_scale, expand_ti
 #     the fp32 reference).
 #   * builds whose cuBLASLt is older than 12.9 (CUDA 12.6 wheels) run row x row on a CUTLASS
 #     kernel that writes bf16/fp16 only and wants mat2 in E4M3 (ValueError otherwise).
+#   * MX scales (1x32 tiles along K, E8M0 decode factors 2^k: fp8.is_mx), read from PyTorch's
+#     sources (aten/src/ATen/native/cuda/ScaledBlas.cpp, ScaledBlasUtils.cpp and
+#     ScaledBlasDeviceUtils.cpp, aten/src/ATen/cuda/CUDABlas.cpp, as of torch 2.11 / 2.13; the
+#     2.11.0+cu130 wheel's libtorch_cuda.so carries the same checks, messages included):
+#     - torch._scaled_mm (v1) takes them as its last scale pair, 1x32 x 1x32 (never mixed with
+#       another mode: get_joint_scaling's list has no such pair): both scales float8_e8m0fnu,
+#       contiguous, with exactly round_up(rows, 128) * round_up(ceil(K/32), 4) elements each
+#       (rows: M for scale_a, N for scale_b, which is NOT transposed like the fp32 modes':
+#       is_blockwise_1x32_scaling). That count is the "blocked" layout cuBLASLt's VEC32_UE8M0 mode
+#       reads: the (rows, ceil(K/32)) grid padded to 128-row x 4-column tiles, tile by tile
+#       (row tiles outer), each 128x4 tile stored as 32 groups of 16 bytes where row r, column c
+#       sits at (r % 32) * 16 + (r // 32) * 4 + c (cuBLAS docs, "1D block scaling factors
+#       layout"; torch/testing/_internal/common_quantized.py's to_blocked, line 515 in 2.11 and
+#       2.13, is what PyTorch's tests pass). v1 has no swizzle argument: the layout is implied.
+#     - torch.nn.functional.scaled_mm (v2, torch >= 2.10; functional.py line 6744 in 2.11, 7166
+#       in 2.13) takes them as ScalingType.BlockWise1x32 with swizzle SwizzleType.SWIZZLE_32_4_4
+#       for both (_scaled_mxfp8_mxfp8: "scale_a must be swizzled to SWIZZLE_32_4_4 format", the
+#       same element counts, contiguous; ValueError), and its recipe table (check_mxfp8_recipe)
+#       takes float8_e4m3fn x float8_e4m3fn only; it passes use_fast_accum=False whatever it is
+#       told. The meta function (torch/_meta_registrations.py, _check_scaled_mm_sizes_v2's MX
+#       branch: line 7019 in 2.11, 7450 in 2.13) checks the same counts and swizzle for compile.
+#     - shapes: the common rules (K and both dims of mat2 multiples of 16; M free). K need not be
+#       a multiple of 32: PyTorch's MX tests run K = 240. Bias: the common rules.
+#     - devices: torch itself has no MX gate (scaled_mm_arch_allowed admits 8.9 and 9.0+), and
+#       cuBLASLt's scale mode needs a CUDA >= 12.8 build (CUDABlas.cpp cublasLtMatmulScaleMode,
+#       "only supported for CUDA 12.8 and above"). The kernels exist from compute capability
+#       10.0 (B200/GB200; PyTorch's tests run MX GEMMs on SM100OrLater only:
+#       common_cuda.py evaluate_platform_supports_mx_gemm, line 203 in 2.11). On SM90 (H100,
+#       H200) every torch check passes and cuBLASLt then finds no kernel: a RuntimeError
+#       ("CUBLAS_STATUS_NOT_SUPPORTED", from scaled_gemm's heuristic query), never a result
+#       (read from the sources; nanofp8 never makes that call, so nothing hangs on the wording).
+#     - what PyTorch's tests run, and all nanofp8 sends: E4M3 x E4M3 with bf16 output and no
+#       bias. An fp32 output, a bias or an E5M2 operand goes to the alternative below.
+#     Where MX cannot run natively (an H100, an H200, a CPU, the cases above), an MX GEMM runs on
+#     kernels.py's Triton MX GEMM (kernels.gemm_mx, tl.dot_scaled) where kernels.py imports and
+#     has it, else on the fp32 reference (a fallback, reported and counted as any other). Never
+#     on the 1x128 / 128x128 paths: they step through K 128 columns at a time with one scale
+#     column per step, and would read a 1x32 grid's columns as 128-wide ones (tile_refusal).
 #   * CPU: torch 2.11's kernel takes one-element (tensor) scales only; 2.13 also takes rows. We use
 #     only what both take, and run the fp32 reference for the others (a CPU has no FP8 units, so
 #     nothing is lost). Its dequantize-and-multiply matches the reference; on CPUs with AMX, torch
@@ -111,6 +149,7 @@ def _version(text):
 # cuBLASLt is that version or newer, so this under-reports at worst (then a slower path runs,
 # never a refused call).
 _CUBLASLT_12_9 = _version(torch.version.cuda) >= (12, 9)
+_CUDA_12_8 = _version(torch.version.cuda) >= (12, 8)  # cuBLASLt's MX scale mode (VEC32_UE8M0)
 _TORCH_2_11 = _version(torch.__version__) >= (2, 11)
 
 
@@ -122,6 +161,7 @@ class ScaledMMSupport:
     rowwise: bool  # per-row scales
     cublaslt_rowwise: bool  # row x row runs on cuBLASLt (>= 12.9): any output dtype, any mat2 format
     block: bool  # 1x128 / 128x128 block scales natively
+    mx: bool = False  # MX scales (1x32 tiles, E8M0) natively: SM100 and newer
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: asked once, a constant after
@@ -137,7 +177,8 @@ def scaled_mm_support(device):
     has_fp8 = (major, minor) >= (8, 9)
     return ScaledMMSupport("cuda", fp8=has_fp8, rowwise=has_fp8,
                            cublaslt_rowwise=_CUBLASLT_12_9 and major >= 9,
-                           block=major == 9 and _CUBLASLT_12_9 and _TORCH_2_11)
+                           block=major == 9 and _CUBLASLT_12_9 and _TORCH_2_11,
+                           mx=major >= 10 and _CUDA_12_8 and _TORCH_2_11)
 
 
 _HAS_SCALED_MM_V2 = hasattr(F, "scaled_mm")  # torch.nn.functional.scaled_mm: torch >= 2.10
@@ -183,6 +224,33 @@ def gemm_block_native(a, b, out_dtype, bias):
         out = torch._scaled_mm(mat1, mat2, scale_a=_block_scale_arg(a, "a"),
                                scale_b=_block_scale_arg(b, "b"), out_dtype=gemm_dtype)
     return out if bias is None else (out + bias.float()).to(out_dtype)
+
+def blocked_scales(s):
+    """A (rows, K/32) grid of MX scales in cuBLASLt's "blocked" layout, as a flat tensor:
+    padded to 128-row x 4-column tiles (the padding: E8M0 byte 0, 2^-127, read for no value),
+    tiles stored one after another along each row of tiles, and in a tile, row r and column c
+    at byte (r % 32) * 16 + (r // 32) * 4 + c (the rules above; tested index by index)."""
+    rows, cols = s.shape
+    rt, ct = -(-rows // 128), -(-cols // 4)
+    grid = torch.zeros(rt * 128, ct * 4, dtype=torch.uint8, device=s.device)  # (no F.pad for E8M0)
+    grid[:rows, :cols] = s.view(torch.uint8)
+    # row = 128 * tile row + 32 * i + j: order the bytes (tile row, tile col, j, i, c)
+    tiles = grid.view(rt, 4, 32, ct, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1).view(s.dtype)
+
+
+def gemm_mx_native(a, b, out_dtype):
+    """MX operands on torch's MX GEMM (SM100): the decode scales 2^k in the blocked layout, on
+    torch.nn.functional.scaled_mm outside torch.compile, else on torch._scaled_mm (the same
+    tensors: v1 implies the layout v2 is told). bf16 output, no bias (the rules)."""
+    mat1, mat2 = a.data.contiguous(), b.data.contiguous().t()  # (see gemm_scaled_mm)
+    sa, sb = blocked_scales(mx_scales(a)), blocked_scales(mx_scales(b))
+    if padded_block_scales():
+        mx, swizzle = F.ScalingType.BlockWise1x32, F.SwizzleType.SWIZZLE_32_4_4
+        return F.scaled_mm(mat1, mat2, sa, mx, sb, mx, swizzle_a=swizzle, swizzle_b=swizzle,
+                           output_dtype=out_dtype)
+    return torch._scaled_mm(mat1, mat2, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
 
 def _gemm_block_loop(a, b, out_dtype, bias):
     """Block scales without native support: one row-wise _scaled_mm per 128-wide slice of K,
@@ -278,7 +346,8 @@ def tile_refusal(a, b):
     """Why a block-scaled GEMM that steps through K K_STEP columns at a time (torch's block modes,
     the Triton GEMM, the row-wise loop) cannot take these tiles (None if it can): each K step
     must meet exactly one scale column of each operand, so a tile is 1 x K_STEP or
-    K_STEP x K_STEP. A 1x32 tile would otherwise be read with a 128-wide scale column, silently.
+    K_STEP x K_STEP. A 1x32 tile (MX's among them) would otherwise be read with a 128-wide scale
+    column, silently.
     The fp32 reference takes any tile (it scales every element by its own tile's scale)."""
     for q in (a, b):
         if q.granularity == "block" and tuple(q.block) not in ((1, K_STEP), (K_STEP, K_STEP)):
@@ -295,14 +364,44 @@ def _shape_refusal(a, b, sup):
     return None
 
 
-def scaled_mm_refusal(a, b, out_dtype, sup):
+def mix_refusal(a, b):
+    """Why a and b cannot be multiplied at all (None if they can): an MX operand goes with an MX
+    operand only, on every backend (its scales are per 32 of K, E8M0; no GEMM mixes those with
+    fp32 scales per 128 of K)."""
+    if is_mx(a) != is_mx(b):
+        mx, other = (a, b) if is_mx(a) else (b, a)
+        return (f"nanofp8: an MX operand (1x{mx.block[1]} E8M0 scales) cannot be multiplied with a "
+                f"{other.granularity} operand of {'x'.join(map(str, other.block))} {other.scale.dtype} "
+                "scales: quantize both with the same recipe (fp8_recipe=mxfp8 casts every operand 1x32)")
+    return None
+
+
+def _mx_refusal(a, b, out_dtype, bias, sup):
+    """Why torch's MX GEMM would not take this MX pair (None if it does): the MX rules above."""
+    if tuple(a.block) != (1, MX_BLOCK) or tuple(b.block) != (1, MX_BLOCK):
+        return f"MX tiles {a.block} x {b.block} (the MX GEMM takes 1x{MX_BLOCK} along K)"
+    if not sup.mx:
+        return ("MX (1x32, E8M0) scales need a GPU of compute capability 10.0 or newer (SM100: "
+                f"B200/GB200) and torch >= 2.11 built with CUDA >= 12.8 (this device: {sup.device}, "
+                f"torch {torch.__version__}, CUDA {torch.version.cuda})")
+    if a.fmt is not E4M3 or b.fmt is not E4M3:
+        return "MX scales with an E5M2 operand (torch's MX GEMM takes E4M3 x E4M3 only)"
+    if out_dtype != torch.bfloat16 or bias is not None:
+        return (f"MX scales with {str(out_dtype).replace('torch.', '')} output"
+                f"{' and a bias' if bias is not None else ''} (PyTorch's tests run bf16 without bias only)")
+    return None
+
+
+def scaled_mm_refusal(a, b, out_dtype, sup, bias=None):
     """Why torch._scaled_mm on a device with support `sup` would refuse out = a @ b.T (None if
     it takes it), by the rules at the top of this section."""
     if not sup.fp8:
         return "this GPU has no FP8 tensor cores (compute capability 8.9 or newer needed)"
-    reason = _shape_refusal(a, b, sup)
+    reason = _shape_refusal(a, b, sup) or mix_refusal(a, b)
     if reason:
         return reason
+    if is_mx(a):
+        return _mx_refusal(a, b, out_dtype, bias, sup)
     grans = {a.granularity, b.granularity}
     if "block" in grans:
         reason = tile_refusal(a, b)
@@ -347,17 +446,28 @@ def gemm(a, b, out_dtype, bias, backend, fast_accum, name):
     scales natively on SM90 with cuBLASLt >= 12.9), and on a CPU its kernel's arithmetic
     (emulate.gemm_kernel). Otherwise, reported once per layer with the reason: the Triton GEMM on
     CUDA when kernels.py imports, then for block scales one row-wise GEMM per 128 of K, then the
-    fp32 reference."""
+    fp32 reference. MX pairs (fp8.is_mx) run natively on SM100, else on the Triton MX GEMM
+    (kernels.gemm_mx) where kernels.py has it, else on the fp32 reference: never on a path of
+    128-wide scale columns."""
+    reason = mix_refusal(a, b)
+    if reason:
+        raise ValueError(reason)
+    mx = is_mx(a)
     if backend == "cpu":
         return emulate.gemm_reference(a, b, out_dtype, bias)
     if backend == "triton":
+        if mx:
+            return _gemm_mx_alternative(a, b, out_dtype, bias, "backend='triton' with MX scales, "
+                                        "and kernels.py has no MX GEMM", name, report=None)
         return gemm_triton(a, b, out_dtype, bias, fast_accum)
     sup = scaled_mm_support(a.data.device)
-    reason, refused = scaled_mm_refusal(a, b, out_dtype, sup), False
+    reason, refused = scaled_mm_refusal(a, b, out_dtype, sup, bias), False
     if sup.device == "cpu" and emulate.handles(a.data):  # (under the CUDA stand-in, sup says "cuda")
         return (emulate.gemm_kernel if reason is None else emulate.gemm_reference)(a, b, out_dtype, bias)
     if reason is None:
         try:
+            if mx:
+                return gemm_mx_native(a, b, out_dtype)
             if a.granularity == "block":
                 return gemm_block_native(a, b, out_dtype, bias)
             return gemm_scaled_mm(a, b, out_dtype, bias, fast_accum)
@@ -365,6 +475,9 @@ def gemm(a, b, out_dtype, bias, backend, fast_accum, name):
             # (Under torch.compile this `try` is traced, not run: only the rules above, decided
             # while tracing, can fall back there; a refusal by the kernel fails the step.)
             reason, refused = "refused by torch._scaled_mm: " + str(e).splitlines()[0], True
+    if mx:
+        return _gemm_mx_alternative(a, b, out_dtype, bias, reason, name,
+                                    report=sup.device == "cuda" or refused)
     if _triton_available(a.data.device) and not tile_refusal(a, b):
         alt, fn = "the Triton GEMM (kernels.py)", lambda: gemm_triton(a, b, out_dtype, bias, fast_accum)
     elif (a.granularity == "block" and sup.cublaslt_rowwise and not _shape_refusal(a, b, sup)
@@ -377,6 +490,23 @@ def gemm(a, b, out_dtype, bias, backend, fast_accum, name):
         alt, fn = HIGH_PRECISION, lambda: gemm_reference(a, b, out_dtype, bias)  # noqa: E731
     if sup.device == "cuda" or refused:  # a CPU's choices are all emulations: nothing is lost
         _fell_back(name, reason, alt)  # a high-precision one: counted, an error under fp8_strict
+    return fn()
+
+
+def _gemm_mx_alternative(a, b, out_dtype, bias, reason, name, report=True):
+    """An MX pair that torch's MX GEMM cannot run: kernels.py's Triton MX GEMM (tl.dot_scaled, the
+    E8M0 decode scales as they are) on CUDA where kernels.py imports and has it, else the fp32
+    reference, a fallback (reported, counted, an error under fp8_strict). report: say why, once per
+    layer (None: only when it is the reference)."""
+    dev = a.data.device
+    if _triton_available(dev) and hasattr(_kernels(), "gemm_mx"):
+        alt = "the Triton MX GEMM (kernels.gemm_mx)"
+        fn = lambda: _kernels().gemm_mx(a.data.contiguous(), mx_scales(a), b.data.contiguous(),  # noqa: E731
+                                        mx_scales(b), out_dtype, bias)
+    else:
+        alt, fn = HIGH_PRECISION, lambda: gemm_reference(a, b, out_dtype, bias)  # noqa: E731
+    if report or (report is None and alt == HIGH_PRECISION):
+        _fell_back(name, reason, alt)
     return fn()
 
 

@@ -51,10 +51,25 @@ configuration" (ValueError). That is the rule of the torch the stand-in models,
 libtorch_cuda.so and torch 2.13's libtorch_cpu.so both compare both dtypes with
 float8_e4m3fn there. Its other rules are steps 1-10.
 
+MX scales (1x32 blocks along K, float8_e8m0fnu decode factors; nanofp8/device.py's rules say
+where each is read from): v1 takes them as its last pair, 1x32 x 1x32, when both operands are FP8,
+both scales E8M0, contiguous, with round_up(rows, 128) * round_up(ceil(K/32), 4) elements (rows:
+M, or N for scale_b, which v1 does not transpose for this mode), in cuBLASLt's blocked layout
+(which no check can see: the stand-in reads them by that layout, `_unblocked`, so a wrong
+swizzle gives wrong numbers, as on the GPU). v2 takes ScalingType.BlockWise1x32 for both with
+SwizzleType.SWIZZLE_32_4_4 for both (ValueError otherwise, "Expected single swizzle argument"
+without one), E4M3 x E4M3 only ("Invalid scaling configuration"), the same element counts
+("For Blockwise scaling scale_a should have ...") and contiguous scales. Then steps 2-8 apply.
+The kernels exist from SM100 with a CUDA >= 12.8 build: below SM100 torch's checks pass and
+cuBLASLt finds no kernel (RuntimeError, CUBLAS_STATUS_NOT_SUPPORTED); an older build refuses the
+scale mode (RuntimeError). MX results are computed as nanofp8's reference computes block scales
+(fp32 partial sums per 128 of K), with the scales as the layout places them.
+
 Beyond what the kernel checks, the stand-in refuses three combinations that PyTorch's own tests
 never run (test_scaled_matmul_cuda.py), so that nanofp8 is held to the tested ones: block scales
 with a bias, block scales with an E5M2 operand on v1 (whose checks let it through to cuBLASLt,
-while v2 refuses it), and row-wise scales with an E5M2 mat1.               RuntimeError
+while v2 refuses it), and row-wise scales with an E5M2 mat1; and for MX scales, a bias, an E5M2
+operand, or an output other than bf16 (PyTorch's MX tests run bf16 only). RuntimeError
 
 Use: `contract = CudaScaledMM(...)`; `contract.install(monkeypatch)` replaces torch._scaled_mm,
 torch.nn.functional.scaled_mm and nanofp8.device.scaled_mm_support; `contract.calls` lists (mode_a,
@@ -69,6 +84,7 @@ from nanofp8 import device as nanofp8_device
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 E4M3 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
 
 
 def _cdiv(a, b):
@@ -79,11 +95,30 @@ def _size_stride(s, dim, size, stride):
     return s.size(dim) == size and (size <= 1 or s.stride(dim) == stride)
 
 
+def _mx_count(rows, k):
+    """Elements of an MX scale tensor for an operand (rows, K): the blocked layout's padding."""
+    return _cdiv(rows, 128) * 128 * _cdiv(_cdiv(k, 32), 4) * 4
+
+
+def _unblocked(s, rows, k):
+    """The (rows, ceil(K/32)) grid of MX scales (as fp32) that cuBLASLt reads from a blocked scale
+    tensor s: the 128x4 tile of (r, c) is tile (r // 128, c // 4), tiles row-major, 512 bytes
+    each, and in it (r, c) sits at (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4."""
+    kb = _cdiv(k, 32)
+    r, c = torch.arange(rows)[:, None], torch.arange(kb)[None, :]
+    at = ((r // 128) * _cdiv(kb, 4) + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+    return s.reshape(-1)[at].float()
+
+
 def _mode_of(t, s, which):
     """Which of the modes that `which` lists the (operand, scale) pair satisfies (None if none).
-    t is given as (rows, K): mat1 itself, or mat2 transposed (with its scale transposed)."""
+    t is given as (rows, K): mat1 itself, or mat2 transposed (with its scale transposed, but for
+    1x32, whose scale v1 takes as it is)."""
     rows, k = t.shape
     kt = _cdiv(k, 128)
+    if which == "1x32":
+        ok = t.dtype in FP8 and s.dtype == E8M0 and s.numel() == _mx_count(rows, k) and s.is_contiguous()
+        return "1x32" if ok else None
     if s.dtype != torch.float32:
         return None
     if which == "tensor":
@@ -100,11 +135,13 @@ def _mode_of(t, s, which):
 
 
 PAIRS = [("tensor", "tensor"), ("row", "row"), ("128x128", "1x128"), ("1x128", "128x128"),
-         ("1x128", "1x128")]
+         ("1x128", "1x128"), ("1x32", "1x32")]
 
 
 def _rows_view(s, mode, api, mat2):
     """A scale argument seen along its operand's rows: (rows or row tiles, K tiles or 1)."""
+    if mode == "1x32":
+        return s  # the flat blocked tensor, for mat2 too
     if api == "v2" and mode == "128x128":
         return s.t()  # (row tiles, L4)
     if api == "v2" and mode == "1x128":
@@ -117,6 +154,8 @@ def _as_read(sim, s, mode, shape, api):
     rows, is s: for 128x128, the (row tiles, Kt) grid that cuBLASLt reads from s's first element
     with rows L4 apart. v2's s is that padded grid; v1's is unpadded, so where Kt % 4 != 0 the
     rows are misread (NaN where the read runs past the allocation)."""
+    if mode == "1x32":
+        return _unblocked(s, *shape)
     if mode != "128x128":
         return s
     rows_t, kt = _cdiv(shape[0], 128), _cdiv(shape[1], 128)
@@ -140,6 +179,7 @@ class CudaScaledMM:
     def __init__(self, sm=(9, 0), cublaslt=(12, 9), torch_version=(2, 11)):
         self.sm, self.cublaslt, self.torch_version = sm, cublaslt, torch_version
         self.torch_block = torch_version >= (2, 11)
+        self.cuda_mx = cublaslt >= (12, 8)  # the build's cuBLASLt has the 1x32 E8M0 scale mode
         self.calls, self.refusals, self.misreads = [], [], []
 
     def support(self, device=None):
@@ -148,7 +188,8 @@ class CudaScaledMM:
         new = self.cublaslt >= (12, 9)
         return nanofp8_device.ScaledMMSupport("cuda", fp8=fp8_ok, rowwise=fp8_ok,
                                    cublaslt_rowwise=new and self.sm[0] >= 9,
-                                   block=self.sm[0] == 9 and new and self.torch_block)
+                                   block=self.sm[0] == 9 and new and self.torch_block,
+                                   mx=self.sm[0] >= 10 and self.cuda_mx and self.torch_block)
 
     def install(self, monkeypatch):
         monkeypatch.setattr(torch, "_scaled_mm", self)
@@ -170,7 +211,7 @@ class CudaScaledMM:
                      swizzle_a=None, swizzle_b=None, bias=None, output_dtype=torch.bfloat16,
                      contraction_dim=(), use_fast_accum=False):
         """torch.nn.functional.scaled_mm, for the scale kinds nanofp8 can pass (tensor, row, 1x128,
-        128x128: fp32 scales, one per operand, unswizzled)."""
+        128x128: fp32 scales, one per operand, unswizzled; 1x32: E8M0, swizzled)."""
         try:
             modes = self._check_v2(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b,
                                    swizzle_a, swizzle_b, contraction_dim)
@@ -192,10 +233,14 @@ class CudaScaledMM:
     def _check_v2(self, mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a, swizzle_b,
                   contraction):
         kinds = {F.ScalingType.TensorWise: "tensor", F.ScalingType.RowWise: "row",
-                 F.ScalingType.BlockWise1x128: "1x128", F.ScalingType.BlockWise128x128: "128x128"}
+                 F.ScalingType.BlockWise1x128: "1x128", F.ScalingType.BlockWise128x128: "128x128",
+                 F.ScalingType.BlockWise1x32: "1x32"}
         if any(isinstance(x, (list, tuple)) for x in (scale_a, recipe_a, scale_b, recipe_b)):
-            raise ValueError("one scale per operand expected (multi-level scales are MX/NV recipes)")
-        if any(sw not in (None, F.SwizzleType.NO_SWIZZLE) for sw in (swizzle_a, swizzle_b)):
+            raise ValueError("one scale per operand expected (multi-level scales are NVFP4's)")
+        swizzles = [sw[0] if isinstance(sw, (list, tuple)) and len(sw) == 1 else sw for sw in (swizzle_a, swizzle_b)]
+        if F.ScalingType.BlockWise1x32 in (recipe_a, recipe_b):
+            return self._check_v2_mx(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzles)
+        if any(sw not in (None, F.SwizzleType.NO_SWIZZLE) for sw in swizzles):
             raise ValueError("fp32 scales take no swizzle")
         if tuple(contraction) not in ((), (1, 0)):
             raise ValueError(f"contraction_dim must be () or (1, 0), got {contraction}")
@@ -223,6 +268,28 @@ class CudaScaledMM:
                                  f"strides {s.stride()}, {s.dtype}")
         return modes
 
+    def _check_v2_mx(self, mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzles):
+        """v2's MXFP8 recipe (check_mxfp8_recipe, check_swizzle_lengths, _scaled_mxfp8_mxfp8)."""
+        mx = F.ScalingType.BlockWise1x32
+        if (recipe_a, recipe_b) != (mx, mx) or (mat_a.dtype, mat_b.dtype) != (E4M3, E4M3) \
+                or (scale_a.dtype, scale_b.dtype) != (E8M0, E8M0):
+            raise ValueError(f"Invalid scaling configuration: MXFP8 takes BlockWise1x32 x BlockWise1x32, "
+                             f"float8_e4m3fn operands and float8_e8m0fnu scales; got {recipe_a}, {recipe_b}, "
+                             f"{mat_a.dtype} x {mat_b.dtype}, scales {scale_a.dtype} x {scale_b.dtype}")
+        if any(sw is None or isinstance(sw, (list, tuple)) for sw in swizzles):
+            raise ValueError("Expected single swizzle argument")
+        (M, K), N = mat_a.shape, mat_b.shape[1]
+        for name, s, rows in (("scale_a", scale_a, M), ("scale_b", scale_b, N)):
+            if s.numel() != _mx_count(rows, K):
+                raise ValueError(f"For Blockwise scaling {name} should have {_mx_count(rows, K)} "
+                                 f"elements, got: {s.numel()}")
+        for name, sw in zip(("scale_a", "scale_b"), swizzles):
+            if sw != F.SwizzleType.SWIZZLE_32_4_4:
+                raise ValueError(f"{name} must be swizzled to SWIZZLE_32_4_4 format")
+        if not (scale_a.is_contiguous() and scale_b.is_contiguous()):
+            raise ValueError("For Blockwise scaling both scales should be contiguous")
+        return ("1x32", "1x32")
+
     def _check(self, mat1, mat2, scale_a, scale_b, bias, out_dtype, fast, modes=None):
         if self.sm < (8, 9):
             raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute "
@@ -233,7 +300,8 @@ class CudaScaledMM:
         if K != K2:
             raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({M}x{K} and {K2}x{N})")
         for ma, mb in [modes] if modes else PAIRS:  # (v2: the modes it was told, layouts checked)
-            if modes or (_mode_of(mat1, scale_a, ma) == ma and _mode_of(mat2.t(), scale_b.t(), mb) == mb):
+            sb = scale_b if mb == "1x32" else scale_b.t()  # (v1 takes an MX scale_b as it is)
+            if modes or (_mode_of(mat1, scale_a, ma) == ma and _mode_of(mat2.t(), sb, mb) == mb):
                 modes = (ma, mb)
                 break
         else:
@@ -267,6 +335,17 @@ class CudaScaledMM:
                                "(and refused by its v2 API)")
         if "row" in modes and mat1.dtype == torch.float8_e5m2:
             raise RuntimeError("row-wise scales with an E5M2 mat1: never run by PyTorch's tests")
+        if "1x32" in modes:  # (what PyTorch's MX tests never run, then the device)
+            if bias is not None:
+                raise RuntimeError("MX scales with a bias: never run by PyTorch's tests")
+            if torch.float8_e5m2 in (mat1.dtype, mat2.dtype):
+                raise RuntimeError("MX scales with an E5M2 operand: never run by PyTorch's tests "
+                                   "(and refused by its v2 API)")
+            if out != torch.bfloat16:
+                raise RuntimeError(f"MX scales with {out} output: never run by PyTorch's tests (bf16 only)")
+            if not self.cuda_mx:
+                raise RuntimeError("scaled_gemm with `torch.float8_e8m0fnu` scales of 1x32 blocks is "
+                                   "only supported for CUDA 12.8 and above")
         cublaslt_129 = self.cublaslt >= (12, 9)
         if modes == ("row", "row") and (self.sm[0] < 9 or not cublaslt_129):
             if out not in (torch.bfloat16, torch.float16):
@@ -293,6 +372,9 @@ class CudaScaledMM:
             if t.data_ptr() % 16 or (ld * t.element_size()) % 16:
                 raise RuntimeError(f"{name}: data and leading dimension must be 16-byte aligned "
                                    f"(pointer offset {t.data_ptr() % 16}, leading dimension {ld})")
+        if "1x32" in modes and self.sm[0] < 10:  # all of torch's checks passed: cuBLASLt has no kernel
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling "
+                               "`cublasLtMatmulAlgoGetHeuristic(...)` (no 1x32 block-scaled FP8 kernel below SM100)")
         return modes
 
     @staticmethod
@@ -310,6 +392,8 @@ class CudaScaledMM:
                 return s.reshape(rows, 1)
             if mode == "1x128":
                 return s[r, c]
+            if mode == "1x32":
+                return s[r, torch.arange(K)[None, :] // 32]
             return s[r // 128, c]
 
         a32 = mat1.float() * per_element(mat1, scale_a, modes[0], M)
