@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from nanofp8 import emulate
-from nanofp8.fp8 import (E4M3, E5M2, K_STEP, MX_BLOCK, Fp8Tensor, compute_scale, expand_tiles,
-                         gemm_reference, gemm_scaled_mm, is_mx, mx_scales, quantize)
+from nanofp8.fp8 import (E4M3, E5M2, K_STEP, Fp8Tensor, compute_scale, expand_tiles, gemm_reference, gemm_scaled_mm,
+                         quantize)
+from nanofp8.mx import MX_BLOCK, is_mx, mx_scales
 
 # -----------------------------------------------------------------------------
 # 1. torch._scaled_mm's rules, and what runs where they refuse
@@ -55,7 +56,7 @@ from nanofp8.fp8 import (E4M3, E5M2, K_STEP, MX_BLOCK, Fp8Tensor, compute_scale,
 #     the fp32 reference).
 #   * builds whose cuBLASLt is older than 12.9 (CUDA 12.6 wheels) run row x row on a CUTLASS
 #     kernel that writes bf16/fp16 only and wants mat2 in E4M3 (ValueError otherwise).
-#   * MX scales (1x32 tiles along K, E8M0 decode factors 2^k: fp8.is_mx), read from PyTorch's
+#   * MX scales (1x32 tiles along K, E8M0 decode factors 2^k: mx.is_mx), read from PyTorch's
 #     sources (aten/src/ATen/native/cuda/ScaledBlas.cpp, ScaledBlasUtils.cpp and
 #     ScaledBlasDeviceUtils.cpp, aten/src/ATen/cuda/CUDABlas.cpp, as of torch 2.11 / 2.13; the
 #     2.11.0+cu130 wheel's libtorch_cuda.so carries the same checks, messages included):
@@ -446,7 +447,7 @@ def gemm(a, b, out_dtype, bias, backend, fast_accum, name):
     scales natively on SM90 with cuBLASLt >= 12.9), and on a CPU its kernel's arithmetic
     (emulate.gemm_kernel). Otherwise, reported once per layer with the reason: the Triton GEMM on
     CUDA when kernels.py imports, then for block scales one row-wise GEMM per 128 of K, then the
-    fp32 reference. MX pairs (fp8.is_mx) run natively on SM100, else on the Triton MX GEMM
+    fp32 reference. MX pairs (mx.is_mx) run natively on SM100, else on the Triton MX GEMM
     (kernels.gemm_mx) where kernels.py has it, else on the fp32 reference: never on a path of
     128-wide scale columns."""
     reason = mix_refusal(a, b)

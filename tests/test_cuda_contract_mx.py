@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cuda_contract import CudaScaledMM, _unblocked
-from nanofp8 import device, emulate, fp8
+from nanofp8 import device, emulate, fp8, mx
 from nanofp8.fp8 import E4M3, E5M2, RECIPES, K_STEP, convert_to_fp8, dequantize, quantize, scaled_gemm, sqnr
 
 DEVICES = {"sm100": dict(sm=(10, 0), cublaslt=(12, 9)),
@@ -57,7 +57,7 @@ def _mx(rows, k, fmt=E4M3, seed=0):
     x[0] *= 1e6
     x[-1, :32] = 0
     x[rows // 2, -32:] *= 1e-30
-    return quantize(x, fmt, "block", (1, 32), scale_rule=fp8.mx_scale)
+    return quantize(x, fmt, "block", (1, 32), scale_rule=mx.mx_scale)
 
 
 def _exact(a, b):
@@ -126,7 +126,7 @@ def test_stand_in_reads_the_documented_layout(rows, cols):
 def test_stand_in_takes_mx_calls_as_the_sm100_kernel_does():
     sm100, h100 = CudaScaledMM(**DEVICES["sm100"]), CudaScaledMM(**DEVICES["h100"])
     a, b = _mx(130, 240), _mx(48, 240, seed=1)  # K = 240: no multiple of 32 (PyTorch tests it)
-    sa, sb = device.blocked_scales(fp8.mx_scales(a)), device.blocked_scales(fp8.mx_scales(b))
+    sa, sb = device.blocked_scales(mx.mx_scales(a)), device.blocked_scales(mx.mx_scales(b))
     v1 = sm100(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     v2 = sm100.scaled_mm_v2(a.data, b.data.t(), sa, MX, sb, MX, swizzle_a=SWZ, swizzle_b=SWZ)
     assert [c[:2] + c[4:] for c in sm100.calls] == [("1x32", "1x32", torch.bfloat16, None, False, api)
@@ -134,7 +134,7 @@ def test_stand_in_takes_mx_calls_as_the_sm100_kernel_does():
     want = fp8.gemm_reference(a, b, torch.bfloat16, None)
     assert torch.equal(v1, want) and torch.equal(v2, want)  # the reference's order, bit for bit
     assert sqnr(_exact(a, b), v1.float()) > 45  # bf16 output rounding, nothing else
-    grid = fp8.mx_scales(a)
+    grid = mx.mx_scales(a)
     cases = [  # (call, exception, message)
         (lambda: sm100(a.data, b.data.t(), scale_a=grid.contiguous(), scale_b=sb, out_dtype=torch.bfloat16),
          RuntimeError, "Invalid scaling"),  # the unpadded grid: wrong count
@@ -167,7 +167,7 @@ def test_stand_in_takes_mx_calls_as_the_sm100_kernel_does():
         with pytest.raises(exc, match=msg):
             call()
     e5 = _mx(48, 240, fmt=E5M2, seed=2)
-    s5 = device.blocked_scales(fp8.mx_scales(e5))
+    s5 = device.blocked_scales(mx.mx_scales(e5))
     with pytest.raises(RuntimeError, match="E5M2"):  # v1 lets it through; PyTorch never tests it
         sm100(a.data, e5.data.t(), scale_a=sa, scale_b=s5, out_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Invalid scaling"):  # v2's recipe table refuses it
@@ -179,11 +179,11 @@ def test_a_wrong_swizzle_gives_wrong_numbers_under_the_stand_in():
     # as on the GPU, no check sees the order of the bytes: the stand-in reads them by the layout
     sm100 = CudaScaledMM(**DEVICES["sm100"])
     a, b = _mx(130, 256), _mx(48, 256, seed=1)
-    plain = fp8.mx_scales(a).view(torch.uint8)
+    plain = mx.mx_scales(a).view(torch.uint8)
     padded = torch.zeros(256, 8, dtype=torch.uint8)
     padded[:130] = plain
     row_major = padded.reshape(-1).view(E8M0)  # the right count, unswizzled
-    out = sm100(a.data, b.data.t(), scale_a=row_major, scale_b=device.blocked_scales(fp8.mx_scales(b)),
+    out = sm100(a.data, b.data.t(), scale_a=row_major, scale_b=device.blocked_scales(mx.mx_scales(b)),
                 out_dtype=torch.bfloat16)
     assert not sqnr(_exact(a, b), out.float()) > 10
 
