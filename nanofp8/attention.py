@@ -19,9 +19,10 @@ The softmax stays fp32: its input spans a range (scores of -30 and +30 give prob
 apart) that is exactly what 8 bits cannot hold, and it costs no GEMM. P itself is an FP8 operand
 all the same: its values lie in [0, 1], and E4M3 keeps ~2^-4 relative precision over the ~15
 binades below its amax and flushes to zero only what lies ~18 binades below (P < 4e-6 where the
-largest P is ~1): a thousand such probabilities weigh less than one rounding. What no format gives: a score's rounding error is relative to
-|q| |k| / sqrt(d), not to the score, so a key far larger than the others blurs the scores of the
-queries nearly orthogonal to it (in bf16 as well, less: tests/test_attention.py).
+largest P is ~1): a thousand such probabilities weigh less than one rounding. What no format
+gives: a score's rounding error is relative to |q| |k| / sqrt(d), not to the score, so a key far
+larger than the others blurs the scores of the queries nearly orthogonal to it (in bf16 as well,
+less: tests/test_attention.py).
 
 A batch of heads is a batch of matrices: Q, K, V are (B, H, T, d) tensors, and fp8.quantize
 quantizes such a tensor as B*H matrices along its last dim; fp8.scaled_gemm(a, b) with
