@@ -12,7 +12,7 @@ import torch
 
 import train
 from nanofp8 import device, emulate
-from nanofp8.fp8 import (E4M3, E5M2, RECIPES, Fp8Linear, Recipe, clip_edge, dequantize,
+from nanofp8.fp8 import (E4M3, E5M2, RECIPES, Fp8Linear, Recipe, clip_edge, convert_to_fp8, dequantize,
                          expand_tiles, quantize, scaled_gemm, sqnr)
 from nanofp8.mx import E8M0, MX_BLOCK, is_mx, mx_scale, mx_scales
 from nanofp8.stats import Alarms, Fp8Stats, cast_stats, summarize
@@ -220,3 +220,23 @@ def test_the_saturation_alarm_knows_the_mx_rule():
 
     assert alarms(rec) == []
     assert any("saturation" in line for line in alarms(twin))
+
+
+def test_o2_takes_the_mx_recipe():
+    """At O2 the layer casts its fp16 master to MX operands (W along K, W^T along N, E8M0 scales)
+    and keeps its weight gradient in FP8 as O2 does for every recipe (optim.py's own 128-value
+    blocks: the optimizer state's scales are not the GEMMs'); the gradient matches float64."""
+    from nanofp8.optim import convert_to_o2, fp8_grad
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 64))
+    w64 = model[0].weight.detach().double().clone().requires_grad_()
+    b64 = model[0].bias.detach().double()
+    convert_to_o2(convert_to_fp8(model, Recipe.from_name("mxfp8", backend="cpu")))
+    qw, qw_t = model[0].weight_operands()
+    assert is_mx(qw) and is_mx(qw_t) and qw.data.shape == (64, 96) and qw_t.data.shape == (96, 64)
+    x = torch.randn(4, 16, 96)
+    model(x).square().sum().backward()
+    torch.nn.functional.linear(x.double(), w64, b64).square().sum().backward()
+    g = dequantize(fp8_grad(model[0].weight))
+    assert model[0].weight.grad is None and sqnr(w64.grad, g) > 20
