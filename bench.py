@@ -1410,7 +1410,8 @@ def cmd_report(args):
                   "`at_step` = once the step has cast O2's summed gradient to FP8; `-fp8v` = sqrt(v) in E4M3; "
                   "`-fp8acc` = micro-steps summed in FP8 instead of fp16; `gemm_weight` = FP8 copies held "
                   "from forward to the optimizer step (not in the total); activation bytes per token saved "
-                  "for backward.", ""]
+                  "for backward; `O1-mxfp8` = MXFP8's 1x32 tiles, one E8M0 byte per 32 values; `O1-fp8attn` = "
+                  "O1 with FP8 attention (FP8 Q, K, V and one lse per row kept for backward).", ""]
     if (d := load("comm_cpu.json")):
         parts += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
                   _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), "",
