@@ -86,7 +86,8 @@ from nanofp8.mx import MX_BLOCK, is_mx, mx_scales
 #       common_cuda.py evaluate_platform_supports_mx_gemm, line 203 in 2.11). On SM90 (H100,
 #       H200) every torch check passes and cuBLASLt then finds no kernel: a RuntimeError
 #       ("CUBLAS_STATUS_NOT_SUPPORTED", from scaled_gemm's heuristic query), never a result
-#       (read from the sources; nanofp8 never makes that call, so nothing hangs on the wording).
+#       (read from the sources, and seen on an H200 with torch 2.11 + CUDA 13.0 for v1 and v2:
+#       results/gpu/r29/checks.jsonl; nanofp8 never makes that call).
 #     - what PyTorch's tests run, and all nanofp8 sends: E4M3 x E4M3 with bf16 output and no
 #       bias. An fp32 output, a bias or an E5M2 operand goes to the alternative below.
 #     Where MX cannot run natively (an H100, an H200, a CPU, the cases above), an MX GEMM runs on
