@@ -110,18 +110,16 @@ def transposed(recipe, q, fmt, x=None):
     """The operand (..., k, rows) along rows, from q (..., rows, k) quantized along k: q.t() (the
     same bytes) where a tensor scale transposes with them; else x^T cast anew from the
     high-precision x where it is at hand, or from q's own values where it is not."""
-    if q.granularity == "tensor":
+    if q.granularity == "tensor" or q.block[0] > 1:  # scales that transpose with the data (fp8.py's rule)
         return q.t()
     return cast(recipe, (dequantize(q, torch.float32) if x is None else x).mT, fmt)
 
 
-def causal_softmax_stats(s):
-    """Masks the future in s (..., T, T) (in place) and returns the log-sum-exp of each row
-    (..., T, 1), fp32. Every row keeps at least its diagonal, so every lse is finite."""
+def mask_future(s):
+    """s (..., T, T) with the future masked (in place, -inf): each query sees itself and the keys
+    before it. Every row keeps at least its diagonal, so every log-sum-exp of it is finite."""
     T = s.shape[-1]
-    future = torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1)
-    s.masked_fill_(future, float("-inf"))
-    return torch.logsumexp(s, dim=-1, keepdim=True)
+    return s.masked_fill_(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
 
 
 class Fp8AttentionFunction(torch.autograd.Function):
@@ -138,7 +136,7 @@ class Fp8AttentionFunction(torch.autograd.Function):
 
             # ---- S (T, T) = Q (T, d) @ [K (T, d)]^T        E4M3 x E4M3, contraction over d
             s = scaled_gemm(qq, qk, torch.float32, backend=r.backend, fast_accum=True, name=NAME) * c
-            lse = causal_softmax_stats(s)
+            lse = torch.logsumexp(mask_future(s), dim=-1, keepdim=True)  # (T, 1), fp32
             p = torch.exp(s - lse)  # fp32; 0 where masked
 
             qv_t = transposed(r, qv, fwd, v)  # V^T (d, T) along the keys
@@ -162,8 +160,7 @@ class Fp8AttentionFunction(torch.autograd.Function):
             # ---- S again = Q @ K^T: the forward's FP8 GEMM of the same bytes, so the same S,
             # and P = exp(S - lse) with the forward's lse
             s = scaled_gemm(qq, qk, torch.float32, backend=r.backend, fast_accum=True, name=NAME) * c
-            causal_softmax_stats(s)
-            p = torch.exp(s - lse.unsqueeze(-1))
+            p = torch.exp(mask_future(s) - lse.unsqueeze(-1))  # (no second log-sum-exp)
 
             qdo = cast(r, do, bwd)  # dO (T, d) along d
             qdo_t = transposed(r, qdo, bwd, do)  # dO^T (d, T) along the queries

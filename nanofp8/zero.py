@@ -92,7 +92,7 @@ class O3Linear(O2Linear):
 
     def cast_weight(self):
         qw, r = self.fp8_weight(), self.recipe
-        if qw.granularity == "row" or qw.granularity == "block" and qw.block[0] == 1:  # (scales that do not transpose)
+        if not (qw.granularity == "tensor" or qw.block[0] > 1):  # scales that do not transpose (fp8.py's rule)
             return qw, quantize(self.hp_weight().t(), E4M3, qw.granularity, r.weight_tile, scale_rule=r.scale_rule)
         return qw, qw.t()
 
