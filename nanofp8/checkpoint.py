@@ -250,10 +250,23 @@ def read_checkpoint(out_dir):
     info: model_args, config (the training run's), iter_num, best_val_loss, files, precision,
     layout (tensor_parallel, pipeline_parallel, zero_world: O3's shard count, else None), notes
     (what was approximated or ignored; empty when the weights are exactly the trained ones)."""
+    for _ in range(3):
+        found, notes = find_checkpoint(out_dir)
+        try:
+            return _read_found(found, notes)
+        except (CheckpointError, FileNotFoundError):
+            # A run writing into out_dir pruned the set while it was read (its manifest goes first):
+            # its newer set is complete by then, so read that one.
+            if found.manifest is None or os.path.isfile(found.file(MANIFEST)):
+                raise
+    raise CheckpointError(f"the checkpoint sets of {out_dir} were removed three times while being read: a run "
+                          f"writing there prunes them (keep_checkpoints); read it once that run stopped")
+
+
+def _read_found(found, notes):
     from nanofp8.parallel import merge_tp_state_dicts
 
-    found, notes = find_checkpoint(out_dir)
-    if found.manifest is not None and found.layout().get("engine") == "torch":  # DCP shards
+    if found.manifest is not None and found.layout()["engine"] == "torch":  # DCP shards
         from nanofp8.torchstack import META as torchstack_meta, read_dcp_set
 
         state, meta = read_dcp_set(found)

@@ -118,6 +118,14 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def make_dir(path):
+    """os.makedirs(path, exist_ok=True), a failure (read-only parent, disk full) a WriteError."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise WriteError(f"cannot make {path}: {e.strerror or e}") from None
+
+
 def write_file(path, data):
     """Write bytes to path whole or not at all: a temp file beside it, flushed to disk, renamed
     into place. A failed write (disk full, read-only) is a WriteError and leaves no temp file."""

@@ -32,7 +32,8 @@ import torch.nn as nn
 
 from nanofp8.fp8 import E4M3, quantize
 from nanofp8.model import GPT, GPTConfig
-from nanofp8.ckptfile import CheckpointError, check_checksums, is_newer_format, tensor_checksums, write_file
+from nanofp8.ckptfile import (CheckpointError, check_checksums, is_newer_format, make_dir, tensor_checksums,
+                              write_file)
 
 # -----------------------------------------------------------------------------
 # 1. The portable export: safetensors + JSON
@@ -67,7 +68,7 @@ def export_portable(state, model_args, out_dir, fp8=True, extra=None):
     """Write state (an fp32 GPT state_dict) to out_dir/model.safetensors + out_dir/config.json.
     fp8=True stores the block Linear weights in E4M3 with one fp32 scale per output row. Returns
     the paths written."""
-    os.makedirs(out_dir, exist_ok=True)
+    make_dir(out_dir)
     expected = _expected(model_args, fp8)
     tensors = {}
     for name in expected:
@@ -299,7 +300,7 @@ def export_hf_gpt2(state, model_args, out_dir):
                                 ("ln_1", c.n_embd), ("ln_2", c.n_embd)):
                 tensors[f"transformer.h.{i}.{name}.bias"] = torch.zeros(width)
         tensors["transformer.ln_f.bias"] = torch.zeros(c.n_embd)
-    os.makedirs(out_dir, exist_ok=True)
+    make_dir(out_dir)
     eos = 50256 if c.vocab_size > 50256 else None
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
               "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,

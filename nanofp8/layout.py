@@ -24,13 +24,18 @@ Faults under torchrun: a rank that hangs (deadlocked, stopped, swapping, lost it
 others waiting inside a collective. Every group gets a timeout (dist_timeout) after which the
 waiting collective raises, and a second, gloo-only group is kept aside to find out who is
 missing: a monitored_barrier on it reports the ranks that do not answer (a fresh group, because
-the one whose collective timed out may be left half-way through a message). With NCCL, torch's
-watchdog may abort the process at the same timeout with its own message instead.
+the one whose collective timed out may be left half-way through a message). A rank whose process
+died (killed, out of memory) breaks the collective at once, not after the timeout: every rank
+leaves its host and pid in torchrun's store when the group forms, so the others name a dead peer
+as dead. With NCCL, torch's watchdog may abort the process at the same timeout with its own
+message instead.
 """
 
 import os
 import re
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -212,6 +217,41 @@ def init_distributed(timeout_s, backend):
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout)
     _monitor_group = dist.new_group(backend="gloo", timeout=timeout)
+    _store().set(f"nanofp8/process/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
+
+
+def _store():
+    """The process group's key-value store: torchrun's agent holds it, so it outlives a dead rank."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _process_gone(pid):
+    """Whether a process of this machine has exited (a zombie not yet reaped by torchrun counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def dead_ranks(wait_s=2.0):
+    """The ranks on this machine whose process has exited (those on other machines cannot be
+    checked from here), waiting up to wait_s for a dying one to go."""
+    try:
+        store = _store()
+        store.set_timeout(timedelta(seconds=5))
+        procs = {r: store.get(f"nanofp8/process/{r}").decode().split() for r in range(dist.get_world_size())}
+    except Exception:  # no store any more (a rank's own, gone with it): nothing to tell
+        return []
+    mine = [(r, int(pid)) for r, (host, pid) in procs.items() if host == socket.gethostname() and r != dist.get_rank()]
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [r for r, pid in mine if _process_gone(pid)]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.1)
 
 
 def is_collective_failure(error):
@@ -223,10 +263,21 @@ def is_collective_failure(error):
         isinstance(error, dist.DistError) or any(s in str(error).lower() for s in signs))
 
 
-def report_collective_failure(error):
-    """Called when a collective failed: name the ranks that do not answer (rank 0 finds out,
-    with a short monitored barrier), print one line and leave without waiting on anyone."""
+def report_collective_failure(error, doing="", last_good=""):
+    """Called when a collective failed: name a dead peer as dead (dead_ranks), else the ranks that
+    do not answer (rank 0 finds out, with a short monitored barrier); print one line, with what
+    this rank was doing (`doing`: "saving ckpt-00000004", or "") and the checkpoint to resume from
+    (`last_good`), and leave without waiting on anyone."""
     rank = dist.get_rank()
+    during = f" while {doing}" if doing else ""
+    then = f"; {last_good}: resume from it with init_from=resume" if last_good else ""
+    dead = dead_ranks()
+    if dead:
+        ranks = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}"
+        print(f"error: rank {rank}: {ranks} died (the process exited){during}, so the run stopped{then}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
     who = "rank 0 names the ranks that do not answer"
     try:
         dist.monitored_barrier(_monitor_group, timeout=timedelta(seconds=min(10.0, _dist_timeout)),
@@ -238,7 +289,8 @@ def report_collective_failure(error):
             ranks = found.group(1).strip()
             who = f"rank{'s' if ',' in ranks else ''} {ranks} not answering: stopped, hung or dead"
     first = (str(error).strip().splitlines() or [type(error).__name__])[0].split("] ")[-1][:160]
-    print(f"error: rank {rank}: a collective did not complete within dist_timeout={_dist_timeout:g}s; "
-          f"{who} ({first})", file=sys.stderr, flush=True)
+    lost = any(s in first.lower() for s in ("connection reset", "connection closed", "broken pipe"))
+    what = "lost its connection to a rank" if lost else f"did not complete within dist_timeout={_dist_timeout:g}s"
+    print(f"error: rank {rank}: a collective {what}{during}; {who} ({first}){then}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(3)  # not sys.exit: tearing the process group down would wait for the missing ranks

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 
 from .configurator import ConfigError
-from .ckptfile import CheckpointError, WriteError, is_newer_format, process_alive, write_file
+from .ckptfile import CheckpointError, is_newer_format, make_dir, process_alive, write_file
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nanofp8-set-1"
@@ -81,7 +81,12 @@ class CheckpointSet:
         return self.manifest["files"].get(name) if self.manifest else None
 
     def layout(self):
-        return self.manifest["layout"] if self.manifest else None
+        """The layout that wrote the set; its engine read off the files (DCP shards in dcp/: engine
+        "torch"), which the manifest's hashes vouch for, rather than trusted to a key of its own."""
+        if not self.manifest:
+            return None
+        dcp = any(f.startswith("dcp/") for f in self.files)
+        return {**self.manifest["layout"], "engine": "torch" if dcp else "nanofp8"}
 
     def __str__(self):
         if self.manifest is None:
@@ -205,10 +210,7 @@ def begin_set(out_dir, iter_num):
     left under that name (its manifest first, so that it is never complete with mixed files)."""
     path = os.path.join(out_dir, set_name(iter_num))
     discard_set(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise WriteError(f"cannot make {path}: {e.strerror or e}") from None
+    make_dir(path)
     return path
 
 
@@ -319,7 +321,9 @@ def acquire_lock(out_dir):
             try:
                 with open(path) as f:
                     holder = json.load(f)
-            except (OSError, ValueError):  # being written, or cut short by a crash
+                if not isinstance(holder, dict):  # valid JSON, but not what a run writes
+                    raise ValueError
+            except (OSError, ValueError):  # being written, cut short by a crash, or not ours
                 if time.time() - os.path.getmtime(path) < 10:
                     raise ConfigError(f"out_dir {out_dir} is being locked by another run starting now "
                                       f"({path}): wait for it, or use another out_dir") from None

@@ -41,7 +41,8 @@ from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2
 from .layout import GroupError, is_collective_failure, report_collective_failure, stop
 from .model import GPTConfig
-from .ckptfile import CheckpointError, WriteError, load_checkpoint, load_model_state, root_cause, save_checkpoint
+from .ckptfile import (CheckpointError, WriteError, load_checkpoint, load_model_state, make_dir, root_cause,
+                       save_checkpoint)
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
                      prune, release_lock, release_locks, room_for, scan, set_name, shard_file)
 from .optim import clip_grad_norm
@@ -360,6 +361,7 @@ def agree(layout, problem):
 
 
 current_out_dir = None  # the run's out_dir: the last line of a run that stops names its checkpoint
+saving = None  # the set being written, while it is: the line of a rank lost during a save names it
 
 
 def prepare_out_dir(cfg, layout, log):
@@ -434,8 +436,9 @@ def save_checkpoint_set(files, cfg, layout, iter_num, write=None, **extra):
     in one process (under torchrun the next save removes it; readers ignore it). Returns the set
     (on rank 0; None elsewhere). write(set directory), if given, writes on every rank after its
     files and returns [(file, record)] (engine=torch: its DCP shards, torchstack.write_dcp)."""
+    global saving
     out_dir = cfg["out_dir"]
-    path = os.path.join(out_dir, set_name(iter_num))
+    saving = path = os.path.join(out_dir, set_name(iter_num))
     try:
         problem = None
         if layout.master:
@@ -447,7 +450,7 @@ def save_checkpoint_set(files, cfg, layout, iter_num, write=None, **extra):
         record = []
         if problem is None and (files or write):
             try:
-                os.makedirs(path, exist_ok=True)  # (an out_dir that is not shared between nodes)
+                make_dir(path)  # (an out_dir that is not shared between nodes)
                 record = [(name, save_checkpoint(state, os.path.join(path, name))) for name, state in files.items()]
                 record += write(path) if write else []
             except WriteError as e:
@@ -473,9 +476,10 @@ def save_checkpoint_set(files, cfg, layout, iter_num, write=None, **extra):
                 discard_set(path)
             raise WriteError(f"{problem}; nothing half-written is kept, and {last_good(out_dir)}")
     except KeyboardInterrupt:
-        if layout.world == 1:
-            discard_set(path)
+        if layout.master:  # (under torchrun the other ranks are stopping too; what they still write is
+            discard_set(path)  # a set without manifest: readers skip it, the next save removes it)
         raise
+    saving = None
     return done
 
 
@@ -643,6 +647,9 @@ def resume_point(cfg, layout, vocab_size, log):
         path = found.file(name)
         ckpt = load_checkpoint(path, map_location=layout.device, expect=found.expected(name))
         if "dcp" in ckpt:  # engine=torch: the shards are read once the optimizer exists (restore_state)
+            problem = agree(layout, torchstack.check_dcp(found, layout.rank, layout.world))  # first, their hashes
+            if problem:
+                raise CheckpointError(problem)
             ckpt["dcp"] = found.file(ckpt["dcp"])
         elif "optimizer" not in ckpt:
             raise CheckpointError(f"{path} has no 'optimizer' entry (Adam's state), so the run cannot go on "
@@ -772,8 +779,8 @@ def command(main, argv=None):
     that timed out, a process group that did not form); 4 a checkpoint that could not be written
     (disk full, read-only); 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) for a run
     stopped by one. A line about a stopped run names the last good checkpoint."""
-    global _signal, current_out_dir
-    _signal, current_out_dir = None, None
+    global _signal, current_out_dir, saving
+    _signal, current_out_dir, saving = None, None, None
     handlers = {}
     if threading.current_thread() is threading.main_thread():  # (signals reach only the main thread)
         # a signal ignored when the run started (a script's background job ignores SIGINT) stays ignored
@@ -809,7 +816,10 @@ def _report(error):
         sig = _signal or signal.SIGINT
         what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
         where = last_good(current_out_dir) if current_out_dir else "no checkpoint was being written"
-        say(f"interrupted ({what}): nothing half-written is kept; {where}")
+        left = saving if saving and os.path.isdir(saving) else None  # (a rank's writes after rank 0 removed it)
+        kept = f"{left} is left partial (readers skip it; the next save removes it)" if left else \
+            "nothing half-written is kept"
+        say(f"interrupted ({what}): {kept}; {where}")
         return 128 + sig
     if isinstance(error, DataError):  # found by one rank, in its own batch
         say(f"error: {everyone}{error}", all_ranks=True)
@@ -836,5 +846,6 @@ def _report(error):
         say(f"error: {everyone}{error}", all_ranks=True)
         return EXIT_LOST_RANKS
     if isinstance(error, RuntimeError) and is_collective_failure(error):
-        report_collective_failure(error)  # exits
+        report_collective_failure(error, f"saving {saving}" if saving else "",
+                                  last_good(current_out_dir) if current_out_dir else "")  # exits
     raise error

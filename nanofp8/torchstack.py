@@ -73,13 +73,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from . import parallel
-from .ckptfile import CheckpointError, WriteError, load_checkpoint
+from .ckptfile import CheckpointError, WriteError, load_checkpoint, root_cause
 from .fp8 import Fp8Linear
 
 DCP_DIR, META = "dcp", "ckpt.pt"
@@ -282,47 +283,109 @@ def _digest(path):
     return {"bytes": n, "sha256": h.hexdigest()}
 
 
+def _failure(error):
+    """The error behind a DCP call. DCP gathers every rank's failure, a Ctrl-C or a full disk
+    included, into one CheckpointException, which is a BaseException: `except Exception` misses
+    it. Returns the first rank's original exception (root_cause finds what is behind that)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0].split("] ")[-1][:200]
+
+
 def write_dcp(model, optimizer, path, layout):
     """Every rank writes its shards into path/dcp (a collective). Returns [(name, {"bytes",
-    "sha256"})] of the files this rank wrote, for the set's manifest (rank 0: the metadata too)."""
+    "sha256"})] of the files this rank wrote, for the set's manifest (rank 0: the metadata too).
+    A failed write is a WriteError (a full disk: its reason), Ctrl-C or SIGTERM a KeyboardInterrupt,
+    whatever DCP wrapped them in."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     where = os.path.join(path, DCP_DIR)
     try:
         with _one_process():
             dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=where)
-    except Exception as e:  # DCP gathers every rank's failure into one CheckpointException
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise WriteError(f"cannot write {where}: {first}") from None
+    except (Exception, CheckpointException) as e:
+        cause = root_cause(_failure(e))
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else _first_line(_failure(e))
+        raise WriteError(f"cannot write {where}: {why}") from None
     mine = sorted(f for f in os.listdir(where) if f.startswith(f"__{layout.rank}_"))
     if layout.master:
         mine.append(".metadata")
     return [(f"{DCP_DIR}/{f}", _digest(os.path.join(where, f))) for f in mine]
 
 
+def check_dcp(found, rank=0, world=1):
+    """Check a set's DCP files against its manifest before DCP reads any of them, as
+    load_checkpoint checks the hand-written engine's: every file the manifest lists (rank r of
+    `world` checks every world-th, so that each file is read once) has its size and sha256, and
+    .metadata names no file the manifest does not list. Returns the problem (one line naming the
+    file), or None. A set whose dcp/ was damaged, cut short, or replaced by another run's is
+    refused, not loaded: training on from it would write its values into the next set."""
+    names = sorted(f for f in found.files if f.startswith(DCP_DIR + "/"))
+    meta = f"{DCP_DIR}/.metadata"
+    advice = f"restore it from a copy, or move {found.path} out of the way to use the set before it"
+    if meta not in names:
+        return f"{found.path}'s manifest lists no {meta}: the set is damaged; move it out of the way to use the set before it"
+    for name in names[rank::world]:
+        path, want = found.file(name), found.expected(name)
+        if not os.path.isfile(path):
+            return f"{path} is missing; {advice}"
+        got = _digest(path)
+        if got["bytes"] != want.get("bytes"):
+            return (f"{path} is damaged: it has {got['bytes']:,} bytes, its manifest says {want.get('bytes', 0):,} "
+                    f"(cut short or overwritten); {advice}")
+        if got["sha256"] != want.get("sha256"):
+            return f"{path} is damaged: its sha256 differs from its manifest's (changed or replaced); {advice}"
+    if rank == 0:  # (the metadata's hash is checked above: it can be read safely)
+        stored = dcp.FileSystemReader(found.file(DCP_DIR)).read_metadata().storage_data.values()
+        unlisted = sorted({f"{DCP_DIR}/{s.relative_path}" for s in stored} - set(names))
+        if unlisted:
+            return (f"{found.file(meta)} names {unlisted[0]}, which {found.path}'s manifest does not list: the set "
+                    f"is damaged; move {found.path} out of the way to use the set before it")
+    return None
+
+
 def load_dcp(model, optimizer, ckpt):
     """An exact resume: the model's and optimizer's shards, read from the set's dcp/ whatever the
-    data-parallel size that wrote it (DCP reads the pieces each rank's shards need)."""
+    data-parallel size that wrote it (DCP reads the pieces each rank's shards need). The files
+    were checked against the manifest first (check_dcp, run.resume_point)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
         with _one_process():
             dcp.load(state, checkpoint_id=ckpt["dcp"])
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise CheckpointError(f"{ckpt['dcp']} cannot be read ({first}): resume from an earlier checkpoint") from None
+    except (Exception, CheckpointException) as e:
+        if isinstance(root_cause(_failure(e)), KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise CheckpointError(f"{ckpt['dcp']} cannot be read ({_first_line(_failure(e))}): resume from an "
+                              f"earlier checkpoint") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def read_dcp_set(found):
     """(fp32 state_dict of the single-device GPT, the set's ckpt.pt) from an engine=torch set, in
-    one process: every model tensor read whole from its shards, fused pieces reshaped to rows."""
+    one process: every model tensor read whole from its shards, fused pieces reshaped to rows.
+    The files are checked against the manifest first (check_dcp): CheckpointError otherwise."""
     meta = load_checkpoint(found.file(META), map_location="cpu", expect=found.expected(META))
-    reader = dcp.FileSystemReader(found.file(DCP_DIR))
-    tensors = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items()
-               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}}
-    with _one_process():
-        dcp.load(state, storage_reader=reader, no_dist=True)
+    problem = check_dcp(found)
+    if problem:
+        raise CheckpointError(problem)
+    try:
+        reader = dcp.FileSystemReader(found.file(DCP_DIR))
+        tensors = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items()
+                   if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}}
+        with _one_process():
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # (a file that changed after the check)
+        if isinstance(root_cause(_failure(e)), KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise CheckpointError(f"{found.file(DCP_DIR)} cannot be read ({_first_line(_failure(e))}): use "
+                              f"another checkpoint") from None
     out = {}
     for k, v in state["model"].items():
         if k.endswith(".weight") and v.dim() == 3 or k.endswith(".bias") and v.dim() == 2:
