@@ -225,6 +225,17 @@ def commit_set(path, iter_num, files, layout, **extra):
     return CheckpointSet(path, list(files), iter_num, sequence, manifest)
 
 
+def unwritten(found):
+    """The first file of a just-committed set that is not on disk at its manifest's size, as this
+    process sees it (None if all are): the check before any older set is pruned. A file written on
+    another node into an out_dir that is not shared is not there."""
+    for name, record in found.manifest["files"].items():
+        path = found.file(name)
+        if not os.path.isfile(path) or os.path.getsize(path) != record["bytes"]:
+            return path
+    return None
+
+
 def prune(out_dir, keep):
     """Keep the newest `keep` complete sets (the files of an older nanofp8 count as the oldest);
     remove the rest, and every partial or broken set (a set whose manifest cannot be read, or

@@ -44,7 +44,7 @@ from .model import GPTConfig
 from .ckptfile import (CheckpointError, WriteError, load_checkpoint, load_model_state, make_dir, root_cause,
                        save_checkpoint)
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
-                     prune, release_lock, release_locks, room_for, scan, set_name, shard_file)
+                     prune, release_lock, release_locks, room_for, scan, set_name, shard_file, unwritten)
 from .optim import clip_grad_norm
 from .stats import format_linear_table, linear_table
 from .zero import ZeroFp8AdamW
@@ -467,6 +467,10 @@ def save_checkpoint_set(files, cfg, layout, iter_num, write=None, **extra):
                     **({"engine": "torch"} if layout.engine == "torch" else {})}
             try:
                 done = commit_set(path, iter_num, written, info, config=dict(cfg), **extra)
+                lost = unwritten(done)  # no older set goes before the new one is whole on disk
+                if lost:
+                    raise WriteError(f"{lost} is not in {path} as rank 0 sees it, though its rank wrote it: "
+                                     f"out_dir must be one directory that every node shares")
                 prune(out_dir, cfg["keep_checkpoints"])
             except WriteError as e:
                 problem = str(e)

@@ -152,6 +152,26 @@ def test_faults_during_a_dcp_save(run_dir, monkeypatch, capsys):
         assert sets(run_dir) == ["ckpt-00000002", "ckpt-00000004"]
 
 
+def test_no_set_is_pruned_before_the_new_one_is_whole_on_disk(run_dir, monkeypatch, capsys):
+    """A shard its rank wrote that rank 0 does not see (an out_dir that is not shared between
+    nodes; here removed right after it was written): the save fails with exit 4 and one line,
+    and keep_checkpoints=1 prunes nothing."""
+    real = torchstack.write_dcp
+
+    def written_elsewhere(*a, **k):
+        records = real(*a, **k)
+        os.remove(run_dir / "ckpt-00000006" / "dcp" / "__0_0.distcp")
+        return records
+
+    monkeypatch.setattr(torchstack, "write_dcp", written_elsewhere)
+    code, err = cli(RESUME + ["keep_checkpoints=1", f"out_dir={run_dir}"], capsys)
+    assert code == 4 and one_line(err) == (
+        f"error: {run_dir}/ckpt-00000006/dcp/__0_0.distcp is not in {run_dir}/ckpt-00000006 as rank 0 sees it, "
+        f"though its rank wrote it: out_dir must be one directory that every node shares; nothing half-written is "
+        f"kept, and the last good checkpoint is {run_dir}/ckpt-00000004 (iter 4)")
+    assert sets(run_dir) == ["ckpt-00000002", "ckpt-00000004"]
+
+
 def test_readers_of_a_set_pruned_while_they_read_it(run_dir, monkeypatch, capsys):
     """sample.py or export.py beside a run that saves with keep_checkpoints=1: the set they picked
     is removed under them (a FileNotFoundError traceback, or "no checkpoint at ..." once); they read
