@@ -178,6 +178,7 @@ def check_train_config(cfg):
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
     check_choice(cfg, "fp8_granularity", GRANULARITIES)
     check_choice(cfg, "fp8_recipe", (None, *RECIPES))  # (applied already: apply_recipe_preset)
+    check_mx(cfg)
     if cfg["fp8_scaling"] == "delayed" and cfg["fp8_granularity"] != "tensor":
         raise ConfigError(f"fp8_scaling='delayed' needs fp8_granularity='tensor', got "
                           f"{cfg['fp8_granularity']!r}: an activation's per-row or per-tile amax history "
@@ -199,6 +200,30 @@ def check_train_config(cfg):
     check_stats(cfg)
     check_fp8_attention(cfg)
     return types.MappingProxyType(dict(cfg))
+
+
+def check_mx(cfg):
+    """An MX recipe (fp8_recipe=mxfp8: nanofp8/mx.py) runs with its own tiles and current scaling.
+    Another fp8_granularity or fp8_scaling would give its E8M0 rule to whole tensors or rows, or to
+    an amax history: that is not MX, and the log would still say "mx"."""
+    name = cfg["fp8_recipe"]
+    if name is None or RECIPES[name].grid != "mx":
+        return
+    preset, off, why = RECIPES[name], [], []
+    if cfg["fp8_granularity"] != preset.granularity:
+        off.append("fp8_granularity")
+        g = cfg["fp8_granularity"]
+        why.append(f"fp8_granularity={g} would give one such scale to a whole {g}")
+    if cfg["fp8_scaling"] != preset.scaling:
+        off.append("fp8_scaling")
+        why.append(f"fp8_scaling={cfg['fp8_scaling']} would take it from an amax history")
+    if not off:
+        return
+    other = "delayed" if "fp8_scaling" in off else {"tensor": "tensorwise", "row": "rowwise"}[cfg["fp8_granularity"]]
+    tile = "x".join(map(str, preset.act_tile))
+    raise ConfigError(f"fp8_recipe={name} runs OCP MX's scales, one E8M0 power of two per {tile} tile from that "
+                      f"tile's own amax, and {' and '.join(why)}: drop {' and '.join(off)}, or use "
+                      f"fp8_recipe={other}")
 
 
 def check_fp8_attention(cfg):

@@ -183,6 +183,33 @@ def test_config_values(args, match):
     train.load_config(TINY + ["fp8_margin=8", "dropout=0.5", "beta2=0.999"])  # the edges that are fine
 
 
+@pytest.mark.parametrize("args, says", [
+    (["fp8_granularity=tensor"], "fp8_granularity=tensor would give one such scale to a whole tensor: "
+                                 "drop fp8_granularity, or use fp8_recipe=tensorwise"),
+    (["fp8_granularity=row"], "fp8_granularity=row would give one such scale to a whole row: "
+                              "drop fp8_granularity, or use fp8_recipe=rowwise"),
+    (["fp8_scaling=delayed"], "fp8_scaling=delayed would take it from an amax history: drop fp8_scaling, "
+                              "or use fp8_recipe=delayed"),
+    (["fp8_scaling=delayed", "fp8_granularity=tensor"], "drop fp8_granularity and fp8_scaling"),
+])
+def test_mx_with_another_granularity_or_scaling_is_refused(args, says, capsys):
+    """#41: fp8_recipe=mxfp8 is OCP MX's rule on 1x32 tiles; its E8M0 scale per tensor or row, or
+    from an amax history, is not MX (the log said "mx" all the same): refused in one line naming
+    both keys, with exit status 2."""
+    mx = "fp8_recipe=mxfp8 runs OCP MX's scales, one E8M0 power of two per 1x32 tile from that tile's own amax"
+    with pytest.raises(ConfigError) as e:
+        train.load_config(TINY + ["precision=O1", "fp8_recipe=mxfp8"] + args)
+    assert str(e.value).startswith(mx) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(SystemExit) as e:
+        train.cli(TINY + ["precision=O1", "fp8_recipe=mxfp8", "max_iters=0"] + args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {mx}") and err.count("\n") == 1, err
+    # MX's own granularity, and the keys MX takes, pass
+    cfg = train.load_config(TINY + ["precision=O1", "fp8_recipe=mxfp8", "fp8_granularity=block",
+                                    "fp8_scaling=current", "fp8_formats=hybrid", "fp8_margin=1"])
+    assert train.build_recipe(cfg, "cpu").grid == "mx"
+
+
 def test_cuda_without_cuda(monkeypatch):
     """9: a stand-in for a machine without CUDA (the test machine may have one)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
