@@ -199,6 +199,7 @@ def check_train_config(cfg):
     check_engine(cfg)
     check_stats(cfg)
     check_fp8_attention(cfg)
+    check_fp8_at_bf16(cfg)
     return types.MappingProxyType(dict(cfg))
 
 
@@ -224,6 +225,22 @@ def check_mx(cfg):
     raise ConfigError(f"fp8_recipe={name} runs OCP MX's scales, one E8M0 power of two per {tile} tile from that "
                       f"tile's own amax, and {' and '.join(why)}: drop {' and '.join(off)}, or use "
                       f"fp8_recipe={other}")
+
+
+def check_fp8_at_bf16(cfg):
+    """precision=bf16 has no FP8 layers, so a setting of them (the recipe, the LM head, strictness,
+    statistics) would change nothing: refused, naming the keys, as fp8_attention=True is. A recipe
+    key counts where it differs from its preset (fp8_recipe's, else tensorwise, whose values are
+    train.py's defaults). fp8_backend passes: bench.py builds every level, bf16 too, with one."""
+    if cfg["precision"] != "bf16":
+        return
+    preset = RECIPES[cfg["fp8_recipe"] or "tensorwise"]
+    keys = ["fp8_recipe"] * (cfg["fp8_recipe"] is not None)
+    keys += [key for key, field in RECIPE_KEYS.items() if cfg[key] != getattr(preset, field)]
+    keys += [key for key in ("fp8_lm_head", "fp8_strict", "fp8_stats_interval") if cfg[key]]
+    if keys:
+        raise ConfigError(f"precision=bf16 has no FP8 layers, which {', '.join(f'{k}={cfg[k]}' for k in keys)} "
+                          f"would set: use precision=O1, O2 or O3, or drop {' and '.join(keys)}")
 
 
 def check_fp8_attention(cfg):
