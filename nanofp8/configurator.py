@@ -178,6 +178,7 @@ def check_train_config(cfg):
     check_choice(cfg, "fp8_scaling", ("current", "delayed"))
     check_choice(cfg, "fp8_granularity", GRANULARITIES)
     check_choice(cfg, "fp8_recipe", (None, *RECIPES))  # (applied already: apply_recipe_preset)
+    check_mx(cfg)
     if cfg["fp8_scaling"] == "delayed" and cfg["fp8_granularity"] != "tensor":
         raise ConfigError(f"fp8_scaling='delayed' needs fp8_granularity='tensor', got "
                           f"{cfg['fp8_granularity']!r}: an activation's per-row or per-tile amax history "
@@ -198,7 +199,48 @@ def check_train_config(cfg):
     check_engine(cfg)
     check_stats(cfg)
     check_fp8_attention(cfg)
+    check_fp8_at_bf16(cfg)
     return types.MappingProxyType(dict(cfg))
+
+
+def check_mx(cfg):
+    """An MX recipe (fp8_recipe=mxfp8: nanofp8/mx.py) runs with its own tiles and current scaling.
+    Another fp8_granularity or fp8_scaling would give its E8M0 rule to whole tensors or rows, or to
+    an amax history: that is not MX, and the log would still say "mx"."""
+    name = cfg["fp8_recipe"]
+    if name is None or RECIPES[name].grid != "mx":
+        return
+    preset, off, why = RECIPES[name], [], []
+    if cfg["fp8_granularity"] != preset.granularity:
+        off.append("fp8_granularity")
+        g = cfg["fp8_granularity"]
+        why.append(f"fp8_granularity={g} would give one such scale to a whole {g}")
+    if cfg["fp8_scaling"] != preset.scaling:
+        off.append("fp8_scaling")
+        why.append(f"fp8_scaling={cfg['fp8_scaling']} would take it from an amax history")
+    if not off:
+        return
+    other = "delayed" if "fp8_scaling" in off else {"tensor": "tensorwise", "row": "rowwise"}[cfg["fp8_granularity"]]
+    tile = "x".join(map(str, preset.act_tile))
+    raise ConfigError(f"fp8_recipe={name} runs OCP MX's scales, one E8M0 power of two per {tile} tile from that "
+                      f"tile's own amax, and {' and '.join(why)}: drop {' and '.join(off)}, or use "
+                      f"fp8_recipe={other}")
+
+
+def check_fp8_at_bf16(cfg):
+    """precision=bf16 has no FP8 layers, so a setting of them (the recipe, the LM head, strictness,
+    statistics) would change nothing: refused, naming the keys, as fp8_attention=True is. A recipe
+    key counts where it differs from its preset (fp8_recipe's, else tensorwise, whose values are
+    train.py's defaults). fp8_backend passes: bench.py builds every level, bf16 too, with one."""
+    if cfg["precision"] != "bf16":
+        return
+    preset = RECIPES[cfg["fp8_recipe"] or "tensorwise"]
+    keys = ["fp8_recipe"] * (cfg["fp8_recipe"] is not None)
+    keys += [key for key, field in RECIPE_KEYS.items() if cfg[key] != getattr(preset, field)]
+    keys += [key for key in ("fp8_lm_head", "fp8_strict", "fp8_stats_interval") if cfg[key]]
+    if keys:
+        raise ConfigError(f"precision=bf16 has no FP8 layers, which {', '.join(f'{k}={cfg[k]}' for k in keys)} "
+                          f"would set: use precision=O1, O2 or O3, or drop {' and '.join(keys)}")
 
 
 def check_fp8_attention(cfg):

@@ -22,8 +22,9 @@ import torch
 import sample
 import train
 from conftest import REPO, TINY, newest_checkpoint, run
-from nanofp8.configurator import ConfigError, read_dataset_meta
+from nanofp8.configurator import RECIPE_KEYS, ConfigError, read_dataset_meta
 from nanofp8.ckptfile import CheckpointError, load_checkpoint, save_checkpoint
+from nanofp8.fp8 import RECIPES
 from nanofp8.outdir import begin_set, commit_set
 
 from nanofp8.layout import is_collective_failure
@@ -180,7 +181,60 @@ def test_skipped_steps_stop_the_run_and_never_save(tmp_path, capsys):
 def test_config_values(args, match):
     with pytest.raises(ConfigError, match=match):
         train.load_config(TINY + args)
-    train.load_config(TINY + ["fp8_margin=8", "dropout=0.5", "beta2=0.999"])  # the edges that are fine
+    train.load_config(TINY + ["precision=O1", "fp8_margin=8", "dropout=0.5", "beta2=0.999"])  # the edges that are fine
+
+
+@pytest.mark.parametrize("args, says", [
+    (["fp8_recipe=mxfp8"], "precision=bf16 has no FP8 layers, which fp8_recipe=mxfp8 would set: use "
+                           "precision=O1, O2 or O3, or drop fp8_recipe"),  # (not the preset's keys)
+    (["fp8_margin=2"], "precision=bf16 has no FP8 layers, which fp8_margin=2 would set: use "
+                       "precision=O1, O2 or O3, or drop fp8_margin"),
+    (["fp8_recipe=rowwise", "fp8_scaling=current", "fp8_formats=hybrid"],  # against the preset: current is rowwise's
+     "which fp8_recipe=rowwise, fp8_formats=hybrid would set: use precision=O1, O2 or O3, or drop fp8_recipe "
+     "and fp8_formats"),
+    (["fp8_scaling=delayed"], "or drop fp8_scaling"),
+    (["fp8_lm_head=True"], "or drop fp8_lm_head"),
+    (["fp8_strict=True"], "or drop fp8_strict"),
+    (["fp8_stats_interval=5"], "or drop fp8_stats_interval"),
+])
+def test_fp8_keys_at_bf16_are_refused(args, says):
+    """#41: at bf16 an FP8 setting changes nothing, and is refused, as fp8_attention=True is. What
+    every level takes (fp8_backend: bench.py builds each level with one) and the recipe's own values
+    set by hand pass."""
+    with pytest.raises(ConfigError) as e:
+        train.load_config(TINY + args)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    train.load_config(TINY + ["fp8_backend=emulate", "fp8_scaling=current", "fp8_granularity=tensor"])
+    tensorwise = RECIPES["tensorwise"]  # the preset a bf16 run's recipe keys are held to: train.py's defaults
+    assert all(train.DEFAULTS[key] == getattr(tensorwise, field) for key, field in RECIPE_KEYS.items())
+    train.load_config(TINY + ["precision=O1"] + args)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["fp8_granularity=tensor"], "fp8_granularity=tensor would give one such scale to a whole tensor: "
+                                 "drop fp8_granularity, or use fp8_recipe=tensorwise"),
+    (["fp8_granularity=row"], "fp8_granularity=row would give one such scale to a whole row: "
+                              "drop fp8_granularity, or use fp8_recipe=rowwise"),
+    (["fp8_scaling=delayed"], "fp8_scaling=delayed would take it from an amax history: drop fp8_scaling, "
+                              "or use fp8_recipe=delayed"),
+    (["fp8_scaling=delayed", "fp8_granularity=tensor"], "drop fp8_granularity and fp8_scaling"),
+])
+def test_mx_with_another_granularity_or_scaling_is_refused(args, says, capsys):
+    """#41: fp8_recipe=mxfp8 is OCP MX's rule on 1x32 tiles; its E8M0 scale per tensor or row, or
+    from an amax history, is not MX (the log said "mx" all the same): refused in one line naming
+    both keys, with exit status 2."""
+    mx = "fp8_recipe=mxfp8 runs OCP MX's scales, one E8M0 power of two per 1x32 tile from that tile's own amax"
+    with pytest.raises(ConfigError) as e:
+        train.load_config(TINY + ["precision=O1", "fp8_recipe=mxfp8"] + args)
+    assert str(e.value).startswith(mx) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(SystemExit) as e:
+        train.cli(TINY + ["precision=O1", "fp8_recipe=mxfp8", "max_iters=0"] + args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {mx}") and err.count("\n") == 1, err
+    # MX's own granularity, and the keys MX takes, pass
+    cfg = train.load_config(TINY + ["precision=O1", "fp8_recipe=mxfp8", "fp8_granularity=block",
+                                    "fp8_scaling=current", "fp8_formats=hybrid", "fp8_margin=1"])
+    assert train.build_recipe(cfg, "cpu").grid == "mx"
 
 
 def test_cuda_without_cuda(monkeypatch):
