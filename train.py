@@ -370,9 +370,7 @@ def main(argv=None):
     model, precision_desc, n_params, flops_per_token = build_model(cfg, layout, model_args, ckpt, converted, log)
     optimizer = build_optimizer(model, cfg, layout.device_type)
     check_room(model, cfg, layout, log)
-    iter_num, best_val_loss = restore_state(model, optimizer, ckpt, converted, cfg, layout, log)
-    ckpt = converted = None  # free the loaded tensors
-    start_iter, raw_model = iter_num, model  # raw_model: whose state_dict is saved (no wrappers)
+    raw_model = model  # whose state_dict is saved (no wrappers)
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     derived = {"model_args": model_args, "device": layout.device, "compile": compile_model,
                "world_size": layout.world, "tokens_per_iter": tokens_per_iter}  # saved beside the config
@@ -381,7 +379,11 @@ def main(argv=None):
     if compile_model:
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
-    model = wrap_data_parallel(model, cfg, layout)
+    model = wrap_data_parallel(model, cfg, layout)  # (broadcasts replica 0's weights and buffers)
+    # after the wrap: each replica's FP8 scaling state is its own, not replica 0's
+    iter_num, best_val_loss = restore_state(raw_model, optimizer, ckpt, converted, cfg, layout, log)
+    ckpt = converted = None  # free the loaded tensors
+    start_iter = iter_num
     stats = None  # FP8 statistics: rank 0's; of a model cut over ranks, one replica's ranks', merged on rank 0
     if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and (layout.master or layout.model_parallel):
         stats = Fp8Stats(model, cfg["fp8_stats_interval"], cfg["out_dir"] if layout.master else None,

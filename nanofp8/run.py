@@ -8,7 +8,8 @@ model cut over tensor and pipeline ranks.
     loss = pipeline_loss(model, batches, layout, autocast, cfg)  # model parallel: GPipe's step
     finite = sync_gradients(model, layout); norm = clip(model, max_norm, layout)
     check_replicas(model, layout)                 # at every evaluation
-    save_unless_diverged(...)                     # a checkpoint set: a file per O3 shard, RNG streams
+    save_unless_diverged(...)                     # a checkpoint set: a file per O3 shard, RNG streams,
+                                                  # every replica's FP8 scaling state
 
 Where the answers differ, they differ for a reason written next to them: a pipeline runs all
 micro-batches at once (GPipe), a model-parallel gradient is spread over ranks before it is
@@ -41,7 +42,8 @@ from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2
 from .layout import GroupError, is_collective_failure, report_collective_failure, stop
 from .model import GPTConfig
-from .ckptfile import (CheckpointError, WriteError, load_checkpoint, load_model_state, make_dir, root_cause,
+from .ckptfile import (FP8_STATE_KEYS, CheckpointError, WriteError, load_checkpoint, load_model_state, make_dir,
+                       root_cause,
                        save_checkpoint)
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
                      prune, release_lock, release_locks, room_for, scan, set_name, shard_file, unwritten)
@@ -512,6 +514,7 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
         "derived": {k: v for k, v in derived.items() if k != "model_args"},
         "iter_num": iter_num, "best_val_loss": best,
         "rng": rng_state(layout),
+        "fp8_ranks": scaling_state(raw_model, layout),
         # Batches are a function of (seed, iteration): the iteration is the position.
         "data": {"dataset": cfg["dataset"], "seed": cfg["seed"], "iter": iter_num,
                  "tokens_seen": iter_num * derived["tokens_per_iter"]},
@@ -610,6 +613,39 @@ def rng_state(layout):
     return rng if layout.writer else None
 
 
+def scaling_buffers(model):
+    """{name: buffer} of the model's FP8 scaling state (amax histories, counts, scales)."""
+    return {k: b for k, b in model.named_buffers() if k.rsplit(".", 1)[-1] in FP8_STATE_KEYS}
+
+
+def scaling_state(model, layout):
+    """The FP8 scaling state of every data-parallel rank (called on all of them), for the writer to
+    save; None in one replica. Each replica casts its own activations and gradients, so under
+    delayed scaling each keeps its own amax histories, while the model's state (and DCP, which
+    saves a plain buffer once) holds one rank's: each one's has to be saved for a bit-exact resume."""
+    mine = {k: b.cpu() for k, b in scaling_buffers(model).items()}
+    if layout.dp == 1 or not mine:
+        return None
+    got = [None] * layout.dp
+    dist.all_gather_object(got, mine, group=layout.dp_group)
+    return got if layout.writer else None
+
+
+@torch.no_grad()
+def restore_scaling(model, saved, layout):
+    """Give this rank its own saved FP8 scaling state (saved: scaling_state's list, or None).
+    Returns False when the checkpoint holds none for this data-parallel size: every rank keeps
+    the state the model loaded, data-parallel rank 0's."""
+    mine = scaling_buffers(model)
+    if not mine or saved is None and layout.dp == 1:
+        return True
+    if saved is None or len(saved) != layout.dp:
+        return False
+    for k, v in saved[layout.dp_rank].items():
+        mine[k].copy_(v)
+    return True
+
+
 def restore_rng(rng, layout):
     """Continue this rank's saved dropout stream. Returns False when the checkpoint has none for it
     (written at another world size, or by an older version): the caller reseeds."""
@@ -678,7 +714,8 @@ def resume_point(cfg, layout, vocab_size, log):
 
 
 def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
-    """Optimizer state, position and dropout RNG. Returns (iter_num, best_val_loss).
+    """Optimizer state, position, dropout RNG and this rank's FP8 scaling state. Returns (iter_num,
+    best_val_loss). Called after wrap_data_parallel, whose wrappers broadcast replica 0's buffers.
 
     The global RNG only drives dropout. Each rank gets its own stream (layout.dropout_stream); a
     resumed run continues each data-parallel rank's saved stream (one reseeds only if the
@@ -699,6 +736,9 @@ def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
         log("note: the checkpoint has no dropout RNG state for this world size: reseeded, so "
             "with dropout > 0 the resumed run differs from an uninterrupted one")
         torch.manual_seed(hash((cfg["seed"], layout.dropout_stream, ckpt["iter_num"])) & (2**63 - 1))
+    if not restore_scaling(model, ckpt.get("fp8_ranks"), layout) and cfg["fp8_scaling"] == "delayed":
+        log("note: the checkpoint has no FP8 scaling state for this data-parallel size: every rank goes on "
+            "from data-parallel rank 0's amax histories, so the resumed run differs from an uninterrupted one")
     return ckpt["iter_num"], ckpt.get("best_val_loss", float("inf"))
 
 

@@ -47,9 +47,11 @@ final norm and LM head are replicated DTensors that read and write plain tensors
 -------------------
 A checkpoint set (nanofp8/outdir.py) holds dcp/, written by torch.distributed.checkpoint from
 every rank at once, each rank its own shards and no rank another's, and ckpt.pt (settings,
-position, every rank's dropout RNG), written by rank 0. The manifest lists every file with its
-hash, as for the hand-written engine, and every reader checks them before DCP reads a byte
-(check_dcp): DCP's own files carry no checksum, and a flipped byte would load as a weight. DCP stores each tensor by name with its whole shape, so a
+position, every rank's dropout RNG and FP8 scaling state: DCP saves a plain buffer once, one
+rank's amax history), written by rank 0. The manifest lists every file with its hash, as for the
+hand-written engine, and every reader checks them before DCP reads a byte (check_dcp): DCP's own
+files carry no checksum, and a flipped byte would load as a weight. DCP stores each tensor by
+name with its whole shape, so a
 resume reads the shards it needs at any data-parallel size: FSDP2 over 2 ranks resumes over 1 or
 3 with the same weights and Adam moments, bit for bit (tests/test_torchstack.py). Another tensor_parallel, level or
 engine goes through nanofp8/checkpoint.py's conversion (weights exact, moments restart), and so

@@ -26,6 +26,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import platform  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -146,7 +147,9 @@ def newest_checkpoint(out_dir, name="ckpt.pt"):
 
 
 def logged_losses(stdout):
-    """The training losses train.py logged ("iter N: loss L, ..."), in order."""
-    return [float(line.split("loss ")[1].split(",")[0]) for line in stdout.splitlines()
-            if line.startswith("iter ")]
+    """The training losses train.py logged ("iter N: loss L, ..."), in order. Found anywhere in a
+    line: the ranks of a torchrun share one stdout, and unbuffered (PYTHONUNBUFFERED) a print
+    writes its text and its newline apart, so another rank's line (delayed scaling's clipping,
+    logged by every rank) can end up in front of rank 0's on the same line."""
+    return [float(loss) for loss in re.findall(r"\biter \d+: loss ([^,\s]+)", stdout)]
 

@@ -11,6 +11,7 @@ What is checked:
     bit for bit; the same checkpoint resumes exactly at another data-parallel size (no
     conversion), and at another tensor_parallel through the conversion, which says so; DCP
     re-cuts the shards of weights and Adam moments for 1 and 3 ranks (uneven shards), bit for bit;
+  * FSDP2 with delayed scaling resumes exactly too: ckpt.pt holds each rank's amax histories;
   * sample.py and export.py read a DCP set in one process;
   * what engine=torch does not run is refused in one line naming the key.
 """
@@ -26,6 +27,7 @@ import train
 from conftest import logged_losses, spawn
 from nanofp8 import torchstack
 from nanofp8.checkpoint import find_checkpoint, read_any
+from nanofp8.ckptfile import load_checkpoint
 from nanofp8.configurator import ConfigError
 from nanofp8.fp8 import Recipe, sqnr
 from nanofp8.interop import load_portable
@@ -238,3 +240,22 @@ def test_compile_stays_off_where_fsdp2_gathers_fp8_weights():
     assert not compile_choice(cfg, Layout(dp=1, tp=2, engine="torch", **cuda))  # TP: eager collectives
     assert not compile_choice(cfg, Layout(dp=2, world=2))  # CPU
     assert compile_choice({**cfg, "compile": True}, Layout(dp=2, world=2))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_delayed_scaling_resumes_exactly_under_fsdp2(tmp_path):
+    """FSDP2 over 2 ranks with delayed scaling: each rank casts its own activations and gradients,
+    so each keeps its own amax histories, plain buffers that DCP saves once. Stop at the
+    checkpoint of step 4 and resume: the losses and weights of never stopping, bit for bit (ckpt.pt
+    holds every rank's scaling state, and each rank gets its own back)."""
+    common = [O1, TORCH, "fp8_recipe=delayed"]
+    full = torchrun(2, *common, f"out_dir={tmp_path / 'full'}")
+    first = torchrun(2, *common, "max_iters=4", f"out_dir={tmp_path / 'stopped'}")
+    rest = torchrun(2, *common, "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
+    assert "resuming at iter 4" in rest.stdout
+    assert logged_losses(first.stdout) + logged_losses(rest.stdout) == logged_losses(full.stdout)
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = (load_checkpoint(conftest.newest_checkpoint(tmp_path / d))["fp8_ranks"] for d in ("full", "stopped"))
+    assert len(a) == 2 and all(torch.equal(v, b[r][k]) for r in range(2) for k, v in a[r].items())

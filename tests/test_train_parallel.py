@@ -13,6 +13,8 @@ What is checked:
   * stopping at a checkpoint and resuming at the same layout (TP=2 + SP + PP=2, with dropout and
     delayed scaling) reproduces the uninterrupted run exactly, and a different layout is converted
     (tests/test_export.py tests the conversions), with a note;
+  * so does it under data parallelism with delayed scaling (2 replicas: each rank's amax histories
+    saved, and its own restored); one process resuming it goes on from rank 0's, with a note;
   * configuration errors name the keys to change.
 """
 
@@ -370,3 +372,29 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"pipeline_parallel=3 stages need n_layer >= 3, got 2"):
         shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
                     SimpleNamespace(tp=1, pp=3))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_delayed_scaling_resumes_exactly_on_two_replicas(tmp_path):
+    """Data parallelism over 2 ranks with delayed scaling: each replica casts its own activations
+    and gradients, so each keeps its own amax histories. Stop at the checkpoint of step 4 and
+    resume: the losses and weights of never stopping, bit for bit, and both ranks' scaling state
+    of step 8 as never stopping (every data-parallel rank's is saved, and each gets its own back)."""
+    common = ["precision=O1", "fp8_recipe=delayed"]
+    full = torchrun(2, *common, f"out_dir={tmp_path / 'full'}")
+    first = torchrun(2, *common, "max_iters=4", f"out_dir={tmp_path / 'stopped'}")
+    rest = torchrun(2, *common, "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
+    assert "resuming at iter 4" in rest.stdout
+    assert logged_losses(first) + logged_losses(rest) == logged_losses(full)
+    a, b = (load_checkpoint(newest_checkpoint(tmp_path / d)) for d in ("full", "stopped"))
+    assert a["iter_num"] == b["iter_num"] == 8
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    a, b = a["fp8_ranks"], b["fp8_ranks"]
+    assert len(a) == 2 and not all(torch.equal(v, a[1][k]) for k, v in a[0].items())  # histories of their own
+    assert all(torch.equal(v, b[r][k]) for r in range(2) for k, v in a[r].items())
+    # one process goes on from rank 0's histories, and says so
+    one = conftest.run("train.py", *TINY, *common, "max_iters=9", "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
+    assert one.returncode == 0 and "resuming at iter 8" in one.stdout, one.stderr[-2000:]
+    assert "from data-parallel rank 0's amax histories" in one.stdout
