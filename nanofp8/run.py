@@ -43,8 +43,7 @@ from .fp8 import E4M3, E5M2
 from .layout import GroupError, is_collective_failure, report_collective_failure, stop
 from .model import GPTConfig
 from .ckptfile import (FP8_STATE_KEYS, CheckpointError, WriteError, load_checkpoint, load_model_state, make_dir,
-                       root_cause,
-                       save_checkpoint)
+                       root_cause, save_checkpoint)
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
                      prune, release_lock, release_locks, room_for, scan, set_name, shard_file, unwritten)
 from .optim import clip_grad_norm
