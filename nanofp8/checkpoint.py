@@ -30,8 +30,10 @@ reads all of these kinds of directories, for sample.py, export.py and train.py's
    then converted by train.py's own setup into the new level's storage and cut into the new
    layout's shards). Adam's moments carry over between single-device layouts of any level
    (dequantized, then stored in the new level's formats: O2 -> bf16 turns E4M3 m into fp32 m,
-   O3 on 2 ranks -> 1 glues the shards). What does not carry over is printed, never dropped
-   silently: the moments under TP/PP (they restart from zero at the same point of the schedule),
+   O3 on 2 ranks -> 1 glues the shards), and between the engines: engine=torch's DCP set holds
+   them whole (torchstack.read_dcp_moments), and FSDP2 gets its shard of each (load_moments).
+   What does not carry over is printed, never dropped silently: the moments into TP/PP or out
+   of the hand-written TP/PP (they restart from zero at the same point of the schedule),
    the FP8 scaling state (amax histories restart) and the dropout RNG stream.
 
 3. Frozen FP8 models (freeze_fp8): the block Linears of a trained model become Fp8WeightLinear,
@@ -46,6 +48,7 @@ import re
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nanofp8.fp8 import BLOCK, E4M3, expand_tiles, quantize
 from nanofp8.interop import is_hf_gpt2, load_hf_gpt2, load_portable
@@ -190,7 +193,8 @@ def fp32_moments(ckpt):
 def load_moments(optimizer, model, moments):
     """Put fp32 moments (from fp32_moments) into a freshly built optimizer of any level, in its own
     formats: fp32 for torch AdamW, E4M3 m and fp16 (or E4M3 sqrt) v for O2 weights, this rank's
-    shard of those for O3. Parameters are matched by name; a shape mismatch is an error."""
+    shard of those for O3, this rank's DTensor piece where FSDP2 shards the parameter (engine=torch).
+    Parameters are matched by name; a shape mismatch is an error."""
     from nanofp8.dist import held_shard_len
     from nanofp8.optim import Fp8AdamW, quantize_blocks
     from nanofp8.zero import ZeroFp8AdamW
@@ -204,6 +208,8 @@ def load_moments(optimizer, model, moments):
         if m.shape != p.shape:
             raise CheckpointError(f"optimizer moments of {name} have shape {tuple(m.shape)}, the "
                                   f"parameter {tuple(p.shape)}")
+        if isinstance(p, DTensor):  # engine=torch's FSDP2 shard: the moments cut as the parameter is
+            m, v = (distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None) for t in (m, v))
         st = optimizer.state[p]
         if isinstance(optimizer, Fp8AdamW) and p in optimizer.o2:
             if isinstance(optimizer, ZeroFp8AdamW):  # this rank's shard (the master is already there)
@@ -365,13 +371,19 @@ def resume_from(out_dir, cfg, world_size):
     how = {"bf16": "fp32", "O1": "fp32", "O2": "fp32 = fp16 master / scale",
            "O3": "fp32 from the sharded fp16 masters"}[info["precision"]]
     # Moments are keyed by the single-device model's parameters: carried between single-device
-    # layouts of any level (O3 counts: its shards are glued back and re-cut); under TP/PP the
-    # optimizer holds a stage's shards in another order, and the moments restart.
+    # layouts of any level (O3 counts: its shards are glued back and re-cut), and from engine=torch's
+    # DCP sets, which hold whole tensors at any cut; under the hand-written TP/PP the optimizer holds
+    # a stage's shards in another order, and the moments restart.
     moments = None
     cut_before = info["layout"]["tensor_parallel"] * info["layout"]["pipeline_parallel"] > 1
-    if not cut_before and cfg["tensor_parallel"] * cfg["pipeline_parallel"] == 1:
-        moments = fp32_moments(with_shards(load_checkpoint(info["files"][0], map_location="cpu",
-                                                           expect=found.expected(found.files[0])), found))
+    if cfg["tensor_parallel"] * cfg["pipeline_parallel"] == 1:
+        if found.manifest is not None and found.layout()["engine"] == "torch":
+            from nanofp8.torchstack import read_dcp_moments
+
+            moments = read_dcp_moments(found) or None
+        elif not cut_before:
+            moments = fp32_moments(with_shards(load_checkpoint(info["files"][0], map_location="cpu",
+                                                               expect=found.expected(found.files[0])), found))
     fresh = [] if moments else ["optimizer moments (Adam m and v restart from zero)"]
     if "bf16" not in (info["precision"], cfg["precision"]):
         fresh.append("FP8 scaling state (amax histories)")

@@ -54,7 +54,8 @@ files carry no checksum, and a flipped byte would load as a weight. DCP stores e
 name with its whole shape, so a
 resume reads the shards it needs at any data-parallel size: FSDP2 over 2 ranks resumes over 1 or
 3 with the same weights and Adam moments, bit for bit (tests/test_torchstack.py). Another tensor_parallel, level or
-engine goes through nanofp8/checkpoint.py's conversion (weights exact, moments restart), and so
+engine goes through nanofp8/checkpoint.py's conversion (weights exact; Adam moments too, read
+whole by read_dcp_moments, unless the new layout cuts over tensor or pipeline ranks), and so
 do sample.py and export.py: read_dcp_set reads a set in one process into the single-device GPT.
 
 4. What runs where (README: "Scaling beyond one machine")
@@ -369,19 +370,18 @@ def load_dcp(model, optimizer, ckpt):
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def read_dcp_set(found):
-    """(fp32 state_dict of the single-device GPT, the set's ckpt.pt) from an engine=torch set, in
-    one process: every model tensor read whole from its shards, fused pieces reshaped to rows.
-    The files are checked against the manifest first (check_dcp): CheckpointError otherwise."""
-    meta = load_checkpoint(found.file(META), map_location="cpu", expect=found.expected(META))
+def _read_whole(found, prefix):
+    """{name: tensor} of every tensor of the set's dcp/ whose key starts with `prefix`, read whole
+    in one process (the prefix taken off the name), after the files were checked against the
+    manifest (check_dcp). Fused pieces held as (pieces, rows, cols) come back as their rows."""
     problem = check_dcp(found)
     if problem:
         raise CheckpointError(problem)
     try:
         reader = dcp.FileSystemReader(found.file(DCP_DIR))
-        tensors = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items()
-                   if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}}
+        tensors = {k: m for k, m in reader.read_metadata().state_dict_metadata.items()
+                   if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}
         with _one_process():
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:  # (a file that changed after the check)
@@ -389,9 +389,31 @@ def read_dcp_set(found):
             raise KeyboardInterrupt from None
         raise CheckpointError(f"{found.file(DCP_DIR)} cannot be read ({_first_line(_failure(e))}): use "
                               f"another checkpoint") from None
+    return {k.removeprefix(prefix): v for k, v in state.items()}
+
+
+def _rows(name, v):
+    """A parameter (or its moment) as the single-device GPT holds it: [q | k | v] pieces, held as
+    (3, n_embd, n_embd) under TP, back into the fused rows."""
+    if name.endswith(".weight") and v.dim() == 3 or name.endswith(".bias") and v.dim() == 2:
+        v = v.reshape(-1, *v.shape[2:])
+    return v.float() if v.is_floating_point() else v
+
+
+def read_dcp_set(found):
+    """(fp32 state_dict of the single-device GPT, the set's ckpt.pt) from an engine=torch set, in
+    one process: every model tensor read whole from its shards, fused pieces reshaped to rows.
+    The files are checked against the manifest first (check_dcp): CheckpointError otherwise."""
+    meta = load_checkpoint(found.file(META), map_location="cpu", expect=found.expected(META))
+    return {k: _rows(k, v) for k, v in _read_whole(found, "model.").items()}, meta
+
+
+def read_dcp_moments(found):
+    """Adam's state of an engine=torch set as checkpoint.fp32_moments gives it for the hand-written
+    engine's: {parameter name: {step, exp_avg, exp_avg_sq}}, fp32, whole, in the single-device GPT's
+    shapes (DCP holds whole tensors whatever the TP and FSDP2 cut, so every layout's carry over)."""
     out = {}
-    for k, v in state["model"].items():
-        if k.endswith(".weight") and v.dim() == 3 or k.endswith(".bias") and v.dim() == 2:
-            v = v.reshape(-1, *v.shape[2:])  # [q | k | v] pieces back into the fused rows
-        out[k] = v.float() if v.is_floating_point() else v
-    return out, meta
+    for key, v in _read_whole(found, "optimizer.state.").items():
+        name, what = key.rsplit(".", 1)
+        out.setdefault(name, {})[what] = v.float().cpu() if what == "step" else _rows(name, v)
+    return {k: mo for k, mo in out.items() if {"step", "exp_avg", "exp_avg_sq"} <= mo.keys()}

@@ -9,14 +9,18 @@ What is checked:
     and ends within 60 dB of its weights (the gradient mean rounds in another order);
   * DCP: stopping and resuming FSDP2 x TP + SP (4 ranks) reproduces the run that never stopped,
     bit for bit; the same checkpoint resumes exactly at another data-parallel size (no
-    conversion), and at another tensor_parallel through the conversion, which says so; DCP
+    conversion), and at another tensor_parallel through the conversion, which says so and carries
+    the Adam moments (DCP holds them whole); DCP
     re-cuts the shards of weights and Adam moments for 1 and 3 ranks (uneven shards), bit for bit;
   * FSDP2 with delayed scaling resumes exactly too: ckpt.pt holds each rank's amax histories;
   * sample.py and export.py read a DCP set in one process;
+  * a checkpoint of either engine resumed by the other, at 1 and 2 ranks, holds the source's Adam
+    moments bit for bit (FSDP2: its DTensor shard of each);
   * what engine=torch does not run is refused in one line naming the key.
 """
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -108,7 +112,8 @@ def test_dcp_resume_is_exact_at_any_data_parallel_size(tmp_path):
     one = conftest.run("train.py", *TINY, O1, TORCH, "max_iters=12", "init_from=resume",
                        f"out_dir={tmp_path / 'stopped'}")
     assert one.returncode == 0, one.stderr[-2000:]
-    assert ("converting the checkpoint of iter 10 (precision=O1 (tensor_parallel=2)) to precision=O1" in one.stdout)
+    assert ("converting the checkpoint of iter 10 (precision=O1 (tensor_parallel=2)) to precision=O1: carried over: "
+            "weights exactly (fp32), Adam moments" in one.stdout)  # (DCP holds the TP-cut moments whole)
     sample = conftest.run("sample.py", f"--out_dir={tmp_path / 'stopped'}", "--num_samples=1", "--max_new_tokens=8")
     assert sample.returncode == 0 and "iter 12" in sample.stdout, sample.stderr[-2000:]
 
@@ -259,3 +264,71 @@ def test_delayed_scaling_resumes_exactly_under_fsdp2(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     a, b = (load_checkpoint(conftest.newest_checkpoint(tmp_path / d))["fp8_ranks"] for d in ("full", "stopped"))
     assert len(a) == 2 and all(torch.equal(v, b[r][k]) for r in range(2) for k, v in a[r].items())
+
+
+# ---------------------------------------------------------------- conversions between the engines
+
+DUMP_MOMENTS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import torch, train
+from torch.distributed.tensor import DTensor
+restore = train.restore_state
+
+
+def restore_and_dump(model, optimizer, *a, **k):  # the moments right after the conversion, whole
+    out = restore(model, optimizer, *a, **k)
+    names = {{p: n for n, p in model.named_parameters()}}
+    got = {{names[p]: {{k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in st.items()
+                      if k in ("exp_avg", "exp_avg_sq")}} for p, st in optimizer.state.items()}}
+    if os.environ.get("RANK", "0") == "0":
+        torch.save(got, {dump!r})
+    return out
+
+
+train.restore_state = restore_and_dump
+train.cli({args!r})
+"""
+
+
+def converted_moments(tmp_path, nproc, args):
+    """The Adam moments a resume by train.py holds right after restore_state, on `nproc` ranks."""
+    dump, worker = tmp_path / f"moments-{nproc}.pt", tmp_path / f"dump-{nproc}.py"
+    worker.write_text(DUMP_MOMENTS.format(repo=conftest.REPO, dump=str(dump), args=args))
+    if nproc == 1:
+        out = conftest.run(str(worker))
+        assert out.returncode == 0, out.stderr[-3000:]
+    else:
+        out = conftest.torchrun(nproc, script=str(worker))
+    return torch.load(dump), out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("source", ["nanofp8", "torch"])
+def test_conversions_between_the_engines_carry_the_moments(source, tmp_path):
+    """A checkpoint of one engine resumed by the other (through checkpoint.resume_from) at 1 and 2
+    ranks holds the source's Adam moments, bit for bit: the hand-written engine's into FSDP2's
+    DTensor shards (plain tensors there once failed at the first step: "aten.lerp_.Scalar got mixed
+    torch.Tensor and DTensor"), engine=torch's DCP moments into the hand-written engine's optimizer
+    (they once restarted from zero). The log says they carried over; the resumed run trains on."""
+    from nanofp8.checkpoint import fp32_moments, load_checkpoint
+    from nanofp8.torchstack import read_dcp_moments
+
+    out = tmp_path / "out"
+    common = [*conftest.TINY, O1, "gradient_accumulation_steps=2", "max_iters=4", "eval_interval=2", "lr_decay_iters=8"]
+    train.main(common + [f"engine={source}", f"out_dir={out}"])
+    found = find_checkpoint(str(out))[0]
+    want = read_dcp_moments(found) if source == "torch" else fp32_moments(load_checkpoint(found.file("ckpt.pt")))
+    target = "nanofp8" if source == "torch" else "torch"
+    for nproc in (1, 2):
+        args = common + [f"engine={target}", "max_iters=6", "init_from=resume", f"out_dir={out}"]
+        got, stdout = converted_moments(tmp_path, nproc, args)
+        assert "carried over: weights exactly (fp32), Adam moments" in stdout, stdout[-2000:]
+        assert got.keys() == want.keys()
+        for name in want:
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(got[name][k], want[name][k]), (nproc, name, k)
+        assert logged_losses(stdout)[-1] > 0 and "iter 5:" in stdout
+        shutil.rmtree(out)  # the next resume converts the same source again
+        train.main(common + [f"engine={source}", f"out_dir={out}"])
