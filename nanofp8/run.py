@@ -432,9 +432,11 @@ def save_checkpoint_set(files, cfg, layout, iter_num, write=None, **extra):
     """Write one checkpoint set (nanofp8/outdir.py), on every rank: rank 0 makes its directory,
     every rank saves its files into it (files: {name: contents}, empty on a rank that writes
     none), and once all of them have, rank 0 writes the manifest that makes the set complete,
-    then removes the sets beyond keep_checkpoints. A write that fails on any rank is a WriteError
-    on every rank, and the partial set is removed; so is the set of a save that Ctrl-C interrupts
-    in one process (under torchrun the next save removes it; readers ignore it). Returns the set
+    then, once it sees every file of the set on disk (outdir.unwritten), removes the sets beyond
+    keep_checkpoints. A write that fails on any rank is a WriteError on every rank, and the
+    partial set is removed; so is the set of a save that Ctrl-C or SIGTERM interrupts, by rank 0
+    (under torchrun what another rank still writes after that is a set without manifest: readers
+    ignore it, the next save removes it). Returns the set
     (on rank 0; None elsewhere). write(set directory), if given, writes on every rank after its
     files and returns [(file, record)] (engine=torch: its DCP shards, torchstack.write_dcp)."""
     global saving
