@@ -114,6 +114,30 @@ def cuda_decisions():
         device.scaled_mm_support, emulate.handles, device.one_pass_cast = saved
 
 
+@contextmanager
+def fake_step_counts():
+    """Adam's step counters read as 1 from fake tensors, which hold no values (reading one is
+    torch's DataDependentOutputException). The count only sets the bias-correction constants, so
+    every operator of the step is recorded as it runs, the counters' foreach add included."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from nanofp8 import optim_foreach
+
+    real = optim_foreach.count_steps
+
+    def count(sts):
+        try:
+            return real(sts)
+        except DataDependentOutputException:  # (raised by the read, after the add)
+            return [1.0] * len(sts)
+
+    optim_foreach.count_steps = count
+    try:
+        yield
+    finally:
+        optim_foreach.count_steps = real
+
+
 def count_step(model_args, level, batch, seq, recipe=()):
     """(ops of one micro-step's forward and backward, ops of one optimizer step)."""
     import train
@@ -131,7 +155,7 @@ def count_step(model_args, level, batch, seq, recipe=()):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(x, x)
             loss.backward()
-        with Recorder() as step:
+        with Recorder() as step, fake_step_counts():
             opt.step(**({"grads_finite": True} if level == "O2" else {}))
     return micro.ops, step.ops
 
