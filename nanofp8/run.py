@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import device, emulate, parallel, torchstack
 from .checkpoint import find_checkpoint, initial_weights, load_moments, load_shard
-from .configurator import ConfigError
+from .configurator import RECIPE_KEYS, ConfigError
 from .data import DataError
 from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2
@@ -560,6 +560,17 @@ def check_resume_config(saved, cfg, path, converted=False):
             raise CheckpointError(f"{path} was written with {key}={saved[key]!r}; resuming with "
                                   f"{key}={cfg[key]!r} would {why}. Pass {key}={saved[key]}, or "
                                   f"start a new run (init_from=scratch, another out_dir)")
+    if converted or cfg["precision"] == "bf16":  # (a conversion starts the FP8 scaling state anew)
+        return
+    for key in ("fp8_recipe", *RECIPE_KEYS):  # the recipe as it ran: its name (none: tensorwise's keys) and keys
+        was, now = saved.get(key), cfg[key]
+        if key == "fp8_recipe":
+            was, now = was or "tensorwise", now or "tensorwise"
+        if key in saved and was != now:
+            raise CheckpointError(f"{path} was written with {key}={was}; resuming with {key}={now} would cast "
+                                  f"the FP8 operands by another recipe than the one the run trained with, "
+                                  f"silently. Pass {key}={was}, or start a new run (init_from={os.path.dirname(path)}, "
+                                  f"another out_dir)")
 
 
 def check_resume_layout(ckpt, cfg, path, layout):

@@ -127,6 +127,20 @@ def test_a_manifest_without_its_engine_is_still_a_dcp_set(run_dir, capsys):
     assert code == 0, err
 
 
+def test_a_resume_keeps_its_recipe(run_dir, capsys):
+    """The recipe is not among what a resume may change silently (another recipe once continued
+    the run): refused in one line naming the key, for the preset's name and for a key of it."""
+    path = run_dir / "ckpt-00000004" / "ckpt.pt"
+    for key, was, now in (("fp8_recipe", "tensorwise", "rowwise"), ("fp8_margin", 0, 1)):
+        code, err = cli(RESUME + [f"{key}={now}", f"out_dir={run_dir}"], capsys)
+        assert code == 2 and one_line(err) == (
+            f"error: {path} was written with {key}={was}; resuming with {key}={now} would cast the FP8 operands "
+            f"by another recipe than the one the run trained with, silently. Pass {key}={was}, or start a new "
+            f"run (init_from={run_dir / 'ckpt-00000004'}, another out_dir)")
+    code, err = cli(RESUME + ["fp8_recipe=tensorwise", f"out_dir={run_dir}"], capsys)  # (the same keys)
+    assert code == 0, err
+
+
 def test_faults_during_a_dcp_save(run_dir, monkeypatch, capsys):
     """A full disk (exit 1 with a traceback and a partial set once), Ctrl-C and SIGTERM (the partial
     set stayed while the line said nothing was kept) inside DCP's write of the set of iteration 6:
