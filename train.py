@@ -379,11 +379,9 @@ def main(argv=None):
     if compile_model:
         log("compiling the model (takes a minute) ...")
         model = torch.compile(model)
-    model = wrap_data_parallel(model, cfg, layout)  # (broadcasts replica 0's weights and buffers)
-    # after the wrap: each replica's FP8 scaling state is its own, not replica 0's
-    iter_num, best_val_loss = restore_state(raw_model, optimizer, ckpt, converted, cfg, layout, log)
-    ckpt = converted = None  # free the loaded tensors
-    start_iter = iter_num
+    model = wrap_data_parallel(model, cfg, layout)  # (broadcasts replica 0's weights and buffers, so:)
+    iter_num, best_val_loss = restore_state(raw_model, optimizer, ckpt, converted, cfg, layout, log)  # each its own
+    ckpt = converted = None; start_iter = iter_num  # free the loaded tensors
     stats = None  # FP8 statistics: rank 0's; of a model cut over ranks, one replica's ranks', merged on rank 0
     if cfg["fp8_stats_interval"] and cfg["precision"] != "bf16" and (layout.master or layout.model_parallel):
         stats = Fp8Stats(model, cfg["fp8_stats_interval"], cfg["out_dir"] if layout.master else None,
