@@ -272,7 +272,7 @@ def read_checkpoint(out_dir):
 def _read_found(found, notes):
     from nanofp8.parallel import merge_tp_state_dicts
 
-    if found.manifest is not None and found.layout()["engine"] == "torch":  # DCP shards
+    if found.dcp:  # engine=torch's DCP shards
         from nanofp8.torchstack import META as torchstack_meta, read_dcp_set
 
         state, meta = read_dcp_set(found)
@@ -377,7 +377,7 @@ def resume_from(out_dir, cfg, world_size):
     moments = None
     cut_before = info["layout"]["tensor_parallel"] * info["layout"]["pipeline_parallel"] > 1
     if cfg["tensor_parallel"] * cfg["pipeline_parallel"] == 1:
-        if found.manifest is not None and found.layout()["engine"] == "torch":
+        if found.dcp:
             from nanofp8.torchstack import read_dcp_moments
 
             moments = read_dcp_moments(found) or None

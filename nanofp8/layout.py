@@ -274,10 +274,7 @@ def report_collective_failure(error, doing="", last_good=""):
     dead = dead_ranks()
     if dead:
         ranks = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}"
-        print(f"error: rank {rank}: {ranks} died (the process exited){during}, so the run stopped{then}",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(3)
+        _leave(f"error: rank {rank}: {ranks} died (the process exited){during}, so the run stopped{then}")
     who = "rank 0 names the ranks that do not answer"
     try:
         dist.monitored_barrier(_monitor_group, timeout=timedelta(seconds=min(10.0, _dist_timeout)),
@@ -291,6 +288,10 @@ def report_collective_failure(error, doing="", last_good=""):
     first = (str(error).strip().splitlines() or [type(error).__name__])[0].split("] ")[-1][:160]
     lost = any(s in first.lower() for s in ("connection reset", "connection closed", "broken pipe"))
     what = "lost its connection to a rank" if lost else f"did not complete within dist_timeout={_dist_timeout:g}s"
-    print(f"error: rank {rank}: a collective {what}{during}; {who} ({first}){then}", file=sys.stderr, flush=True)
+    _leave(f"error: rank {rank}: a collective {what}{during}; {who} ({first}){then}")
+
+
+def _leave(line):
+    print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(3)  # not sys.exit: tearing the process group down would wait for the missing ranks

@@ -80,13 +80,17 @@ class CheckpointSet:
         """The manifest's {"bytes", "sha256"} of a file (None without a manifest)."""
         return self.manifest["files"].get(name) if self.manifest else None
 
+    @property
+    def dcp(self):
+        """Whether engine=torch wrote the set: its files include DCP shards (in dcp/, torchstack.DCP_DIR)."""
+        return any(f.startswith("dcp/") for f in self.files)
+
     def layout(self):
-        """The layout that wrote the set; its engine read off the files (DCP shards in dcp/: engine
-        "torch"), which the manifest's hashes vouch for, rather than trusted to a key of its own."""
+        """The layout that wrote the set; its engine read off the files (self.dcp), which the
+        manifest's hashes vouch for, rather than trusted to a key of its own."""
         if not self.manifest:
             return None
-        dcp = any(f.startswith("dcp/") for f in self.files)
-        return {**self.manifest["layout"], "engine": "torch" if dcp else "nanofp8"}
+        return {**self.manifest["layout"], "engine": "torch" if self.dcp else "nanofp8"}
 
     def __str__(self):
         if self.manifest is None:

@@ -287,16 +287,18 @@ def _digest(path):
     return {"bytes": n, "sha256": h.hexdigest()}
 
 
-def _failure(error):
-    """The error behind a DCP call. DCP gathers every rank's failure, a Ctrl-C or a full disk
-    included, into one CheckpointException, which is a BaseException: `except Exception` misses
-    it. Returns the first rank's original exception (root_cause finds what is behind that)."""
+def _reason(error):
+    """Why a DCP call failed, in a few words; Ctrl-C or SIGTERM raised again as KeyboardInterrupt.
+    DCP gathers every rank's failure, those included, into one CheckpointException, which is a
+    BaseException (`except Exception` misses it): the first rank's original exception is read,
+    and what is behind it (root_cause: a full disk's OSError, a KeyboardInterrupt)."""
     if isinstance(error, CheckpointException) and error.failures:
-        return next(iter(error.failures.values()))[0]
-    return error
-
-
-def _first_line(error):
+        error = next(iter(error.failures.values()))[0]
+    cause = root_cause(error)
+    if isinstance(cause, KeyboardInterrupt):
+        raise KeyboardInterrupt from None
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
     return (str(error).strip().splitlines() or [type(error).__name__])[0].split("] ")[-1][:200]
 
 
@@ -311,11 +313,7 @@ def write_dcp(model, optimizer, path, layout):
         with _one_process():
             dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=where)
     except (Exception, CheckpointException) as e:
-        cause = root_cause(_failure(e))
-        if isinstance(cause, KeyboardInterrupt):
-            raise KeyboardInterrupt from None
-        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else _first_line(_failure(e))
-        raise WriteError(f"cannot write {where}: {why}") from None
+        raise WriteError(f"cannot write {where}: {_reason(e)}") from None
     mine = sorted(f for f in os.listdir(where) if f.startswith(f"__{layout.rank}_"))
     if layout.master:
         mine.append(".metadata")
@@ -329,7 +327,7 @@ def check_dcp(found, rank=0, world=1):
     .metadata names no file the manifest does not list. Returns the problem (one line naming the
     file), or None. A set whose dcp/ was damaged, cut short, or replaced by another run's is
     refused, not loaded: training on from it would write its values into the next set."""
-    names = sorted(f for f in found.files if f.startswith(DCP_DIR + "/"))
+    names = sorted(f for f in found.files if f.startswith(DCP_DIR + "/"))  # (outdir.CheckpointSet.dcp)
     meta = f"{DCP_DIR}/.metadata"
     advice = f"restore it from a copy, or move {found.path} out of the way to use the set before it"
     if meta not in names:
@@ -363,17 +361,15 @@ def load_dcp(model, optimizer, ckpt):
         with _one_process():
             dcp.load(state, checkpoint_id=ckpt["dcp"])
     except (Exception, CheckpointException) as e:
-        if isinstance(root_cause(_failure(e)), KeyboardInterrupt):
-            raise KeyboardInterrupt from None
-        raise CheckpointError(f"{ckpt['dcp']} cannot be read ({_first_line(_failure(e))}): resume from an "
-                              f"earlier checkpoint") from None
+        raise CheckpointError(f"{ckpt['dcp']} cannot be read ({_reason(e)}): resume from an earlier "
+                              f"checkpoint") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def _read_whole(found, prefix):
     """{name: tensor} of every tensor of the set's dcp/ whose key starts with `prefix`, read whole
     in one process (the prefix taken off the name), after the files were checked against the
-    manifest (check_dcp). Fused pieces held as (pieces, rows, cols) come back as their rows."""
+    manifest (check_dcp). Tensors come back in the shapes DCP holds (see _rows)."""
     problem = check_dcp(found)
     if problem:
         raise CheckpointError(problem)
@@ -385,10 +381,8 @@ def _read_whole(found, prefix):
         with _one_process():
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:  # (a file that changed after the check)
-        if isinstance(root_cause(_failure(e)), KeyboardInterrupt):
-            raise KeyboardInterrupt from None
-        raise CheckpointError(f"{found.file(DCP_DIR)} cannot be read ({_first_line(_failure(e))}): use "
-                              f"another checkpoint") from None
+        raise CheckpointError(f"{found.file(DCP_DIR)} cannot be read ({_reason(e)}): use another "
+                              f"checkpoint") from None
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
