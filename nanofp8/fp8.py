@@ -335,7 +335,11 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
     if a.data.dim() > 2:  # (attention's Q K^T and P V)
         out = [scaled_gemm(x, y, out_dtype, bias, backend, fast_accum, name) for x, y in zip(a.unbind(), b.unbind())]
         return torch.stack(out).reshape(*a.data.shape[:-1], b.data.shape[-2])
-    if not a.data.is_contiguous():  # a transposed view (Fp8Tensor.t()): every GEMM reads a row-major
+    # A transposed view (Fp8Tensor.t()) is copied: every GEMM reads a row-major first operand. Not
+    # asked while compiling, where t() copies already: dynamo cannot know a gradient's layout when
+    # it traces a backward, and on the question it traces the backward again, leaving the autocast
+    # state of the failed try behind (every later autocast op of the graph then runs in fp32).
+    if not torch.compiler.is_compiling() and not a.data.is_contiguous():
         a = replace(a, data=a.data.contiguous())
     if backend == "emulate":
         return gemm_reference(a, b, out_dtype, bias)

@@ -308,3 +308,27 @@ def test_a_gemm_routed_while_tracing_does_not_recompile(monkeypatch):
     with pytest.warns(UserWarning, match="falling back to a high-precision GEMM"):
         step(torch.ones(2))  # eager: counted and reported
     assert device.fallbacks == {"layer": 1}, "only the high-precision GEMM is a fallback"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_autocast_holds_after_an_fp8_layer(recipe, input_grad):
+    """Every matmul after an FP8 layer keeps autocast's dtype in a compiled graph, as in eager.
+    Dynamo traces a Function's backward at its forward; a layout question there (is_contiguous of
+    a tensor made from the gradient) made it trace the backward again, and the failed try left
+    autocast disabled for the rest of the graph: a later Fp8Linear wrote fp32 (the GELU input of
+    a GPT block in fp32, twice the bytes) and a plain Linear (the LM head) ran in fp32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32))
+    convert_to_fp8(model, Recipe.from_name(recipe, backend="torch"),
+                   module_filter=lambda fqn, lin: fqn != "2")  # "2" stays a plain Linear
+    x = torch.randn(16, 64, requires_grad=input_grad)
+
+    def dtypes(m):
+        with torch.autocast("cpu", torch.bfloat16):
+            h = m[0](x)
+            return [t.dtype for t in (h, m[1](h), m[2](h))]
+
+    assert dtypes(model) == [torch.bfloat16] * 3
+    torch._dynamo.reset()
+    assert torch.compile(dtypes, backend="aot_eager")(model) == [torch.bfloat16] * 3
