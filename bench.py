@@ -22,6 +22,14 @@ the same figures (plus machine, date and versions) as JSON.
     python bench.py throughput  tokens/s and peak memory, fp32 / BF16 / O1 / O2, the levels taking
                                 turns over several rounds
     python bench.py gemm        the kernels benchmark (python kernels.py)
+    python bench.py kernels     what a GPU would run, counted on any machine: the non-GEMM kernels
+                                and the bytes per token of one compiled GPT-2 block, forward and
+                                backward, per level (inductor's CUDA fusion rules applied to the
+                                CPU graph: nanofp8/schedule.py), and the launches and bytes of one
+                                optimizer step outside the compiled graphs
+    python bench.py design      the design card's measures: lines of the core files, the project
+                                functions one O1 Linear step and one O2 optimizer step run through,
+                                beside their budgets (reported, not enforced by the tests)
     python bench.py predict     predicted H100 (or B200) step time of bf16, O1 and O2 from the ops
                                 this code issues, priced by a roofline (predict.py), validated
                                 against published FP8 speedups
@@ -53,6 +61,7 @@ import torch.nn as nn
 from nanofp8.fp8 import GRANULARITIES, Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
 from nanofp8.memory import activation_bytes, training_state_bytes
+from nanofp8.o2_compile import cast_for_step
 from nanofp8.optim import fp8_grad
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -69,7 +78,12 @@ def environment():
     # without them (AVX2, plain AVX512) bf16 GEMMs run far slower than fp32 ones, with them faster
     bf16 = [n for n, f in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
             if getattr(torch.cpu, f, lambda: False)()]
-    return {"device": dev, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"device": dev, "commit": commit or None, "command": " ".join(["python"] + sys.argv),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_bf16_instructions": " ".join(bf16) or "none",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version()}
@@ -120,6 +134,9 @@ LEVELS = {
     "O1-fp8attn": dict(precision="O1", fp8_attention=True),  # Q K^T and P V in FP8 (nanofp8/attention.py)
 }
 WITH_RANKS = {"O3": dict(precision="O3")}  # levels build() also takes, for runs on several ranks (comm)
+# and the other recipes that throughput and kernels measure
+RECIPE_LEVELS = {"O1-delayed": dict(precision="O1", fp8_recipe="delayed"),
+                 "O1-rowwise": dict(precision="O1", fp8_recipe="rowwise")}
 
 
 def build(cfg, level, backend=None, device="cpu"):
@@ -128,14 +145,16 @@ def build(cfg, level, backend=None, device="cpu"):
     train.optimizer_step). level: a name in LEVELS, or O3; backend: train.py's fp8_backend."""
     import train
 
-    overrides = LEVELS[level] if level in LEVELS else WITH_RANKS[level]
+    overrides = {**LEVELS, **WITH_RANKS, **RECIPE_LEVELS}[level]
     settings = train.load_config([f"{k}={v}" for k, v in overrides.items()]
                                  + [f"fp8_backend={backend}", "compile=False"])
     torch.manual_seed(0)
     model = GPT(cfg)
     train.setup_precision(model, settings, device.split(":")[0])
     model.to(device)
-    return model, train.build_optimizer(model, settings, device.split(":")[0]), settings
+    opt = train.build_optimizer(model, settings, device.split(":")[0])
+    cast_for_step(model, record=False)  # O1's FP8 weights for the first step, as train.py casts them
+    return model, opt, settings
 
 
 def measure_memory(cfg, level, tokens):
@@ -954,6 +973,9 @@ THROUGHPUT_MODELS = {
     # GPT-2's layer at the width where predict.py says FP8 pays well (d=4096), 4 layers deep so
     # that it compiles in about a minute: the second point a GPU run checks the prediction at
     "wide-4096": (GPTConfig(arch="gpt2", n_layer=4, n_head=64, n_embd=4096, vocab_size=50304, block_size=1024), 8, 1024),
+    # 24 layers at width 2048 (1.2B parameters): where the training state outweighs the
+    # activations, so what O2's formats save shows in the peak memory
+    "d2048-24L": (GPTConfig(arch="gpt2", n_layer=24, n_head=16, n_embd=2048, vocab_size=50304, block_size=1024), 8, 1024),
     # what a CPU can run in seconds
     "cpu-small": (GPTConfig(arch="gpt2", n_layer=4, n_head=4, n_embd=256, vocab_size=256, block_size=128), 8, 128),
     # config/shakespeare_char_fp8.py's model and batch
@@ -969,14 +991,15 @@ THROUGHPUT_MODELS = {
 THROUGHPUT_LEVELS = ("fp32", "bf16", "O1", "O2", "O1-mxfp8")
 # measured when named (--levels ... O1-fp8attn): its attention is one FP8 GEMM per head (a compile
 # unrolls them all), so it is no default
-EXTRA_THROUGHPUT_LEVELS = ("O1-fp8attn",)
+EXTRA_THROUGHPUT_LEVELS = ("O1-fp8attn", "O1-delayed", "O1-rowwise")
 STEP_TARGET = 1.5  # the CPU main job: O1's step time at most this many times bf16's (issue #19)
 
 
-def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
+def measure_throughput(cfg, level, batch, seq, steps, compile_model, device, profile=None):
     """Tokens per second of train.py's training step (forward, backward, optimizer_step: clip,
     non-finite check, update) on one device, with train.py's FP8 backend for the device (emulated
-    on a CPU, as the main job runs), and the peak memory on CUDA."""
+    on a CPU, as the main job runs), and the peak memory on CUDA. profile=N: also the N kernels
+    (operators on a CPU) of one more step that took the most time, as a third element."""
     import gc
 
     import train
@@ -1010,6 +1033,15 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device):
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    if profile is not None:  # one more step under the profiler: its kernels, by device time
+        with torch.profiler.profile() as prof:
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:profile]
+        return batch * seq / dt, peak, [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, key) / 1e3}
+                                        for e in events]
     return batch * seq / dt, peak
 
 
@@ -1024,7 +1056,7 @@ def cmd_throughput(args):
     if args.compiled_only:
         compiles = [True]
     levels = args.levels
-    rows = []
+    rows, profiles = [], []
     for name in names:
         cfg, batch, seq = THROUGHPUT_MODELS[name]
         for comp in compiles:
@@ -1034,6 +1066,9 @@ def cmd_throughput(args):
                     runs[level].append(measure_throughput(cfg, level, batch, seq, args.steps, comp, device))
                     print(f"  {name} {level} compile={comp} round {r}: {runs[level][-1][0]:,.0f} tok/s", file=sys.stderr)
             tps = {level: sorted(t for t, _ in runs[level])[(args.rounds - 1) // 2] for level in levels}
+            if args.profile:  # one step of the level named, profiled, after the timed rounds
+                profiles.append({"model": name, "level": args.profile, "compile": comp, "top": measure_throughput(
+                    cfg, args.profile, batch, seq, 1, comp, device, profile=15)[2]})
             for level in levels:
                 rows.append({"model": name, "level": level, "compile": comp, "tokens_per_s": tps[level],
                              "vs_bf16": tps[level] / tps["bf16"] if "bf16" in tps else None,
@@ -1044,7 +1079,11 @@ def cmd_throughput(args):
     print(f"Training throughput, {env['device']} (CPU capability {env['cpu_capability']}), median of "
           f"{args.rounds} rounds of {args.steps} steps, the levels taking turns")
     emit("throughput", rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "vs_fp32", "peak_GiB",
-                              "device_kind"], args)
+                              "device_kind"], args, extra={"profiles": profiles} if profiles else None)
+    for p in profiles:
+        print(f"\n{p['model']} {p['level']} compile={p['compile']}: one step's top kernels")
+        for e in p["top"]:
+            print(f"  {e['ms']:8.3f} ms  {e['calls']:5d}x  {e['name']}")
 
 
 # -----------------------------------------------------------------------------
@@ -1056,6 +1095,114 @@ def cmd_gemm(args):
 
     cmd = [sys.executable, os.path.join(REPO, "kernels.py")] + (["--json", args.json] if args.json else [])
     sys.exit(subprocess.run(cmd).returncode)
+
+
+# -----------------------------------------------------------------------------
+# kernels: what a compiled block and an optimizer step cost a GPU, counted on any machine
+
+# issue #36's targets for one compiled GPT-2 block (n_embd 768, 8 x 1024 tokens): non-GEMM kernels
+# and KB moved per token, forward and backward; and for an O2 optimizer step
+COMPILED_BLOCK_TARGET = {"kernels": 45, "KB_per_token": 250}
+O2_STEP_TARGET = {"launches": 20, "bytes_per_fp8_value": 20}
+
+
+def cmd_kernels(args):
+    """Per level: one GPT-2 block compiled (forward and backward, bf16 autocast, FP8 on
+    torch._scaled_mm), its graphs scheduled by inductor's CUDA rules (nanofp8/schedule.py); and one
+    optimizer step of a GPT-2 model outside the compiled graphs, in ATen launches and bytes."""
+    from nanofp8 import schedule
+
+    rows = []
+    for level in args.levels:
+        b = schedule.block_cost(level, n_embd=args.n_embd, n_head=args.n_embd // 64, batch=args.batch, seq=args.seq)
+        st = schedule.step_cost(level, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_embd // 64)
+        rows.append({"level": level, "block_kernels": b["kernels"], "block_KB_per_token": b["KB_per_token"],
+                     "block_gemms": b["gemms"], "block_graphs": b["graphs"], "step_launches": st["launches"],
+                     "step_bytes_per_fp8_value": st["bytes_per_fp8_value"] if st["fp8_values"] else None,
+                     "step_top_ops": st["top_ops"], "block_kernel_list": b["kernel_list"] if args.list else None})
+        print(f"  {level}: block {b['kernels']} kernels, {b['KB_per_token']:.1f} KB/token; step "
+              f"{st['launches']} launches", file=sys.stderr)
+    base = next((r for r in rows if r["level"] == "bf16"), None)
+    for r in rows:
+        r["KB_vs_bf16"] = r["block_KB_per_token"] / base["block_KB_per_token"] if base else None
+    print(f"One GPT-2 block (n_embd {args.n_embd}, {args.batch} x {args.seq} tokens) compiled, forward and "
+          f"backward, as a GPU's inductor would run it (non-GEMM kernels, KB read and written per token; "
+          f"target at O1: <= {COMPILED_BLOCK_TARGET['kernels']} kernels, <= {COMPILED_BLOCK_TARGET['KB_per_token']} KB); one "
+          f"optimizer step of a {args.n_layer}-layer model outside the compiled graphs (ATen launches, bytes "
+          f"per FP8 weight value; target at O2: < {O2_STEP_TARGET['launches']} launches, ~"
+          f"{O2_STEP_TARGET['bytes_per_fp8_value']} B). {torch.__version__}")
+    emit("kernels", rows, ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16", "block_gemms", "block_graphs",
+                           "step_launches", "step_bytes_per_fp8_value"], args,
+         extra={"block_target": COMPILED_BLOCK_TARGET, "o2_step_target": O2_STEP_TARGET,
+                "command": "python bench.py " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])})
+
+
+# -----------------------------------------------------------------------------
+# design: the measures of the design card, reported (a fork is free to grow a file)
+
+CORE = ("nanofp8/fp8.py", "nanofp8/optim.py", "nanofp8/dist.py", "nanofp8/model.py", "train.py")
+DESIGN_BUDGET = {"core_file_lines": 650, "core_lines": 2620, "train_py_lines": 480, "o1_linear_step_functions": 15,
+                 "o2_step_functions": 20, "train_py_from_run": 19}
+
+
+def functions_called(fn):
+    """The distinct project functions (files under the repository, outside tests/) fn() runs
+    through, as "file:line qualified name", counted with sys.setprofile."""
+    seen, tests = {}, os.path.join(REPO, "tests")
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(REPO + os.sep) and not code.co_filename.startswith(tests) \
+                and not code.co_name.startswith("<"):
+            seen[(code.co_filename, code.co_firstlineno)] = code.co_qualname
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return sorted(f"{os.path.relpath(f, REPO)}:{line} {name}" for (f, line), name in seen.items())
+
+
+def cmd_design(args):
+    """Lines of the core files; the project functions one O1 step of an Fp8Linear runs through
+    (the reference backend, forward and backward) and one O2 optimizer step (the readable loop),
+    each after a warm-up; beside the design card's budgets (reported, not enforced)."""
+    from nanofp8.fp8 import Fp8Linear
+    from nanofp8.optim import Fp8AdamW, convert_to_o2
+    from nanofp8.fp8 import convert_to_fp8
+
+    lines = {f: sum(1 for _ in open(os.path.join(REPO, f))) for f in CORE}
+    torch.manual_seed(0)
+    lin = Fp8Linear(64, 64, recipe=Recipe(backend="emulate"))
+    x = torch.randn(8, 64, requires_grad=True)
+    lin(x).sum().backward()
+    o1 = functions_called(lambda: lin(x).sum().backward())
+    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)),
+                                         Recipe(backend="emulate")))
+    opt = Fp8AdamW(model.parameters(), model, foreach=False)
+    for _ in range(2):
+        model(x.detach()).square().mean().backward()
+        if _ == 0:
+            opt.step()
+            opt.zero_grad()
+    o2 = functions_called(opt.step)
+    import ast
+    tree = ast.parse(open(os.path.join(REPO, "train.py")).read())
+    from_run = [a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "nanofp8.run" for a in n.names]
+    b = DESIGN_BUDGET
+    rows = [{"measure": f"lines of {f}", "value": n, "budget": b["train_py_lines"] if f == "train.py" else b["core_file_lines"]}
+            for f, n in lines.items()]
+    rows += [{"measure": "lines of the core", "value": sum(lines.values()), "budget": b["core_lines"]},
+             {"measure": "functions of one O1 Linear step", "value": len(o1), "budget": b["o1_linear_step_functions"]},
+             {"measure": "functions of one O2 optimizer step", "value": len(o2), "budget": b["o2_step_functions"]},
+             {"measure": "names train.py takes from run.py", "value": len(from_run), "budget": b["train_py_from_run"]}]
+    for r in rows:
+        r["within"] = r["value"] <= r["budget"]
+    print("The design card's measures (python bench.py design --list: the functions)")
+    emit("design", rows, ["measure", "value", "budget", "within"], args,
+         extra={"o1_linear_step": o1, "o2_step": o2})
+    if args.list:
+        print("\nO1 Linear step:\n  " + "\n  ".join(o1) + "\nO2 optimizer step:\n  " + "\n  ".join(o2))
 
 
 # -----------------------------------------------------------------------------
@@ -1339,20 +1486,24 @@ def report_gpu(folder):
                 _md_table(d["gemm"], cols, {c: lambda v: "n/a" if v is None else f"{v:.0f}" for c in cols[1:]}), ""]
     for name in (n for n in names if n.startswith("throughput_") and n.endswith(".json")):
         d = json.load(open(os.path.join(folder, name)))
-        runs = {}
+        env = d.get("env", d)  # (bench.py throughput --json keeps it apart; the transcribed files do not)
+        runs, peaks = {}, {}
         for r in d["throughput"]:
             runs.setdefault((r["model"], r["compile"], r["level"]), []).append(r["tokens_per_s"])
+            peaks[(r["model"], r["compile"], r["level"])] = r.get("peak_GiB")
         rows = []
         for (model, comp, level), tps in runs.items():
             best = statistics.median(tps)
             bf16 = runs.get((model, comp, "bf16"))
             rows.append({"model": model, "compile": comp, "level": level, "rounds": len(tps), "tokens_per_s": best,
-                         "vs_bf16": best / statistics.median(bf16) if bf16 else None})
-        out += [f"### Training throughput on an {d['device']} ([`results/gpu/{name}`](results/gpu/{name}))",
-                f"torch {d['torch']}, triton {d['triton']}, {d['date']}, commit {d['commit']}: `{d['command']}`. "
-                + d["throughput_note"], "",
-                _md_table(rows, ["model", "compile", "level", "rounds", "tokens_per_s", "vs_bf16"],
-                          {"tokens_per_s": lambda v: f"{v:,.0f}", "vs_bf16": lambda v: "" if v is None else f"{v:.3f}x"}), ""]
+                         "vs_bf16": best / statistics.median(bf16) if bf16 else None,
+                         "peak_GiB": peaks[(model, comp, level)]})
+        out += [f"### Training throughput on an {env['device']} ([`results/gpu/{name}`](results/gpu/{name}))",
+                f"torch {env['torch']}, triton {env['triton']}, {env['date']}, commit {env.get('commit', '?')}: "
+                f"`{env.get('command', '?')}`. " + d.get("throughput_note", ""), "",
+                _md_table(rows, ["model", "compile", "level", "rounds", "tokens_per_s", "vs_bf16", "peak_GiB"],
+                          {"tokens_per_s": lambda v: f"{v:,.0f}", "vs_bf16": lambda v: "" if v is None else f"{v:.3f}x",
+                           "peak_GiB": lambda v: "" if v is None else f"{v:.2f}"}), ""]
     return out
 
 
@@ -1429,6 +1580,20 @@ def cmd_report(args):
             mp_rows = d["comm_model_parallel"]
             parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",
                       _md_table(mp_rows, [k for k in mp_rows[0] if k not in ("note", "fp8_ops", "what")]), ""]
+    if (d := load("kernels_schedule_cpu.json")):
+        t = d["block_target"]
+        parts += ["### What a GPU runs, counted on a CPU (`bench.py kernels`)", _env_line(d["env"]), "",
+                  _md_table(d["kernels"], ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16",
+                                           "step_launches", "step_bytes_per_fp8_value"],
+                            {"block_KB_per_token": lambda v: f"{v:.0f}", "KB_vs_bf16": lambda v: f"{v:.2f}x",
+                             "step_bytes_per_fp8_value": lambda v: "" if v is None else f"{v:.0f}"}), "",
+                  "`block` = one GPT-2 block (n_embd 768, 8 x 1024 tokens) compiled, forward and backward, its "
+                  "graphs scheduled with inductor's CUDA fusion rules (`nanofp8/schedule.py`): the kernels "
+                  "besides the GEMMs and attention, and the bytes they read and write per token (target at "
+                  f"O1: <= {t['kernels']} kernels, <= {t['KB_per_token']} KB). `step` = one optimizer step of "
+                  "a 12-layer model outside the compiled graphs, on a GPU's paths: operators launched (a "
+                  "foreach operator once; bf16 and O1 on torch's fused AdamW) and bytes of their operands per "
+                  "FP8 weight value. Not timings: what a GPU would run, from this code, on any machine.", ""]
     for name in sorted(f for f in os.listdir(res) if f.startswith("throughput_cpu") and f.endswith(".json")):
         parts += report_throughput(load(name))  # one per CPU kind measured: bf16's speed differs most
     if (d := load("stats_cost_cpu.json")):
@@ -1487,7 +1652,18 @@ def main(argv=None):
     p.add_argument("--compiled_only", action="store_true", help="on a GPU: the compiled runs alone")
     p.add_argument("--levels", nargs="+", default=list(THROUGHPUT_LEVELS),
                    choices=THROUGHPUT_LEVELS + EXTRA_THROUGHPUT_LEVELS)
+    p.add_argument("--profile", metavar="LEVEL", help="also profile one step of this level: its top kernels")
     sub.add_parser("gemm")
+    p = sub.add_parser("design", help="the design card's measures: core lines, functions on a step's path")
+    p.add_argument("--list", action="store_true", help="also print the functions")
+    p = sub.add_parser("kernels", help="kernels and bytes of a compiled block, launches of a step, per level")
+    p.add_argument("--levels", nargs="+", default=["bf16", "O1", "O1-delayed", "O1-rowwise", "O2"],
+                   choices=list(LEVELS) + list(RECIPE_LEVELS))
+    p.add_argument("--n_embd", type=int, default=768)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--n_layer", type=int, default=12, help="depth of the model whose optimizer step is counted")
+    p.add_argument("--list", action="store_true", help="also keep every kernel of the block in the JSON")
     p = sub.add_parser("predict", help="predicted H100/B200 step time of bf16, O1, O2 (predict.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="predict.py's own arguments")
     p = sub.add_parser("stats")
@@ -1504,7 +1680,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     {"memory": cmd_memory, "comm": cmd_comm, "state": cmd_state, "parity": cmd_parity,
      "throughput": cmd_throughput, "gemm": cmd_gemm, "predict": cmd_predict, "train": cmd_train,
-     "stats": cmd_stats, "report": cmd_report}[args.cmd](args)
+     "stats": cmd_stats, "report": cmd_report, "kernels": cmd_kernels, "design": cmd_design}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ HARDWARE = {
     "B200": dict(bf16=2250e12, fp8=4500e12, hbm=8.0e12, eff_bf16=0.78, eff_fp8=0.65, eff_attn=0.5, eff_hbm=0.8),
 }
 KERNEL_MIN_S = 3e-6  # the shortest a kernel takes on the GPU (launch latency, tail): small kernels
+# what the host spends per operator of eager code (dispatch, launch): an uncompiled step of many
+# small operators (O2's optimizer) is bound by it, not by the GPU. Set from the H200's O2 step
+# (results/gpu/throughput_h200.json, GPT-2 124M: it makes that O2 row a calibration, not a check).
+HOST_OP_S = 5e-6
 
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2"}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": 1.0,  # (the CPU names of flash
@@ -142,14 +146,14 @@ def count_step(model_args, level, batch, seq, recipe=()):
     """(ops of one micro-step's forward and backward, ops of one optimizer step)."""
     import train
     from nanofp8.model import GPT, GPTConfig
+    from nanofp8.o2_compile import cast_for_step
 
     cfg = train.load_config([f"precision={level}", "device=cpu", "fp8_backend=torch", *recipe])
     with cuda_decisions(), FakeTensorMode():
         model = GPT(GPTConfig(**model_args, block_size=seq))
         train.setup_precision(model, cfg, "cuda")
-        for m in model.modules():  # compiled code casts the weight in every micro-step (O1)
-            m.cache_weight = False
         opt = train.build_optimizer(model, cfg, "cuda")
+        cast_for_step(model, record=False)  # O1: the weights' casts, made by the step (counted there)
         x = torch.zeros(batch, seq, dtype=torch.long)
         with Recorder() as micro:
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -164,9 +168,16 @@ def count_step(model_args, level, batch, seq, recipe=()):
 # 2. Price
 
 
-def price(ops, hw):
+def price(ops, hw, eager=False):
     """Seconds on `hw` for the recorded ops, compiled: {"gemm", "gemm_fp8", "attention", "memory",
-    "kernels" (memory-bound kernels after fusion), "total"}."""
+    "kernels" (memory-bound kernels after fusion), "total"}. eager: as eager code runs them (O2's
+    optimizer step), each operator its own kernel, and the total at least HOST_OP_S per operator."""
+    if eager:
+        gpu = sum(max((sum(n for _, n in r) + sum(n for _, n in w)) / (hw["hbm"] * hw["eff_hbm"]),
+                      f / ((hw["fp8"] * hw["eff_fp8"]) if fp8 else (hw["bf16"] * hw["eff_bf16"])), KERNEL_MIN_S)
+                  for _, f, fp8, r, w in ops)
+        return dict(gemm=0.0, gemm_fp8=0.0, attention=0.0, memory=gpu, kernels=len(ops),
+                    total=max(gpu, len(ops) * HOST_OP_S))
     readers = {}  # storage -> indices of the ops that read it
     for i, (_, _, _, reads, _) in enumerate(ops):
         for sid, _ in reads:
@@ -214,7 +225,7 @@ def price_layers(model_args, level, batch, seq, recipe, hw):
     n = model_args["n_layer"]
     if n <= 2:
         micro, step = count_step(model_args, level, batch, seq, recipe)
-        return price(micro, hw), price(step, hw)
+        return price(micro, hw), price(step, hw, eager=level in ("O2", "O3"))  # (Fp8AdamW: not compiled)
     one, two = (price_layers(model_args | {"n_layer": k}, level, batch, seq, recipe, hw) for k in (1, 2))
     return tuple({k: a[k] + (n - 1) * (b[k] - a[k]) for k in a} for a, b in zip(one, two))
 
@@ -283,6 +294,41 @@ def validate(gpu="H100"):
     return rows
 
 
+# bench.py throughput's models, as predict() takes them: (model, batch, seq)
+GPU_MODELS = {"gpt2-124M": (gpt2_like(12, 768), 8, 1024), "wide-4096": (gpt2_like(4, 4096), 8, 1024),
+              "d2048-24L": (gpt2_like(24, 2048), 8, 1024)}
+
+
+def against_gpu(folder=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")):
+    """Every compiled tokens/s ratio to bf16 measured in folder's throughput_*.json (bench.py
+    throughput on a GPU; one micro-step per optimizer step), beside this code's prediction for
+    the same GPU, model and level. A measurement made at another commit measured other code:
+    its commit is given with it."""
+    rows = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not (name.startswith("throughput_") and name.endswith(".json")):
+            continue
+        d = json.load(open(os.path.join(folder, name)))
+        env = d.get("env", d)
+        gpu = next((g for g in HARDWARE if g in env["device"]), None)
+        runs = {}
+        for r in d["throughput"]:
+            if r["compile"] and r["model"] in GPU_MODELS:
+                runs.setdefault((r["model"], r["level"]), []).append(r["tokens_per_s"])
+        for (model, level), tps in sorted(runs.items()):
+            base = runs.get((model, "bf16"))
+            if gpu is None or level == "bf16" or not base or level not in ("O1", "O2"):
+                continue
+            measured = sorted(tps)[(len(tps) - 1) // 2] / sorted(base)[(len(base) - 1) // 2]
+            args, batch, seq = GPU_MODELS[model]
+            pred = predict(args, batch, seq, gpu, accum=1, recipes={"bf16": ("bf16", ()), level: (level, ())})
+            p = pred[level]["speedup_vs_bf16"]
+            rows.append({"file": name, "commit": env.get("commit"), "gpu": gpu, "model": model, "level": level,
+                         "measured": round(measured, 3), "predicted": p,
+                         "error_pct": round(100 * (p - measured) / measured, 1)})
+    return rows
+
+
 SWEEP = [(12, 768), (24, 1024), (24, 1536), (24, 2048), (32, 2560), (32, 4096)]
 
 
@@ -335,6 +381,12 @@ def main(argv=None):
         result["max_abs_error_pct"] = max(errs)
         print(f"  largest error: {max(errs):.1f}%; directions right: "
               f"{all(v['direction_right'] for v in result['validation'] if v['direction_right'] is not None)}")
+        print("\nagainst the GPU measurements of results/gpu/ (compiled, tokens/s over bf16's; the code "
+              "measured is that of the commit named):")
+        result["against_gpu"] = against_gpu()
+        for v in result["against_gpu"]:
+            print(f"  {v['gpu']} {v['model']:10s} {v['level']}: measured {v['measured']:.3f}x (commit {v['commit']}), "
+                  f"predicted for this code {v['predicted']:.3f}x: error {v['error_pct']:+.1f}%")
         print(f"\nsweep (GPT-2-like, {args.batch} x {args.seq} tokens per micro-step, {args.accum} micro-steps "
               f"per step, {args.gpu}): speedup over bf16")
         result["sweep"] = sweep(args.gpu, args.batch, args.seq, args.accum)

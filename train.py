@@ -64,6 +64,7 @@ from nanofp8.dist import Fp8DataParallel
 from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
+from nanofp8.o2_compile import bump_if_fused, cast_after_steps, cast_once_per_step
 from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
                          nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
@@ -195,10 +196,8 @@ def setup_precision(model, cfg, device_type):
     if not names:  # FP8 GEMMs need both dims % 16: an "FP8" run with none would be bf16 in disguise
         raise ConfigError(f"precision={level}: no block Linear can run in FP8: their widths "
                           f"(n_embd={model.config.n_embd}, MLP {model.config.hidden}) must be multiples of 16")
-    if level == "O1":  # each weight cast to FP8 once per step, not per micro-step (optimizer_step
-        for m in model.modules():  # bumps the weights' version counters, which the cast is keyed on)
-            if isinstance(m, fp8.Fp8Linear):
-                m.cache_weight = True
+    if level == "O1":  # each weight cast to FP8 once per step, right after it, not per micro-step
+        cast_once_per_step(model)  # (build_optimizer's AdamW makes the casts: nanofp8/o2_compile.py)
     elif level == "O2":
         convert_to_o2(model, grad_accum=cfg["o2_grad_accum"])
     elif level == "O3":
@@ -229,7 +228,8 @@ def build_optimizer(model, cfg, device_type):
         return ZeroFp8AdamW(groups, model, v_format=cfg["o2_v_format"], **kw)
     # The fused CUDA kernel updates all parameters in a few launches instead of several per tensor.
     extra = {"fused": True} if device_type == "cuda" else {}
-    return torch.optim.AdamW(groups, **kw, **extra)
+    opt = torch.optim.AdamW(groups, **kw, **extra)
+    return cast_after_steps(opt, model) if cfg["precision"] == "O1" else opt  # O1: FP8 weights cast per step
 
 
 def optimizer_step(model, optimizer, cfg, layout=None, clips=None):
@@ -259,8 +259,7 @@ def optimizer_step(model, optimizer, cfg, layout=None, clips=None):
         stepped = finite == 1 and math.isfinite(norm)
         if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
             optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
-            if optimizer.defaults.get("fused"):  # it wrote the weights without telling autograd
-                torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
+            bump_if_fused(optimizer)  # (a fused AdamW writes the weights without telling autograd)
     optimizer.zero_grad(set_to_none=True)
     if clips is not None:
         clips.clipped_now = clipped[0] == 1

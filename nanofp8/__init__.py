@@ -32,14 +32,15 @@ data.py      token data and reproducible batches; configurator.py: configs and t
 The seams: the only engine names the library's core imports (tests/test_design.py holds them):
 
 fp8.py       device.gemm (every backend but the reference), device.cast (Triton and CPU casts),
-             mx.mx_scale (the "mxfp8" preset's scale rule)
+             mx.mx_scale (the "mxfp8" preset's scale rule), o2_compile.kept_operands (compiled
+             O1: the weight's cast of the step)
 optim.py     optim_foreach (the twin step), o2_compile.O2CompileParts
 dist.py      overlap.InOrder, overlap.Pending, overlap.plan_buckets, counter.COMM,
              counter.comm_stats, emulate.fp8_to_float
 model.py     attention.fp8_attention (opt-in: fp8_attention=True)
 
 train.py, the script that puts it all together, imports the engine by module: configurator, data,
-layout, run, stats, zero, ckptfile.
+layout, run, stats, zero, ckptfile, o2_compile.
 
 One O2 weight, from forward to optimizer step, in three files (read in this order):
 

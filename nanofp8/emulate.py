@@ -28,9 +28,13 @@ from nanofp8.fp8 import E4M3, E5M2, K_STEP, Fp8Tensor, compute_scale, expand_til
 _FP8 = (E4M3.dtype, E5M2.dtype)
 
 
+# Off: a CPU takes the paths a GPU takes (nanofp8/schedule.py counts a GPU's launches that way).
+ENABLED = True
+
+
 def handles(t):
     """Does the CPU emulation handle t: a plain tensor on a CPU, outside torch.compile?"""
-    return (t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter)
+    return (ENABLED and t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter)
             and not torch.compiler.is_compiling())
 
 

@@ -216,21 +216,24 @@ def expand_tiles(s, block, shape):
     return s[..., rows[:, None], cols]
 
 
-def measure_amax(x2, granularity, block):
+def measure_amax(x2, granularity, block, rows_first=False):
     """max |x| of x2 (..., rows, cols): one value ("tensor"), one per row, or one per (br, bc)
-    tile of each matrix (ragged edge tiles padded with zeros). NaN where x holds a NaN."""
+    tile of each matrix (ragged edge tiles padded with zeros). NaN where x holds a NaN. rows_first:
+    a tensor's as the max of its rows' (the same value), which, compiled, the kernel making x row by
+    row (a LayerNorm) takes in the same pass: one tiny reduction remains, not two reading x again."""
     if granularity == "block":
         br, bc = block
         rows, cols = x2.shape[-2:]
         xp = torch.nn.functional.pad(x2.abs(), (0, (-cols) % bc, 0, (-rows) % br))
         return xp.unflatten(-1, (-1, bc)).unflatten(-3, (-1, br)).amax(dim=(-3, -1))
     # max(|x|) = max(max x, -min x): one read of x, where abs() then amax() make two passes
-    lo, hi = torch.aminmax(x2) if granularity == "tensor" else torch.aminmax(x2, dim=-1, keepdim=True)
-    return torch.maximum(hi, -lo).abs()  # a NaN in x makes both NaN, an inf either; abs: +0, never -0
+    lo, hi = torch.aminmax(x2) if granularity == "tensor" and not rows_first else torch.aminmax(x2, dim=-1, keepdim=True)
+    amax = torch.maximum(hi, -lo).abs()  # a NaN in x makes both NaN, an inf either; abs: +0, never -0
+    return amax.amax() if granularity == "tensor" and rows_first else amax
 
 
 def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=0,
-             power_of_two=False, amax=None, scale_rule=compute_scale):
+             power_of_two=False, amax=None, scale_rule=compute_scale, rows_first=False):
     """Quantize x (..., rows, cols) to FP8 along its last dim (the GEMM contraction dim), each
     matrix of a batch on its own (a "tensor" scale excepted). Returns an Fp8Tensor.
 
@@ -244,7 +247,7 @@ def quantize(x, fmt, granularity="tensor", block=(1, BLOCK), scale=None, margin=
     x2 = (x.reshape(1, -1) if x.dim() == 1 else x).detach()
     block = tuple(block) if granularity == "block" else (1, x2.shape[-1])
     if amax is None:
-        amax = measure_amax(x2, granularity, block)
+        amax = measure_amax(x2, granularity, block, rows_first)
     if scale is None:
         scale = scale_rule(amax, fmt, margin, power_of_two)
     # Not a bare scale.float(): on an fp32 tensor that returns the tensor itself, a second name for
@@ -432,12 +435,12 @@ class Fp8LinearFunction(torch.autograd.Function):
             qw, qw_t = mod.weight_operands()  # W (N, K) for this GEMM, W^T (K, N) for dgrad
 
             # ---- forward: y (M, N) = x (M, K) @ [W (N, K)]^T       E4M3 x E4M3, fast accumulation
-            b = None if bias is None else bias.to(out_dtype)
+            b = None if bias is None else mod.gemm_bias(bias, out_dtype)
             y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
 
-            # Keep only the FP8 operands of the backward GEMMs, along their contraction dims:
-            # x^T (K, M) for wgrad, W^T (K, N) for dgrad. Row and 1x128 scales re-quantize x^T.
+            # Keep only the FP8 operands of the backward GEMMs (and their inverse scales), along their
+            # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Row, 1x128: re-quantize x^T.
             if qx.granularity == "tensor" or qx.block[0] > 1:  # scales that transpose with the data
                 qx_t = qx.t()
             else:  # (x given cast: from its FP8 values)
@@ -445,7 +448,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                 qx_t = mod.quantize_operand(INPUT, src.t(), r.fwd_fmt)
             if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
                 mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
-            ctx.save_for_backward(qx_t.data, qx_t.scale, qw_t.data, qw_t.scale)
+            ctx.save_for_backward(qx_t.data, qx_t.scale, qx_t.inv_scale, qw_t.data, qw_t.scale, qw_t.inv_scale)
             ctx.meta = ((qx_t.fmt, qx_t.granularity, qx_t.block, qx_t.data.shape, qx_t.dtype),
                         (qw_t.fmt, qw_t.granularity, qw_t.block, qw_t.data.shape, qw_t.dtype))
             ctx.mod, ctx.given = mod, given
@@ -456,8 +459,8 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         mod, r = ctx.mod, ctx.mod.recipe
-        tx, sx, tw, sw = ctx.saved_tensors
-        qx_t, qw_t = Fp8Tensor(tx, sx, *ctx.meta[0]), Fp8Tensor(tw, sw, *ctx.meta[1])
+        tx, sx, ix, tw, sw, iw = ctx.saved_tensors
+        qx_t, qw_t = Fp8Tensor(tx, sx, *ctx.meta[0], _inv=(sx, ix)), Fp8Tensor(tw, sw, *ctx.meta[1], _inv=(sw, iw))
         dx = dw = db = qdy_t = None
         with torch.autocast(dy.device.type, enabled=False):
             given = ctx.given
@@ -506,9 +509,9 @@ class Fp8Linear(nn.Linear):
     weight_operands and weight_changed; O3Linear (nanofp8/zero.py) cast_weight and hp_weight."""
 
     observer = None  # statistics of the casts (nanofp8/stats.py): set for the steps it observes
-    # Cast the weight once per optimizer step and reuse it across micro-steps (eager code), as long
-    # as the weight's version counter and storage stay the same? train.py turns it on at O1, whose
-    # optimizer_step bumps the version counters (torch's fused AdamW writes the weights without).
+    # Cast the weight once per optimizer step, for all its micro-steps? Eager code casts again when the
+    # weight's version or storage change; compiled code reads the cast that o2_compile.cast_for_step
+    # kept, which train.py's optimizer makes after each step at O1 (O2/O3 layers cast their own).
     cache_weight = False
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
@@ -529,14 +532,22 @@ class Fp8Linear(nn.Linear):
 
     def weight_operands(self):
         """FP8 W (N, K) and W^T (K, N) for the forward and dgrad GEMMs."""
+        if self.cache_weight and torch.compiler.is_compiling() and getattr(self, "_fp8_meta", None):
+            from nanofp8.o2_compile import kept_operands  # (the cast of this step: cast_for_step)
+            return kept_operands(self)
         use_cache = self.cache_weight and not torch.compiler.is_compiling()
         if use_cache:
-            key = (self.weight._version, self.weight.data_ptr(), self.training)
+            key = (self.weight._version, self.weight.data_ptr())  # (evaluation too: the same weight)
             if self._w_cache is not None and self._w_cache[0] == key:
                 return self._w_cache[1]
         ops = self.cast_weight()
         self._w_cache = (key, ops) if use_cache else None
         return ops
+
+    def gemm_bias(self, bias, dtype):
+        """The bias in the GEMM's output dtype (compiled, cache_weight: the copy of the step's cast)."""
+        kept = getattr(self, "gemm_bias_kept", None) if self.cache_weight and torch.compiler.is_compiling() else None
+        return kept if kept is not None and kept.dtype == dtype else bias.to(dtype)
 
     def cast_weight(self):
         """The FP8 cast of the weight and of its transpose (not cached)."""
@@ -554,11 +565,12 @@ class Fp8Linear(nn.Linear):
         if r.scaling == "delayed":
             return self.delayed_quantize(role, x2, fmt)
         tile = r.weight_tile if role == WEIGHT else r.act_tile
+        rows_first = role == INPUT  # (compiled: an activation's amax in the kernel that makes it)
         if r.backend == "emulate":
             return quantize(x2, fmt, r.granularity, tile, margin=r.margin, power_of_two=r.power_of_two,
-                            scale_rule=r.scale_rule)
+                            scale_rule=r.scale_rule, rows_first=rows_first)
         from nanofp8.device import cast  # the engine (seam): Triton or CPU casts, the same bytes
-        return cast(r, x2, fmt, tile)
+        return cast(r, x2, fmt, tile, rows_first)
 
     def weight_changed(self):
         """Called by an optimizer that wrote a new weight: forget the cached cast (O2: cast anew)."""

@@ -59,7 +59,7 @@ def training_state_bytes(model, optimizer, is_block_linear=None):
         if isinstance(m, O2Linear):  # the master's scale; the step's casts, held until the next step
             row["weight"] += _nbytes(m.weight_scale)
             own = {p.untyped_storage().data_ptr()}  # (O3: the forward's W is the stored weight)
-            row["gemm_weight"] += sum(_nbytes(t) for t in {getattr(m, k) for k in ("fp8_w", "fp8_w_scale", "fp8_wt", "fp8_wt_scale")}
+            row["gemm_weight"] += sum(_nbytes(t) for t in {getattr(m, k) for k in ("fp8_w", "fp8_w_scale", "fp8_w_inv", "fp8_wt", "fp8_wt_scale", "fp8_wt_inv")}
                                       if t.untyped_storage().data_ptr() not in own)
         elif isinstance(m, Fp8Linear) and m._w_cache is not None:
             row["gemm_weight"] += sum(_fp8_nbytes(q) for q in m._w_cache[1] if q is not None)

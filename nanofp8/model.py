@@ -142,6 +142,11 @@ def apply_rope(x, cos, sin):
     return out.type_as(x)
 
 
+# A CPU runs attention in fp32 (below); nanofp8/schedule.py turns that off to count the graph a GPU
+# compiles.
+FP32_ATTENTION_ON_CPU = True
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention. The number of heads is read from the tensors, not the
     config: under tensor parallelism (nanofp8/parallel.py) c_attn is one rank's shard and writes
@@ -168,7 +173,7 @@ class CausalSelfAttention(nn.Module):
         # The fused kernel (flash / memory-efficient attention) never materializes the T x T
         # matrix. By default attention stays in bf16: it is a small share of the FLOPs at these
         # sizes and its softmax inputs are exactly the kind of values FP8 would hurt.
-        dtype, on_cpu = q.dtype, q.device.type == "cpu"
+        dtype, on_cpu = q.dtype, q.device.type == "cpu" and FP32_ATTENTION_ON_CPU
         if on_cpu:
             # PyTorch's CPU flash-attention kernel is ~5x slower in bf16 than in fp32 (its
             # backward especially), so on a CPU attention runs in fp32, autocast or not.

@@ -1,13 +1,17 @@
 """
-What an O2/O3 layer (nanofp8/optim.py's O2Linear) needs to run under torch.compile as in eager mode.
+The FP8 weight cast once per optimizer step, also under torch.compile; and what an O2/O3 layer
+(nanofp8/optim.py's O2Linear) needs to run under torch.compile as in eager mode.
 
-The FP8 weight, cast once per optimizer step. The step calls refresh_fp8_weight() (through
-O2Linear.set_weight) right after it writes the new master; the casts W (N, K) and W^T (K, N) stay
-in buffers (not saved: they are made from the master) until the next step. A forward takes them
-as they are, also a compiled one: dynamo reads buffers as graph inputs, and the cast stays out of
-the graph. (Fp8Linear's own cache is keyed on the weight's version, which only eager code can
-read, so it is off under torch.compile.) Eager mode also notices a weight changed some other way
-(a load, a copy, a move to another device) and casts again.
+The FP8 weight, cast once per optimizer step, at every level. Right after the step writes the
+weights, the casts W (N, K) and W^T (K, N) are made and kept in buffers (not saved: they are made
+from the weight) until the next step: O2/O3's step calls refresh_fp8_weight() (through
+O2Linear.set_weight); at O1, train.py's optimizer calls cast_for_step() after torch's AdamW. A
+forward takes them as they are, also a compiled one: dynamo reads buffers as graph inputs, so the
+compiled graph of a micro-step holds no weight cast (its amax, scale and two FP8 copies: about a
+third of an FP8 block's kernels at GPT-2 width). (Fp8Linear's own cache is keyed on the weight's
+version, which only eager code can read.) Eager mode also notices a weight changed some other way
+(a load, a copy, a move to another device) and casts again; a compiled forward cannot, which is
+why the cast is made by whoever writes the weight, and again after a load (_loaded_state).
 
 The weight gradient, handed over through autograd. O2Linear.take_wgrad runs, under torch.compile,
 while dynamo traces the backward, where storing on the weight would be a side effect it cannot
@@ -20,7 +24,114 @@ outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the graph break
 
 import torch
 
-from nanofp8.fp8 import WEIGHT, Fp8Tensor, compute_scale, quantize
+from nanofp8.fp8 import WEIGHT, Fp8Linear, Fp8Tensor, compute_scale, quantize
+
+
+def keep_cast(layer, qw, qwt):
+    """Keep the FP8 W and W^T of a layer in its buffers fp8_w, fp8_wt (and their scales)."""
+    meta = []
+    for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
+        meta.append((q.fmt, q.granularity, q.block, q.data.shape, q.dtype))  # the rest of q
+        # the inverse scales too (what the GEMMs multiply by): a compiled graph that made them
+        # would launch a kernel for each, twice per layer and micro-step
+        for key, t in ((name, q.data), (name + "_scale", q.scale), (name + "_inv", q.inv_scale)):
+            # a new tensor, not a copy into the old one: a graph saved for backward may still
+            # hold the old one (autograd would refuse it after an in-place write); never a buffer
+            # the layer has already (an O2 weight's scale can be its W's)
+            layer.register_buffer(key, t if all(t is not b for b in layer.buffers()) else t.clone(),
+                                  persistent=False)
+    layer._fp8_meta = tuple(meta)
+    if layer.bias is not None:  # and the bias in bf16, autocast's dtype in train.py (Fp8Linear.gemm_bias)
+        layer.register_buffer("gemm_bias_kept", layer.bias.detach().to(torch.bfloat16), persistent=False)
+
+
+def kept_operands(layer):
+    """The FP8 W and W^T that keep_cast kept."""
+    return (Fp8Tensor(layer.fp8_w, layer.fp8_w_scale, *layer._fp8_meta[0], _inv=(layer.fp8_w_scale, layer.fp8_w_inv)),
+            Fp8Tensor(layer.fp8_wt, layer.fp8_wt_scale, *layer._fp8_meta[1], _inv=(layer.fp8_wt_scale, layer.fp8_wt_inv)))
+
+
+@torch.no_grad()
+def cast_now(layer, record=True):
+    """The FP8 W and W^T of the layer's weight as it is now. record=False (a weight that was loaded
+    or moved, not stepped): under delayed scaling, cast with the scale the weight last had and
+    record no amax, as the step that made this weight already did (a weight never cast in training
+    has no such scale: its own amax makes it, as for a first cast). The same bytes as that step's."""
+    r = layer.recipe
+    if record or r.scaling == "current":
+        return layer.cast_weight()
+    w = layer.hp_weight().detach()
+    own = compute_scale(w.abs().amax(), r.fwd_fmt, r.margin, r.power_of_two)
+    qw = quantize(w, r.fwd_fmt, "tensor", scale=torch.where(layer.history_count[WEIGHT] > 0, layer.scale[WEIGHT], own))
+    return qw, qw.t()
+
+
+@torch.no_grad()
+def cast_for_step(model, written=(), record=True):
+    """Cast the weight of every Fp8Linear with cache_weight (train.py's O1) to FP8 now, once for
+    all the micro-steps of the next optimizer step, compiled or not. written: parameters a fused
+    optimizer wrote without bumping their version counters (torch's fused AdamW): bumped first, so
+    that eager code sees the new weights too. train.py's AdamW calls it after every step (a step
+    post hook: cast_after_steps), and train.py once before the first forward, with record=False
+    (the weights were made, or loaded, not stepped); so does a load_state_dict of the layer.
+
+    The first cast of a layer makes its buffers; the next ones write into them, all layers in one
+    call (_recast), on a GPU compiled: one Python call and a few fused kernels per weight, where
+    a loop of eager casts would spend more time launching them than the GPU spends on them."""
+    if written:
+        torch.autograd.graph.increment_version(list(written))
+    layers = [m for m in model.modules()
+              if isinstance(m, Fp8Linear) and m.cache_weight and not isinstance(m, O2CompileParts)]
+    kept = [m for m in layers if getattr(m, "_fp8_meta", None) is not None]
+    if kept:
+        cuda = record and kept[0].weight.is_cuda  # (record=False: a load, rare: eager)
+        if cuda and _recast.compiled is None:
+            _recast.compiled = torch.compile(_recast)
+        (_recast.compiled if cuda else _recast)(kept, record)
+    for m in layers:
+        if m not in kept:
+            keep_cast(m, *cast_now(m, record))
+            m.register_load_state_dict_post_hook(lambda mod, keys: cast_for_step(mod, record=False))
+        m._w_cache = ((m.weight._version, m.weight.data_ptr()), kept_operands(m))  # (eager's key)
+
+
+def _recast(layers, record):
+    """The casts of cast_for_step, written into the buffers that keep_cast made (no graph holds
+    them between an optimizer step and the next forward)."""
+    for m in layers:
+        qw, qwt = cast_now(m, record)
+        for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
+            for suffix, t in (("", q.data), ("_scale", q.scale), ("_inv", q.inv_scale)):
+                getattr(m, name + suffix).copy_(t)
+        if m.bias is not None:
+            m.gemm_bias_kept.copy_(m.bias)
+
+
+_recast.compiled = None
+
+
+def cast_once_per_step(model):
+    """Turn on cache_weight in every Fp8Linear of the model (train.py at O1): its weight is cast
+    once per optimizer step, by cast_for_step, which the optimizer has to call (cast_after_steps)."""
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.cache_weight = True
+
+
+def cast_after_steps(optimizer, model):
+    """Make `optimizer` (torch's AdamW, at O1) call cast_for_step after each of its steps; returns it."""
+    written = [p for g in optimizer.param_groups for p in g["params"]] if optimizer.defaults.get("fused") else ()
+    optimizer.register_step_post_hook(lambda *_: cast_for_step(model, written))
+    optimizer.casts_fp8_weights = True
+    return optimizer
+
+
+def bump_if_fused(optimizer):
+    """After a step of a fused optimizer (torch's fused AdamW writes the weights without bumping
+    their version counters) that does not call cast_for_step itself: bump them, so that eager
+    code casts the new weights (a user's own fused AdamW at O1; compiled code needs the hook)."""
+    if optimizer.defaults.get("fused") and not getattr(optimizer, "casts_fp8_weights", False):
+        torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
 
 
 class O2CompileParts:
@@ -29,33 +140,13 @@ class O2CompileParts:
 
     @torch.no_grad()
     def refresh_fp8_weight(self, record=True):
-        """Cast the weight to FP8 now and keep W and W^T in buffers. record=False (a weight that
-        was loaded or moved, not stepped): under delayed scaling, cast with the scale the weight
-        last had and record no amax, as the step that made this weight already did (a weight
-        never cast in training has no such scale: its own amax makes it, as for a first cast)."""
-        r = self.recipe
-        if record or r.scaling == "current":
-            qw, qwt = self.cast_weight()
-        else:
-            w = self.hp_weight().detach()
-            own = compute_scale(w.abs().amax(), r.fwd_fmt, r.margin, r.power_of_two)
-            scale = torch.where(self.history_count[WEIGHT] > 0, self.scale[WEIGHT], own)
-            qw = quantize(w, r.fwd_fmt, "tensor", scale=scale)
-            qwt = qw.t()
-        meta = []
-        for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
-            meta.append((q.fmt, q.granularity, q.block, q.data.shape, q.dtype))  # the rest of q
-            for key, t in ((name, q.data), (name + "_scale", q.scale)):
-                # a new tensor, not a copy into the old one: a graph saved for backward may
-                # still hold the old one (autograd would refuse it after an in-place write)
-                self.register_buffer(key, t if t is not self.weight_scale else t.clone(), persistent=False)
-        self._fp8_meta = tuple(meta)
+        """Cast the weight to FP8 now and keep W and W^T in buffers (record: cast_now's)."""
+        keep_cast(self, *cast_now(self, record))
         self._fp8_key = (self.weight._version, self.weight.data_ptr())
         self._w_cache = None
 
     def _fp8_operands(self):  # the FP8 W and W^T of refresh_fp8_weight, from its buffers
-        return (Fp8Tensor(self.fp8_w, self.fp8_w_scale, *self._fp8_meta[0]),
-                Fp8Tensor(self.fp8_wt, self.fp8_wt_scale, *self._fp8_meta[1]))
+        return kept_operands(self)
 
     def weight_operands(self):
         """FP8 W and W^T for the forward and dgrad GEMMs: the casts of the last step."""

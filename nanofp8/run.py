@@ -42,6 +42,7 @@ from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2
 from .layout import GroupError, is_collective_failure, report_collective_failure, stop
 from .model import GPTConfig
+from .o2_compile import cast_for_step
 from .ckptfile import (FP8_STATE_KEYS, CheckpointError, WriteError, load_checkpoint, load_model_state, make_dir,
                        root_cause, save_checkpoint)
 from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discard_set, last_good, legacy_files,
@@ -726,8 +727,16 @@ def resume_point(cfg, layout, vocab_size, log):
 
 
 def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
-    """Optimizer state, position, dropout RNG and this rank's FP8 scaling state. Returns (iter_num,
-    best_val_loss). Called after wrap_data_parallel, whose wrappers broadcast replica 0's buffers.
+    """Optimizer state, position, dropout RNG and this rank's FP8 scaling state, then the FP8 weights
+    of the first step (O1: o2_compile.cast_for_step, with the restored scales). Returns (iter_num,
+    best_val_loss). Called after wrap_data_parallel, whose wrappers broadcast replica 0's buffers."""
+    restored = _restore_state(model, optimizer, ckpt, converted, cfg, layout, log)
+    cast_for_step(model, record=False)
+    return restored
+
+
+def _restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
+    """restore_state's restoring.
 
     The global RNG only drives dropout. Each rank gets its own stream (layout.dropout_stream); a
     resumed run continues each data-parallel rank's saved stream (one reseeds only if the

@@ -323,3 +323,12 @@ def test_gpu_report_takes_the_median_round_and_the_ratio_to_bf16(tmp_path):
     assert "| m | False | O1 | 3 | 90 | 0.818x |" in text
     assert "| m | True | O1 | 1 | 200 |  |" in text
     assert bench.report_gpu(str(tmp_path / "none"))[1].startswith("No GPU figures")
+
+
+def test_design_reports_the_card(capsys):
+    """bench.py design measures what the design card budgets (not enforced by the tests)."""
+    bench.main(["design"])
+    out = capsys.readouterr().out
+    for measure in ("lines of nanofp8/fp8.py", "lines of the core", "functions of one O1 Linear step",
+                    "functions of one O2 optimizer step", "names train.py takes from run.py"):
+        assert measure in out, out

@@ -117,8 +117,9 @@ def test_eager_fp8_linear_launches_per_micro_step(granularity, formats, monkeypa
 def test_o1_casts_the_weight_once_per_step():
     """train.py at O1: the micro-steps of a step reuse one FP8 cast of each weight; the step of
     torch's fused AdamW (CUDA's optimizer, which writes the weights without bumping their version
-    counters) is followed by a bump in optimizer_step, so the next forward casts the new weight.
-    Other writes bump the counter themselves (foreach AdamW, copy_)."""
+    counters) is followed by its post hook (o2_compile.cast_after_steps), which bumps them and casts
+    every weight once, for the next step's micro-steps (compiled ones read that cast). Other writes
+    bump the counter themselves (foreach AdamW, copy_): eager code casts again."""
     import train
     from nanofp8.model import GPT, GPTConfig
 
@@ -139,8 +140,9 @@ def test_o1_casts_the_weight_once_per_step():
     assert len(casts) == 4, len(casts)
     before = layer.weight_operands()
     train.optimizer_step(model, opt, cfg)
+    assert len(casts) == 8  # the step cast each Linear once
     after = layer.weight_operands()
-    assert after is not before and len(casts) == 5
+    assert after is not before and len(casts) == 8  # and the forward takes that cast
     want = fp8.quantize(layer.weight.detach(), fp8.E4M3)
     assert torch.equal(after[0].data.view(torch.uint8), want.data.view(torch.uint8))
     with torch.no_grad():

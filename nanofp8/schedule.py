@@ -1,0 +1,190 @@
+"""
+What a compiled training step costs a GPU, counted on a CPU.
+
+At GPT-2 width an FP8 GEMM takes a few microseconds less than a bf16 one, and every cast around it
+costs a read and a write of the tensor it casts: whether FP8 pays is decided by the bytes the
+non-GEMM kernels move and by how many of them launch (results/gpu/: 0.78x bf16's tokens/s at
+GPT-2 124M, with one graph and no break). torch.compile turns each graph into kernels by fusing
+its operations, by rules that depend on the device. Inductor can be told to apply its CUDA rules
+(Triton kernels) to a CPU graph (`cpu_backend = "triton"`): scheduling the graphs that
+AOTAutograd hands it then gives the kernels a GPU would launch and the bytes each one reads and
+writes, without a GPU and without compiling any of them. Priced at HBM bandwidth, this count
+reproduced the H200's O1/bf16 ratios within 1% (README, "Speed").
+
+    graph_cost(fn, *args)      run fn (forward and backward), counting every graph it compiles
+    block_cost(level, ...)     one GPT-2 block of train.py's model at a precision level, with its
+                               loss.backward(), as train.py compiles it
+    step_cost(level, ...)      the work outside the compiled graphs of one optimizer step: the
+                               checks, the clipping, the optimizer and the weight casts of the step,
+                               counted as ATen launches (each a kernel on a GPU, a foreach operator
+                               one) and the bytes of their operands, on the paths a GPU takes (the
+                               CPU emulation's shortcuts off; the casts as fp8.quantize's operators,
+                               where a GPU's eager casts are two Triton launches: an upper bound)
+
+The scheduling uses inductor's own passes (post-grad passes, lowering, the scheduler's fusion)
+and stops before code generation; nothing runs on the graphs but their eager twins, so that
+backward gets its inputs. It reads torch internals (torch._inductor), checked on torch 2.11 and
+2.13: a change there is a failure of `bench.py kernels`, not of training.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# what launches nothing on a GPU: allocations, views, metadata
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "lift_fresh_copy", "detach",
+              "_local_scalar_dense", "set_", "alias"}
+
+
+@dataclass
+class Graph:
+    backward: bool
+    kernels: list = field(default_factory=list)  # (bytes read and written, fused operations)
+    gemms: list = field(default_factory=list)  # extern kernels: GEMMs, attention, library calls
+
+    @property
+    def bytes(self):
+        return sum(b for b, _ in self.kernels)
+
+
+def _schedule(gm, example_inputs, backward, graphs):
+    """Lower one AOT graph with inductor's CUDA rules and keep its fused kernels."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
+                                            fake_tensor_prop, view_to_reshape)
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode, Scheduler
+    from torch._inductor.virtualized import V
+
+    view_to_reshape(gm)  # what compile_fx does before lowering, in its order
+    with torch.no_grad():
+        fake_mode = fake_tensor_prop(gm, example_inputs)
+    _recursive_record_original_output_strides(gm)
+    with config.patch(cpu_backend="triton"), V.set_fake_mode(fake_mode), DebugContext():
+        _recursive_post_grad_passes(gm, is_inference=False)
+        lowering = GraphLowering(gm, example_inputs=example_inputs, shape_env=fake_mode.shape_env,
+                                 is_backward=backward)
+        with V.set_graph_handler(lowering), V.set_extern_kernel_nodes([]):
+            lowering.run(*example_inputs)
+            graph = Graph(backward)
+            for node in Scheduler(lowering.operations).nodes:
+                if isinstance(node, NopKernelSchedulerNode):
+                    continue
+                if isinstance(node, ExternKernelSchedulerNode):
+                    name = getattr(node.node, "python_kernel_name", None)
+                    if name:  # (a MultiOutput only unpacks a tuple)
+                        graph.gemms.append(name.replace("extern_kernels.", "").replace("torch.ops.aten.", ""))
+                    continue
+                ops = sorted({str(o.target).replace("aten.", "").split(".")[0] for n in node.get_nodes()
+                              for o in (getattr(n.node, "origins", None) or ()) if o.op == "call_function"})
+                graph.kernels.append((node.get_read_write_buffers_sizes(), ops))
+    graphs.append(graph)
+
+
+def graph_cost(fn, *args, then=None):
+    """Run fn(*args) under torch.compile, the graphs scheduled as a GPU's but run by their eager
+    twins, then then(result) uncompiled (a .backward(): AOTAutograd compiles the backward graph
+    when it runs, as in train.py, where backward is called outside the compiled model). Returns
+    (fn's result, [Graph])."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = []
+
+    def inner(gm, example_inputs, **kwargs):
+        _schedule(gm, example_inputs, kwargs.get("is_backward", False), graphs)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=lambda gm, inputs: compile_fx(gm, inputs, inner_compile=inner))
+    out = compiled(*args)
+    if then is not None:
+        then(out)
+    torch._dynamo.reset()
+    return out, graphs
+
+
+def block_cost(level, n_embd=768, n_head=12, batch=8, seq=1024):
+    """Kernels and bytes of one GPT-2 block at a precision level (bench.py's LEVELS), forward and
+    backward, compiled as train.py compiles the model (bf16 autocast; FP8 on backend "torch",
+    torch._scaled_mm, as on a GPU; attention in bf16, as on a GPU). Returns a dict."""
+    import bench
+    from nanofp8 import model as model_py
+    from nanofp8.model import GPTConfig
+
+    cfg = GPTConfig(arch="gpt2", n_layer=1, n_head=n_head, n_embd=n_embd, vocab_size=256, block_size=seq)
+    model, _, _ = bench.build(cfg, level, backend="torch")
+    block = model.blocks[0]
+    x = torch.randn(batch, seq, n_embd, requires_grad=True)
+
+    def forward(x):
+        with torch.autocast("cpu", torch.bfloat16):
+            return block(x)
+
+    keep, model_py.FP32_ATTENTION_ON_CPU = model_py.FP32_ATTENTION_ON_CPU, False
+    try:
+        _, graphs = graph_cost(forward, x, then=lambda y: y.float().sum().backward())
+    finally:
+        model_py.FP32_ATTENTION_ON_CPU = keep
+    tokens = batch * seq
+    kernels = [k for g in graphs for k in g.kernels]
+    return {"level": level, "n_embd": n_embd, "tokens": tokens, "graphs": len(graphs),
+            "kernels": len(kernels), "KB_per_token": sum(b for b, _ in kernels) / tokens / 1024,
+            "gemms": sum(len(g.gemms) for g in graphs),
+            "kernel_list": [(g.backward, b / tokens / 1024, ops) for g in graphs for b, ops in g.kernels]}
+
+
+class _Launches(TorchDispatchMode):
+    """ATen operators that launch work, and the bytes of their tensor operands and results."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+            self.ops.append(func.overloadpacket.__name__)
+            seen = set()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def step_cost(level, n_layer=12, n_embd=768, n_head=12):
+    """Launches and bytes of one optimizer step at a precision level, outside the compiled graphs
+    (the step as train.optimizer_step runs it, after a backward that filled the gradients), on a
+    GPT-2 model of n_layer blocks; per FP8 weight value and in all. torch's AdamW (bf16, O1) runs
+    fused, as train.py runs it on a GPU: one launch per parameter group."""
+    import bench
+    import train
+    from nanofp8 import emulate
+    from nanofp8.fp8 import Fp8Linear
+    from nanofp8.model import GPTConfig
+
+    cfg = GPTConfig(arch="gpt2", n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=256, block_size=64)
+    model, opt, settings = bench.build(cfg, level, backend="torch")
+    if type(opt) is torch.optim.AdamW:  # torch's fused AdamW, as on a GPU (train.py's choice there)
+        for group in opt.param_groups:
+            group.update(fused=True, foreach=False)
+        opt.defaults["fused"] = True
+    idx = torch.randint(0, cfg.vocab_size, (2, 64))
+    keep, emulate.ENABLED = emulate.ENABLED, False  # the paths of a GPU, not the CPU's shortcuts
+    try:
+        for _ in range(2):  # the second step is the one counted: state exists, the FP8 casts are warm
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = model(idx, idx)[1]
+            loss.backward()
+            counter = _Launches()
+            with counter:
+                train.optimizer_step(model, opt, settings)
+    finally:
+        emulate.ENABLED = keep
+    fp8_values = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
+    return {"level": level, "n_layer": n_layer, "launches": len(counter.ops), "MB": counter.bytes / 2**20,
+            "fp8_values": fp8_values, "bytes_per_fp8_value": counter.bytes / max(fp8_values, 1),
+            "top_ops": sorted({op: counter.ops.count(op) for op in counter.ops}.items(), key=lambda kv: -kv[1])[:12]}
