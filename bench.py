@@ -1117,6 +1117,7 @@ def cmd_kernels(args):
         b = schedule.block_cost(level, n_embd=args.n_embd, n_head=args.n_embd // 64, batch=args.batch, seq=args.seq)
         st = schedule.step_cost(level, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_embd // 64)
         rows.append({"level": level, "block_kernels": b["kernels"], "block_KB_per_token": b["KB_per_token"],
+                     "saved_KB_per_token": b["saved_KB_per_token"],
                      "block_gemms": b["gemms"], "block_graphs": b["graphs"], "step_launches": st["launches"],
                      "step_bytes_per_fp8_value": st["bytes_per_fp8_value"] if st["fp8_values"] else None,
                      "step_top_ops": st["top_ops"], "block_kernel_list": b["kernel_list"] if args.list else None})
@@ -1131,8 +1132,8 @@ def cmd_kernels(args):
           f"optimizer step of a {args.n_layer}-layer model outside the compiled graphs (ATen launches, bytes "
           f"per FP8 weight value; target at O2: < {O2_STEP_TARGET['launches']} launches, ~"
           f"{O2_STEP_TARGET['bytes_per_fp8_value']} B). {torch.__version__}")
-    emit("kernels", rows, ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16", "block_gemms", "block_graphs",
-                           "step_launches", "step_bytes_per_fp8_value"], args,
+    emit("kernels", rows, ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16", "saved_KB_per_token",
+                           "block_gemms", "block_graphs", "step_launches", "step_bytes_per_fp8_value"], args,
          extra={"block_target": COMPILED_BLOCK_TARGET, "o2_step_target": O2_STEP_TARGET,
                 "command": "python bench.py " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])})
 
@@ -1542,6 +1543,35 @@ def report_throughput(d):
     return out
 
 
+def report_predict(h100, b200):
+    """The README's predict section, from results/predict_h100.json (and predict_b200.json)."""
+    out = ["Validation on an H100 (`results/predict_h100.json`), predicted FP8 speedup over bf16, compiled:", "",
+           _md_table([{"published measurement": v["case"], "published": v["published"],
+                       "predicted": f"{v['predicted_speedup']:.3f}x",
+                       "error": f"{v['error_pct']:+.1f}%" if v["error_pct"] is not None else
+                       f"direction {'right' if v['direction_right'] else 'WRONG'}"} for v in h100["validation"]],
+                     ["published measurement", "published", "predicted", "error"]), "",
+           f"The largest error is {h100['max_abs_error_pct']:.1f}%.", ""]
+    if h100.get("against_gpu"):
+        out += ["Against the GPU measurements of `results/gpu/` (compiled; the measured code is that of the "
+                "commit named, the prediction is for this code):", "",
+                _md_table([{"GPU": v["gpu"], "model": v["model"], "level": v["level"], "measured": f"{v['measured']:.3f}x",
+                            "commit": v["commit"], "predicted": f"{v['predicted']:.3f}x", "error": f"{v['error_pct']:+.1f}%"}
+                           for v in h100["against_gpu"]], ["GPU", "model", "level", "measured", "commit", "predicted",
+                                                           "error"]), ""]
+    rows = []
+    for i, r in enumerate(h100["sweep"]):
+        row = {"layers": r["n_layer"], "n_embd": r["n_embd"], "bf16 ms/micro-step (H100)": f"{r['bf16_ms']:.1f}",
+               "O1 H100": f"{r['O1_speedup']:.3f}x", "O2 H100": f"{r['O2_speedup']:.3f}x"}
+        if b200:
+            row |= {"O1 B200": f"{b200['sweep'][i]['O1_speedup']:.3f}x", "O2 B200": f"{b200['sweep'][i]['O2_speedup']:.3f}x"}
+        rows.append(row)
+    out += ["Sweep, GPT-2-like models (bias, tied embeddings), 8 x 2048 tokens per micro-step, 8 micro-steps per step:",
+            "", _md_table(rows, list(rows[0])), "",
+            f"**With this code, O1 pays from about n_embd = {h100['o1_pays_from_n_embd']} on** (predicted, H100)."]
+    return out
+
+
 def cmd_report(args):
     res, parts = args.results, []
 
@@ -1584,13 +1614,16 @@ def cmd_report(args):
         t = d["block_target"]
         parts += ["### What a GPU runs, counted on a CPU (`bench.py kernels`)", _env_line(d["env"]), "",
                   _md_table(d["kernels"], ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16",
-                                           "step_launches", "step_bytes_per_fp8_value"],
+                                           "saved_KB_per_token", "step_launches", "step_bytes_per_fp8_value"],
                             {"block_KB_per_token": lambda v: f"{v:.0f}", "KB_vs_bf16": lambda v: f"{v:.2f}x",
+                             "saved_KB_per_token": lambda v: f"{v:.1f}",
                              "step_bytes_per_fp8_value": lambda v: "" if v is None else f"{v:.0f}"}), "",
                   "`block` = one GPT-2 block (n_embd 768, 8 x 1024 tokens) compiled, forward and backward, its "
                   "graphs scheduled with inductor's CUDA fusion rules (`nanofp8/schedule.py`): the kernels "
                   "besides the GEMMs and attention, and the bytes they read and write per token (target at "
-                  f"O1: <= {t['kernels']} kernels, <= {t['KB_per_token']} KB). `step` = one optimizer step of "
+                  f"O1: <= {t['kernels']} kernels, <= {t['KB_per_token']} KB); `saved` = what its forward "
+                  "keeps for the backward, per token (the activations' share of the peak memory). `step` = one "
+                  "optimizer step of "
                   "a 12-layer model outside the compiled graphs, on a GPU's paths: operators launched (a "
                   "foreach operator once; bf16 and O1 on torch's fused AdamW) and bytes of their operands per "
                   "FP8 weight value. Not timings: what a GPU would run, from this code, on any machine.", ""]
@@ -1606,6 +1639,9 @@ def cmd_report(args):
     text = open(readme).read()
     a, b = text.index("<!-- results:start -->"), text.index("<!-- results:end -->")
     text = text[: a] + "<!-- results:start -->\n" + "\n".join(parts) + "\n" + text[b:]
+    if (h100 := load("predict_h100.json")) and "<!-- predict:begin -->" in text:
+        a, b = text.index("<!-- predict:begin -->"), text.index("<!-- predict:end -->")
+        text = text[:a] + "<!-- predict:begin -->\n" + "\n".join(report_predict(h100, load("predict_b200.json"))) + "\n" + text[b:]
     with open(readme, "w") as f:
         f.write(text)
     print(f"{readme}: results section rewritten from {res}/*.json")
@@ -1615,6 +1651,11 @@ def cmd_report(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["predict"]:  # predict.py's own arguments, options first included (argparse's
+        import predict           # REMAINDER would refuse `predict --gpu H200`)
+
+        return predict.main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("memory")

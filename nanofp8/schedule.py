@@ -13,7 +13,8 @@ reproduced the H200's O1/bf16 ratios within 1% (README, "Speed").
 
     graph_cost(fn, *args)      run fn (forward and backward), counting every graph it compiles
     block_cost(level, ...)     one GPT-2 block of train.py's model at a precision level, with its
-                               loss.backward(), as train.py compiles it
+                               loss.backward(), as train.py compiles it; and what its forward keeps
+                               for the backward (the activations' share of the peak memory)
     step_cost(level, ...)      the work outside the compiled graphs of one optimizer step: the
                                checks, the clipping, the optimizer and the weight casts of the step,
                                counted as ATen launches (each a kernel on a GPU, a foreach operator
@@ -42,6 +43,7 @@ class Graph:
     backward: bool
     kernels: list = field(default_factory=list)  # (bytes read and written, fused operations)
     gemms: list = field(default_factory=list)  # extern kernels: GEMMs, attention, library calls
+    out_bytes: int = 0  # what the graph returns: a forward's output and what its backward keeps
 
     @property
     def bytes(self):
@@ -58,6 +60,9 @@ def _schedule(gm, example_inputs, backward, graphs):
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode, Scheduler
     from torch._inductor.virtualized import V
 
+    outputs = [a.meta.get("val") for a in torch.utils._pytree.tree_leaves(next(
+        n for n in gm.graph.nodes if n.op == "output").args) if isinstance(a, torch.fx.Node)]
+    out_bytes = sum(v.numel() * v.element_size() for v in outputs if isinstance(v, torch.Tensor))
     view_to_reshape(gm)  # what compile_fx does before lowering, in its order
     with torch.no_grad():
         fake_mode = fake_tensor_prop(gm, example_inputs)
@@ -68,7 +73,7 @@ def _schedule(gm, example_inputs, backward, graphs):
                                  is_backward=backward)
         with V.set_graph_handler(lowering), V.set_extern_kernel_nodes([]):
             lowering.run(*example_inputs)
-            graph = Graph(backward)
+            graph = Graph(backward, out_bytes=out_bytes)
             for node in Scheduler(lowering.operations).nodes:
                 if isinstance(node, NopKernelSchedulerNode):
                     continue
@@ -130,8 +135,10 @@ def block_cost(level, n_embd=768, n_head=12, batch=8, seq=1024):
         model_py.FP32_ATTENTION_ON_CPU = keep
     tokens = batch * seq
     kernels = [k for g in graphs for k in g.kernels]
+    kept = sum(g.out_bytes for g in graphs if not g.backward) - x.numel() * x.element_size()  # (less the output)
     return {"level": level, "n_embd": n_embd, "tokens": tokens, "graphs": len(graphs),
             "kernels": len(kernels), "KB_per_token": sum(b for b, _ in kernels) / tokens / 1024,
+            "saved_KB_per_token": kept / tokens / 1024,
             "gemms": sum(len(g.gemms) for g in graphs),
             "kernel_list": [(g.backward, b / tokens / 1024, ops) for g in graphs for b, ops in g.kernels]}
 
