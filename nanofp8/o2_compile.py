@@ -22,6 +22,8 @@ the scale in a buffer, written in place, which dynamo keeps), and a hook on the 
 outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the graph break.)
 """
 
+import warnings
+
 import torch
 
 from nanofp8.fp8 import WEIGHT, Fp8Linear, Fp8Tensor, compute_scale, quantize
@@ -83,16 +85,30 @@ def cast_for_step(model, written=(), record=True):
     layers = [m for m in model.modules()
               if isinstance(m, Fp8Linear) and m.cache_weight and not isinstance(m, O2CompileParts)]
     kept = [m for m in layers if getattr(m, "_fp8_meta", None) is not None]
+    if kept and record and _compiled_casts(kept[0]) and _recast.compiled is not False:  # (a load: eager)
+        first = _recast.compiled is None
+        try:
+            _recast.compiled = _recast.compiled or torch.compile(_recast)
+            _recast.compiled(kept, record)
+            kept = []
+        except Exception as e:  # the first call compiles: if that fails, eager from now on
+            if not first:
+                raise
+            warnings.warn(f"nanofp8: the FP8 weight casts of a step could not be compiled "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); they run eagerly")
+            _recast.compiled = False
     if kept:
-        cuda = record and kept[0].weight.is_cuda  # (record=False: a load, rare: eager)
-        if cuda and _recast.compiled is None:
-            _recast.compiled = torch.compile(_recast)
-        (_recast.compiled if cuda else _recast)(kept, record)
+        _recast(kept, record)
     for m in layers:
-        if m not in kept:
+        if getattr(m, "_fp8_meta", None) is None:
             keep_cast(m, *cast_now(m, record))
             m.register_load_state_dict_post_hook(lambda mod, keys: cast_for_step(mod, record=False))
         m._w_cache = ((m.weight._version, m.weight.data_ptr()), kept_operands(m))  # (eager's key)
+
+
+def _compiled_casts(layer):
+    """Does cast_for_step compile its casts for this model? On a GPU."""
+    return layer.weight.is_cuda
 
 
 def _recast(layers, record):

@@ -7,6 +7,8 @@ token. They depend on the torch version (checked: 2.13, CI's): a change of torch
 past the targets is a finding for bench.py kernels, and this test says which level and by how much.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -133,3 +135,35 @@ def test_the_compiled_recast_of_a_step_writes_the_eager_bytes(recipe):
                                u.view(torch.uint8) if u.element_size() == 1 else u), name
     if recipe != "delayed":  # (delayed: a new cast would take the scale of the history just recorded)
         _kept_matches_weight(eager)
+
+
+def test_a_recast_that_cannot_compile_runs_eagerly(monkeypatch):
+    """Where cast_for_step compiles its casts (a GPU) and torch.compile fails, it says so once and
+    casts eagerly from then on: the step's casts are still made, and training goes on."""
+    from nanofp8 import o2_compile
+
+    model = _o1_model()
+    cast_for_step(model, record=False)
+    monkeypatch.setattr(o2_compile, "_compiled_casts", lambda layer: True)
+    monkeypatch.setattr(o2_compile._recast, "compiled", None)
+
+    def no_compiler(fn):
+        def fail(*args):
+            raise RuntimeError("no compiler here")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    with pytest.warns(UserWarning, match="could not be compiled.*no compiler here"):
+        cast_for_step(model)
+    _kept_matches_weight(model)
+    assert o2_compile._recast.compiled is False
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cast_for_step(model)  # eagerly, without a second warning
+    _kept_matches_weight(model)
