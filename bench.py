@@ -1505,6 +1505,9 @@ def report_gpu(folder):
                 _md_table(rows, ["model", "compile", "level", "rounds", "tokens_per_s", "vs_bf16", "peak_GiB"],
                           {"tokens_per_s": lambda v: f"{v:,.0f}", "vs_bf16": lambda v: "" if v is None else f"{v:.3f}x",
                            "peak_GiB": lambda v: "" if v is None else f"{v:.2f}"}), ""]
+        for prof in d.get("profiles", []):  # (bench.py throughput --profile LEVEL)
+            out += [f"One {prof['level']} step of {prof['model']} (compile={prof['compile']}), its kernels by time:", "",
+                    _md_table(prof["top"], ["ms", "calls", "name"], {"ms": lambda v: f"{v:.3f}"}), ""]
     return out
 
 
