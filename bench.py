@@ -1023,8 +1023,21 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device, pro
 
     for _ in range(2):  # warm-up (and compilation)
         step()
-    if device == "cuda":
+    parts = None
+    if device == "cuda":  # where one step's peak goes: what stays between steps (weights, optimizer
+        # state, FP8 casts), what the forward keeps for backward, and what comes and goes beyond it
         torch.cuda.synchronize()
+        state = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with ac:
+            loss = fwd(idx, idx)[1]
+        kept = torch.cuda.memory_allocated()
+        loss.backward()
+        train.optimizer_step(model, opt, settings)
+        torch.cuda.synchronize()
+        del loss
+        parts = {"state_GiB": state / 2**30, "saved_for_backward_GiB": (kept - state) / 2**30,
+                 "transient_GiB": (torch.cuda.max_memory_allocated() - kept) / 2**30}
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -1042,7 +1055,7 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device, pro
         events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:profile]
         return batch * seq / dt, peak, [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, key) / 1e3}
                                         for e in events]
-    return batch * seq / dt, peak
+    return batch * seq / dt, (peak, parts) if parts else peak
 
 
 def cmd_throughput(args):
@@ -1065,7 +1078,9 @@ def cmd_throughput(args):
                 for level in levels:
                     runs[level].append(measure_throughput(cfg, level, batch, seq, args.steps, comp, device))
                     print(f"  {name} {level} compile={comp} round {r}: {runs[level][-1][0]:,.0f} tok/s", file=sys.stderr)
-            tps = {level: sorted(t for t, _ in runs[level])[(args.rounds - 1) // 2] for level in levels}
+            for level in levels:  # (on CUDA the peak comes with its parts: state, saved, transient)
+                runs[level] = [(t, p[0], p[1]) if isinstance(p, tuple) else (t, p, None) for t, p in runs[level]]
+            tps = {level: sorted(t for t, *_ in runs[level])[(args.rounds - 1) // 2] for level in levels}
             if args.profile:  # one step of the level named, profiled, after the timed rounds
                 profiles.append({"model": name, "level": args.profile, "compile": comp, "top": measure_throughput(
                     cfg, args.profile, batch, seq, 1, comp, device, profile=15)[2]})
@@ -1073,13 +1088,15 @@ def cmd_throughput(args):
                 rows.append({"model": name, "level": level, "compile": comp, "tokens_per_s": tps[level],
                              "vs_bf16": tps[level] / tps["bf16"] if "bf16" in tps else None,
                              "vs_fp32": tps[level] / tps["fp32"] if "fp32" in tps else None,
-                             "peak_GiB": runs[level][0][1], "steps": args.steps, "rounds": args.rounds,
+                             "peak_GiB": runs[level][0][1], **(runs[level][0][2] or {}), "steps": args.steps,
+                             "rounds": args.rounds,
                              "device_kind": "GPU" if device == "cuda" else "CPU (FP8 emulated: not a speed figure)"})
     env = environment()
     print(f"Training throughput, {env['device']} (CPU capability {env['cpu_capability']}), median of "
           f"{args.rounds} rounds of {args.steps} steps, the levels taking turns")
-    emit("throughput", rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "vs_fp32", "peak_GiB",
-                              "device_kind"], args, extra={"profiles": profiles} if profiles else None)
+    emit("throughput", rows, ["model", "level", "compile", "tokens_per_s", "vs_bf16", "vs_fp32", "peak_GiB"]
+         + (["state_GiB", "saved_for_backward_GiB", "transient_GiB"] if device == "cuda" else []) + ["device_kind"],
+         args, extra={"profiles": profiles} if profiles else None)
     for p in profiles:
         print(f"\n{p['model']} {p['level']} compile={p['compile']}: one step's top kernels")
         for e in p["top"]:
@@ -1471,6 +1488,9 @@ def report_parity(d):
     return out + ["![parity](results/parity.png)", ""]
 
 
+GIB_PARTS = ("peak_GiB", "state_GiB", "saved_for_backward_GiB", "transient_GiB")  # (bench.py throughput on CUDA)
+
+
 def report_gpu(folder):
     """The GPU figures: each kernels_*.json (python kernels.py --json) and throughput_*.json (the
     figures of first_gpu_run.sh, transcribed from its log, which lies beside them) in folder."""
@@ -1491,20 +1511,20 @@ def report_gpu(folder):
         runs, peaks = {}, {}
         for r in d["throughput"]:
             runs.setdefault((r["model"], r["compile"], r["level"]), []).append(r["tokens_per_s"])
-            peaks[(r["model"], r["compile"], r["level"])] = r.get("peak_GiB")
+            peaks[(r["model"], r["compile"], r["level"])] = {k: r.get(k) for k in GIB_PARTS}
         rows = []
         for (model, comp, level), tps in runs.items():
             best = statistics.median(tps)
             bf16 = runs.get((model, comp, "bf16"))
             rows.append({"model": model, "compile": comp, "level": level, "rounds": len(tps), "tokens_per_s": best,
-                         "vs_bf16": best / statistics.median(bf16) if bf16 else None,
-                         "peak_GiB": peaks[(model, comp, level)]})
+                         "vs_bf16": best / statistics.median(bf16) if bf16 else None, **peaks[(model, comp, level)]})
+        parts = [k for k in GIB_PARTS if any(r[k] is not None for r in rows)]
         out += [f"### Training throughput on an {env['device']} ([`results/gpu/{name}`](results/gpu/{name}))",
                 f"torch {env['torch']}, triton {env['triton']}, {env['date']}, commit {env.get('commit', '?')}: "
                 f"`{env.get('command', '?')}`. " + d.get("throughput_note", ""), "",
-                _md_table(rows, ["model", "compile", "level", "rounds", "tokens_per_s", "vs_bf16", "peak_GiB"],
+                _md_table(rows, ["model", "compile", "level", "rounds", "tokens_per_s", "vs_bf16"] + parts,
                           {"tokens_per_s": lambda v: f"{v:,.0f}", "vs_bf16": lambda v: "" if v is None else f"{v:.3f}x",
-                           "peak_GiB": lambda v: "" if v is None else f"{v:.2f}"}), ""]
+                           **{k: (lambda v: "" if v is None else f"{v:.2f}") for k in parts}}), ""]
         for prof in d.get("profiles", []):  # (bench.py throughput --profile LEVEL)
             out += [f"One {prof['level']} step of {prof['model']} (compile={prof['compile']}), its kernels by time:", "",
                     _md_table(prof["top"], ["ms", "calls", "name"], {"ms": lambda v: f"{v:.3f}"}), ""]
