@@ -7,37 +7,16 @@ gradients, the scale rule as one field used by every cast, the tile shape kept a
 GEMM's K step, and the CPU emulation kept off tensor subclasses."""
 
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
+from bench import functions_called as project_functions  # (what bench.py design counts)
 from cuda_contract import CudaScaledMM
 from nanofp8 import device, emulate
 from nanofp8.fp8 import (E4M3, E5M2, GRANULARITIES, RECIPES, Fp8Linear, Recipe, compute_scale, dequantize,
                          quantize, scaled_gemm, sqnr)
 from nanofp8.mx import mx_scale
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def project_functions(fn):
-    """The distinct functions (code objects) whose file lies under the repo, outside tests/, that
-    fn() calls."""
-    seen = {}
-
-    def profile(frame, event, arg):
-        file = frame.f_code.co_filename
-        if event == "call" and file.startswith(ROOT + os.sep) and not file.startswith(os.path.join(ROOT, "tests")):
-            code = frame.f_code
-            seen[(code.co_filename, code.co_firstlineno)] = code.co_qualname
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return sorted(f"{os.path.relpath(f, ROOT)}:{line} {name}" for (f, line), name in seen.items())
 
 
 def test_one_o1_step_of_a_linear_reads_in_one_file():
