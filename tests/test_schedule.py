@@ -82,8 +82,9 @@ def test_the_weight_cast_of_a_step_follows_every_write_of_the_weight():
 
 @pytest.mark.slow  # ~20 s: one compile
 def test_compiled_o1_reads_the_kept_cast_and_matches_eager():
-    """Compiled, an O1 model trains through several AdamW steps with the same losses as eager,
-    bit for bit: the graph takes the weight's cast of each step from the buffers."""
+    """Compiled, an O1 model trains through several AdamW steps with the losses of eager: the graph
+    takes the weight's cast of each step from the buffers (a stale cast would be off by ~1e-3 from
+    the second step; inductor's own sum order for the bias gradients may move the last bits)."""
     import train
 
     def run(compiled):
@@ -103,7 +104,8 @@ def test_compiled_o1_reads_the_kept_cast_and_matches_eager():
         return losses
 
     torch._dynamo.reset()
-    assert run(True) == run(False)
+    compiled, eager = run(True), run(False)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
