@@ -48,7 +48,6 @@ Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, r
 reproduces one that never stopped, on CPU bit for bit. The config is read-only once validated.
 """
 
-import functools
 import math
 import sys
 from contextlib import nullcontext
@@ -68,7 +67,7 @@ from nanofp8.o2_compile import bump_if_fused, cast_after_steps, cast_once_per_st
 from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
                          nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
-                         save_unless_diverged, shard_model, show_fp8_layers, sync_gradients, weights_finite,
+                         save_unless_diverged, say, shard_model, show_fp8_layers, sync_gradients, weights_finite,
                          wrap_data_parallel)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
 from nanofp8.zero import ZeroFp8AdamW, convert_to_o3
@@ -353,7 +352,7 @@ def main(argv=None):
     check_dataset(cfg["dataset"])  # every rank, before one of them waits for another
     layout = start(cfg, check=lambda dp_size: check_accumulation(cfg, dp_size))
     # flushed line by line: torchrun's ranks share one stdout pipe, where half a line gets split
-    log = functools.partial(print, flush=True) if layout.master else (lambda *a, **k: None)
+    log = say if layout.master else (lambda *a, **k: None)
     prepare_out_dir(cfg, layout, log)  # writable, not in use by another run, not another run's work
     autocast = torch.autocast(layout.device_type, dtype=torch.bfloat16)
     accum = cfg["gradient_accumulation_steps"] // layout.dp  # micro-steps per replica
@@ -454,7 +453,7 @@ def main(argv=None):
                                       lr_at(iter_num - 1, cfg), cfg, layout, log)
         history["losses"].append((iter_num, loss))  # a device tensor until a log line reads it
         for line in clips.lines(iter_num, clips.clipped_now) if clips is not None else ():
-            print(line if layout.world == 1 else f"rank {layout.rank}: {line}", flush=True)
+            say(line if layout.world == 1 else f"rank {layout.rank}: {line}")
         for line in stats.finish(iter_num, optimizer) if stats is not None else ():
             log(line)  # the step's summary (worst layer by SQNR, saturation), and alarms
         clock.tick()

@@ -533,6 +533,14 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
                if isinstance(optimizer, ZeroFp8AdamW) else ""))
 
 
+def say(line):
+    """Print one line in one write: the ranks of a torchrun share one stdout, and print() writes a
+    line's text and its newline apart when Python runs unbuffered, so another rank's line could
+    land inside this one (and a log reader would miss both)."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 def finish(cfg, layout):
     """The end of a run: its lock released, its process group torn down."""
     if layout.master:
