@@ -31,7 +31,7 @@ from nanofp8.fp8 import WEIGHT, Fp8Linear, Fp8Tensor, compute_scale, quantize
 
 def keep_cast(layer, qw, qwt):
     """Keep the FP8 W and W^T of a layer in its buffers fp8_w, fp8_wt (and their scales)."""
-    meta = []
+    meta, own = [], {id(b) for b in layer.buffers()}
     for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
         meta.append((q.fmt, q.granularity, q.block, q.data.shape, q.dtype))  # the rest of q
         # the inverse scales too (what the GEMMs multiply by): a compiled graph that made them
@@ -40,10 +40,12 @@ def keep_cast(layer, qw, qwt):
             # a new tensor, not a copy into the old one: a graph saved for backward may still
             # hold the old one (autograd would refuse it after an in-place write); never a buffer
             # the layer has already (an O2 weight's scale can be its W's)
-            layer.register_buffer(key, t if all(t is not b for b in layer.buffers()) else t.clone(),
-                                  persistent=False)
+            layer.register_buffer(key, t if id(t) not in own else t.clone(), persistent=False)
+            own.add(id(layer._buffers[key]))
     layer._fp8_meta = tuple(meta)
-    if layer.bias is not None:  # and the bias in bf16, autocast's dtype in train.py (Fp8Linear.gemm_bias)
+    if layer.bias is not None and layer.cache_weight:  # O1 (cast_for_step): and the bias in bf16,
+        # autocast's dtype in train.py (Fp8Linear.gemm_bias). (O2 steps its bias after its weights'
+        # cast: a copy made here would lag a step.)
         layer.register_buffer("gemm_bias_kept", layer.bias.detach().to(torch.bfloat16), persistent=False)
 
 
