@@ -61,7 +61,7 @@ import torch.nn as nn
 from nanofp8.fp8 import GRANULARITIES, Recipe
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
 from nanofp8.memory import activation_bytes, training_state_bytes
-from nanofp8.o2_compile import cast_for_step
+from nanofp8.o2_compile import cast_for_step, push_amaxes
 from nanofp8.optim import fp8_grad
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -1019,6 +1019,8 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device, pro
         with ac:
             loss = fwd(idx, idx)[1]
         loss.backward()
+        if compile_model:
+            push_amaxes(model)  # (delayed scaling: what train.py does after a compiled backward)
         train.optimizer_step(model, opt, settings)
 
     for _ in range(2):  # warm-up (and compilation)
@@ -1033,6 +1035,8 @@ def measure_throughput(cfg, level, batch, seq, steps, compile_model, device, pro
             loss = fwd(idx, idx)[1]
         kept = torch.cuda.memory_allocated()
         loss.backward()
+        if compile_model:
+            push_amaxes(model)
         train.optimizer_step(model, opt, settings)
         torch.cuda.synchronize()
         del loss

@@ -63,7 +63,7 @@ from nanofp8.dist import Fp8DataParallel
 from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
-from nanofp8.o2_compile import bump_if_fused, cast_after_steps, cast_once_per_step
+from nanofp8.o2_compile import bump_if_fused, cast_after_steps, cast_once_per_step, push_amaxes
 from nanofp8.optim import Fp8AdamW, convert_to_o2
 from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
                          nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
@@ -434,6 +434,8 @@ def main(argv=None):
             # GPipe's schedule owns backward: every micro-batch forward through the stages, then
             # every backward, each loss / accum (nanofp8/parallel.py: pipeline_step)
             loss = pipeline_loss(model, batches, layout, autocast, cfg)
+            if compile_model:  # (delayed scaling: one amax per role for all the micro-batches)
+                push_amaxes(raw_model)
         else:
             loss = torch.zeros((), device=layout.device)  # the mean over the micro-batches, for the log
             for micro_step, (x, y) in enumerate(batches):
@@ -442,6 +444,8 @@ def main(argv=None):
                     with autocast:
                         _, micro_loss = model(x, y)
                     (micro_loss / accum).backward()  # the step's gradient: the mean over micro-steps
+                if compile_model:  # delayed scaling: the amaxes the graphs recorded, into the histories
+                    push_amaxes(raw_model)
                 loss += micro_loss.detach().float()
             loss = loss / accum
         # The next iteration's batches now, while the GPU still runs this backward: the step's one

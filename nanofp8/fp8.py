@@ -413,6 +413,10 @@ RECIPES = {  # the named presets: what each recipe of the field sets
 # 5. The FP8 linear layer: one autograd.Function for the three GEMMs
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
+# What a delayed-scaling cast records for push_amax, per role (the columns of Fp8Linear.cast_log):
+# the largest amax, and the number of casts with a non-finite one, since the last push; the values
+# cast and clipped; the scale of the last cast. One float64 row: one write per cast, exact counts.
+CAST_LOG = ("amax", "nonfinite", "values", "clipped", "scale")
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -494,6 +498,21 @@ def _count_clips_from_zero(module, state_dict, prefix, *args):
         state_dict[prefix + "clipped"] = torch.zeros_like(module.clipped)
 
 
+def _logged(row, amax, nonfinite, values, clipped, scale):
+    """A row of Fp8Linear.cast_log with one more cast: the larger amax (a NaN stays NaN), the
+    counts added to, the scale replaced. One elementwise expression over the row, from constant
+    masks (no stack of scalars): compiled, one small kernel per cast."""
+    one_hot = torch.eye(len(CAST_LOG), dtype=torch.float64, device=row.device)
+    counts = row + nonfinite.double() * one_hot[1] + values * one_hot[2] + clipped.double() * one_hot[3]
+    return torch.where(one_hot[0] > 0, torch.maximum(row, amax.double()),  # (a NaN only here)
+                       torch.where(one_hot[4] > 0, scale.double(), counts))
+
+
+def _forget_next_scales(module, *args):
+    """A loaded history makes its own scales: the next casts take them from it (push_amax)."""
+    module.history_warm = (False, False, False)
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8. Same parameters and state_dict keys, plus the
     scaling state of its three tensor roles (input, weight, grad-output) as buffers:
@@ -521,6 +540,7 @@ class Fp8Linear(nn.Linear):
         self.fqn = fqn or "Fp8Linear"
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(_count_clips_from_zero)
+        self.register_load_state_dict_pre_hook(_forget_next_scales)
 
     def hp_weight(self):
         """The high-precision weight the FP8 copies are cast from."""
@@ -585,6 +605,11 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("nonfinite", torch.zeros(3, dtype=torch.long, device=device))
         self.register_buffer("clipped", torch.zeros(3, dtype=torch.long, device=device))
         self.register_buffer("cast_values", torch.zeros(3, dtype=torch.long, device=device), persistent=False)
+        # delayed scaling between a cast and push_amax (not saved: push_amax remakes them)
+        self.register_buffer("cast_log", torch.zeros(3, len(CAST_LOG), dtype=torch.float64, device=device),
+                             persistent=False)
+        self.register_buffer("next_scale", torch.ones(3, device=device), persistent=False)
+        self.history_warm = (False, False, False)  # per role: next_scale holds its history's scale
 
     @classmethod
     def from_linear(cls, lin, recipe, fqn=""):
@@ -598,30 +623,66 @@ class Fp8Linear(nn.Linear):
 
     @torch.no_grad()
     def delayed_quantize(self, role, x2, fmt):
-        """Delayed scaling: the scale comes from the amax history of earlier steps only, so it is
-        known before the cast, and the amax of this step is measured by the same read of the
-        tensor that casts it and recorded afterwards, with the count of values the cast clipped.
-        Before any finite amax is in the history (the first cast of the role), the scale is made
-        from this tensor's own amax (where that is not finite: the stored scale)."""
-        r, hist, n = self.recipe, self.amax_history[role], self.history_count[role]
-        amax = measure_amax(x2.detach(), "tensor", None)
-        past = hist.max() if r.amax_algo == "max" else hist[0]
-        prev = self.scale[role]
-        own = r.scale_rule(amax, fmt, r.margin, r.power_of_two, fallback=prev)  # no history yet
-        scale = torch.where(n > 0, r.scale_rule(past, fmt, r.margin, r.power_of_two, fallback=prev), own)
+        """Delayed scaling: the scale comes from the amax history of earlier casts only, so it is
+        known before the cast, and this cast's amax is measured by the same read of the tensor
+        that casts it (compiled: with the count of values it clipped). The amax and the counts
+        are recorded in one row of cast_log; push_amax puts them into the history and the
+        counters, at once in eager code, after the graph in compiled code (train.py calls
+        o2_compile.push_amaxes after each backward): a graph that updated the history itself
+        would spend several small kernels per cast on it. Before any finite amax is in a role's
+        history (its first cast), the scale is made from this tensor's own amax (where that is
+        not finite: the stored scale)."""
+        r = self.recipe
+        amax = measure_amax(x2.detach(), "tensor", None, rows_first=True)  # (compiled: in x's kernel)
+        scale = self.next_scale[role].clone()  # (not a view: the next push rewrites next_scale)
+        if not self.history_warm[role]:  # (a Python flag: a compiled graph is remade once it flips)
+            past = self.amax_history[role].max() if r.amax_algo == "max" else self.amax_history[role, 0]
+            prev = self.scale[role]
+            own = r.scale_rule(amax, fmt, r.margin, r.power_of_two, fallback=prev)  # no history yet
+            scale = torch.where(self.history_count[role] > 0,
+                                r.scale_rule(past, fmt, r.margin, r.power_of_two, fallback=prev), own)
         q = quantize(x2, fmt, "tensor", scale=scale, amax=amax)
         if self.training:  # evaluation reads the state but never writes it
             finite = torch.isfinite(amax)
-            hist.copy_(torch.where(finite, torch.cat([amax.reshape(1).float(), hist[:-1]]), hist))
-            n.copy_(torch.where(finite, (n + 1).clamp(max=hist.numel()), n))
-            self.nonfinite[role] += (~finite).long()
-            self.scale[role] = scale
             # values beyond the rounding boundary above the max (a non-finite tensor is counted
-            # as such, above, and its step skipped)
-            over = torch.count_nonzero((x2.detach().float() * scale).abs_() > clip_edge(fmt))
-            self.clipped[role] += torch.where(finite, over, 0)
-            self.cast_values[role] += x2.numel()
+            # as such, and its step skipped)
+            over = ((x2.detach().float() * scale).abs_() > clip_edge(fmt)).sum(-1).sum()  # (rows first too)
+            self.cast_log[role] = _logged(self.cast_log[role], amax, ~finite, x2.numel(),
+                                          torch.where(finite, over, 0), scale)
+            if not torch.compiler.is_compiling():
+                self.push_amax()
         return q
+
+    def push_amax(self):
+        """Delayed scaling: put the amaxes the casts recorded since the last push (cast_log: per
+        role their max) into the history, newest first, the finite ones only, and their counts
+        into nonfinite, clipped and cast_values; then
+        make each role's next scale from its history (the scale last used where the history gives
+        none). Reads the device once per call until every role has a history (history_warm)."""
+        self.push_history()
+        self.mark_warm()
+
+    def mark_warm(self):
+        if not all(self.history_warm):  # (one read of the device, until every role has a history)
+            self.history_warm = tuple((self.history_count > 0).tolist())
+
+    @torch.no_grad()
+    def push_history(self):
+        """push_amax's tensor work (o2_compile.push_amaxes compiles it for all layers at once)."""
+        r, log, hist, n = self.recipe, self.cast_log, self.amax_history, self.history_count
+        cast, amax = log[:, 2] > 0, log[:, 0].float()
+        new = cast & torch.isfinite(amax)
+        hist.copy_(torch.where(new[:, None], torch.cat([amax[:, None], hist[:, :-1]], 1), hist))
+        n.copy_(torch.where(new, (n + 1).clamp(max=hist.shape[1]), n))
+        self.nonfinite += log[:, 1].long()
+        self.cast_values += log[:, 2].long()
+        self.clipped += log[:, 3].long()
+        self.scale.copy_(torch.where(cast, log[:, 4].float(), self.scale))
+        log.zero_()
+        past = hist.amax(1) if r.amax_algo == "max" else hist[:, 0]
+        fwd = r.scale_rule(past[:2], r.fwd_fmt, r.margin, r.power_of_two, fallback=self.scale[:2])  # INPUT, WEIGHT
+        bwd = r.scale_rule(past[2:], r.bwd_fmt, r.margin, r.power_of_two, fallback=self.scale[2:])  # GRAD_OUTPUT
+        self.next_scale.copy_(torch.cat([fwd, bwd]))
 
     def forward(self, x, bias=True):
         """F.linear(x, weight, bias) with the three GEMMs in FP8 (bias=False: without the bias).

@@ -87,19 +87,10 @@ def cast_for_step(model, written=(), record=True):
     layers = [m for m in model.modules()
               if isinstance(m, Fp8Linear) and m.cache_weight and not isinstance(m, O2CompileParts)]
     kept = [m for m in layers if getattr(m, "_fp8_meta", None) is not None]
-    if kept and record and _compiled_casts(kept[0]) and _recast.compiled is not False:  # (a load: eager)
-        first = _recast.compiled is None
-        try:
-            _recast.compiled = _recast.compiled or torch.compile(_recast)
-            _recast.compiled(kept, record)
-            kept = []
-        except Exception as e:  # the first call compiles: if that fails, eager from now on
-            if not first:
-                raise
-            warnings.warn(f"nanofp8: the FP8 weight casts of a step could not be compiled "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); they run eagerly")
-            _recast.compiled = False
-    if kept:
+    if kept and record and _compiled_casts(kept[0]):  # (a load: eager)
+        compiled_or_eager(_recast, "the FP8 weight casts of a step", kept, record)
+        push_amaxes(kept)  # (delayed scaling: the amaxes the compiled casts recorded)
+    elif kept:
         _recast(kept, record)
     for m in layers:
         if getattr(m, "_fp8_meta", None) is None:
@@ -126,6 +117,46 @@ def _recast(layers, record):
 
 
 _recast.compiled = None
+
+
+def compiled_or_eager(fn, what, *args):
+    """fn(*args), compiled by its first call; if that compile fails, a warning naming `what`, and
+    fn runs eagerly from then on (fn.compiled: None before the first call, False after a failure)."""
+    if fn.compiled is not False:
+        first = fn.compiled is None
+        try:
+            fn.compiled = fn.compiled or torch.compile(fn)
+            return fn.compiled(*args)
+        except Exception as e:
+            if not first:
+                raise
+            warnings.warn(f"nanofp8: {what} could not be compiled "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); they run eagerly")
+            fn.compiled = False
+    return fn(*args)
+
+
+def push_amaxes(model):
+    """Delayed scaling, compiled: a compiled graph records its casts' amaxes (Fp8Linear.cast_log) but
+    leaves the histories to this, which train.py calls after each micro-step's backward (and
+    cast_for_step after its compiled casts): Fp8Linear.push_amax for every layer of `model` (a
+    module, or a list of layers) in training, on a GPU compiled into a few kernels."""
+    layers = [m for m in (model.modules() if isinstance(model, torch.nn.Module) else model)
+              if isinstance(m, Fp8Linear) and m.recipe.scaling == "delayed" and m.training]
+    if layers and _compiled_casts(layers[0]):
+        compiled_or_eager(_push_histories, "the amax history updates", layers)
+    elif layers:
+        _push_histories(layers)
+    for m in layers:
+        m.mark_warm()
+
+
+def _push_histories(layers):
+    for m in layers:
+        m.push_history()
+
+
+_push_histories.compiled = None
 
 
 def cast_once_per_step(model):

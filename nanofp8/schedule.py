@@ -131,6 +131,10 @@ def block_cost(level, n_embd=768, n_head=12, batch=8, seq=1024):
 
     keep, model_py.FP32_ATTENTION_ON_CPU = model_py.FP32_ATTENTION_ON_CPU, False
     try:
+        # a step first, eager and small: delayed scaling's graphs count as after a run's first step,
+        # when every role has a history (the first step's graph measures each tensor before its cast)
+        forward(torch.randn(1, 16, n_embd)).float().sum().backward()
+        block.zero_grad(set_to_none=True)
         _, graphs = graph_cost(forward, x, then=lambda y: y.float().sum().backward())
     finally:
         model_py.FP32_ATTENTION_ON_CPU = keep
