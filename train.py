@@ -49,6 +49,7 @@ reproduces one that never stopped, on CPU bit for bit. The config is read-only o
 """
 
 import math
+import os
 import sys
 from contextlib import nullcontext
 
@@ -65,8 +66,8 @@ from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
 from nanofp8.o2_compile import bump_if_fused, cast_after_steps, cast_once_per_step, push_amaxes
 from nanofp8.optim import Fp8AdamW, convert_to_o2
-from nanofp8.run import (Clock, check_replicas, check_room, check_step, clip, command, finish, load_resumed,
-                         nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
+from nanofp8.run import (Clock, as_rank, check_replicas, check_room, check_step, clip, command, finish,
+                         load_resumed, nothing_to_do, pipeline_loss, prepare_out_dir, restore_state, resume_point,
                          save_unless_diverged, say, shard_model, show_fp8_layers, sync_gradients, weights_finite,
                          wrap_data_parallel)
 from nanofp8.stats import ClipLog, Fp8Stats, fallback_line
@@ -479,4 +480,4 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":
-    cli()
+    as_rank(cli) if "LOCAL_RANK" in os.environ else cli()  # (as_rank: a torchrun rank's exit)

@@ -23,6 +23,7 @@ engine=torch (layout.engine): where its answer differs (FSDP2 and DTensor instea
 above, DCP shards in the checkpoint set), the function hands over to nanofp8/torchstack.py.
 """
 
+import atexit
 import math
 import os
 import signal
@@ -873,6 +874,24 @@ def command(main, argv=None):
         release_locks()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def as_rank(cli):
+    """Run cli() in a torchrun rank, then end the process as soon as Python's exit handlers have
+    run, with cli's exit status. A finished CPU run was aborted about once in a hundred after its
+    last line ("terminate called without an active exception" while the interpreter tore down
+    torch.distributed's C++ threads), and torchrun reported the run as failed."""
+    code = 0
+    try:
+        cli()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(error):

@@ -116,11 +116,23 @@ def torchrun(nproc, *args, script="train.py", check=True, timeout=600):
     unless check=False. One intra-op thread per process: the ranks share 2 cores."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(REPO, script), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout, env=rank_env())
     if check:
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + crash_site(out.stderr)
     return out
+
+
+def rank_env():
+    """The environment of a rank: one intra-op thread (the ranks share 2 cores); a rank that
+    crashes (a signal, an abort in C++) prints the Python stack of every thread, so a rare crash
+    names where it happened."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+def crash_site(stderr):
+    """The stacks printed by a crashed rank (faulthandler's "Fatal Python error" block), or ""."""
+    at = stderr.find("Fatal Python error")
+    return "" if at < 0 else "\n--- the crashed rank ---\n" + stderr[at:at + 4000]
 
 
 def micro_steps(model, batches, layout):

@@ -271,12 +271,12 @@ def two_node_run(*args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", os.path.join(conftest.REPO, "train.py"),
            *TINY, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = conftest.rank_env()
     nodes = [subprocess.Popen(cmd, cwd=conftest.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [SimpleNamespace(stdout=o, stderr=e, returncode=n.returncode)
             for n, (o, e) in ((n, n.communicate(timeout=600)) for n in nodes)]
-    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] + conftest.crash_site(o.stderr) for o in outs]
     return outs
 
 
