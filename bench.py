@@ -59,6 +59,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import GRANULARITIES, Recipe
+from nanofp8.layout import leave_process
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
 from nanofp8.memory import activation_bytes, training_state_bytes
 from nanofp8.o2_compile import cast_for_step, push_amaxes
@@ -392,6 +393,7 @@ def _comm_worker(rank, world, port, level, out):
         torch.save({"fp8_layers": lin_bytes / steps / n_lin, "rest": rest_bytes / steps / (n - n_lin),
                     "model": (lin_bytes + rest_bytes) / steps / n, "params": n, "linear_params": n_lin}, out)
     dist.destroy_process_group()
+    leave_process(0)  # (the worker's end: see nanofp8/layout.py)
 
 
 # Model parallelism: what the cut model sends per token, FP8 against BF16 (2 gloo ranks).
@@ -446,6 +448,7 @@ def _comm_mp_worker(rank, world, port, out):
     if rank == 0:
         torch.save(res, out)
     dist.destroy_process_group()
+    leave_process(0)  # (the worker's end: see nanofp8/layout.py)
 
 
 def comm_model_parallel():
@@ -529,6 +532,7 @@ def _comm_torch_worker(rank, world, port, level, out):
             "fp8_all_gather": ours.get("fsdp_all_gather_fp8", {}).get("bytes_sent", 0) / steps / n,
             "amax": ours.get("fsdp_amax_all_reduce", {}).get("bytes_sent", 0) / steps / n}, out)
     dist.destroy_process_group()
+    leave_process(0)  # (the worker's end: see nanofp8/layout.py)
 
 
 def _on_ranks(worker, world, *args):

@@ -23,7 +23,6 @@ engine=torch (layout.engine): where its answer differs (FSDP2 and DTensor instea
 above, DCP shards in the checkpoint set), the function hands over to nanofp8/torchstack.py.
 """
 
-import atexit
 import math
 import os
 import signal
@@ -41,7 +40,7 @@ from .configurator import RECIPE_KEYS, ConfigError
 from .data import DataError
 from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2
-from .layout import GroupError, is_collective_failure, report_collective_failure, stop
+from .layout import GroupError, is_collective_failure, leave_process, report_collective_failure, stop
 from .model import GPTConfig
 from .o2_compile import cast_for_step
 from .ckptfile import (FP8_STATE_KEYS, CheckpointError, WriteError, load_checkpoint, load_model_state, make_dir,
@@ -877,10 +876,9 @@ def command(main, argv=None):
 
 
 def as_rank(cli):
-    """Run cli() in a torchrun rank, then end the process as soon as Python's exit handlers have
-    run, with cli's exit status. A finished CPU run was aborted about once in a hundred after its
-    last line ("terminate called without an active exception" while the interpreter tore down
-    torch.distributed's C++ threads), and torchrun reported the run as failed."""
+    """Run cli() in a torchrun rank, then leave the process with cli's exit status without
+    tearing torch.distributed down at interpreter exit (layout.leave_process: that teardown
+    aborted a finished run now and then, and torchrun reported it as failed)."""
     code = 0
     try:
         cli()
@@ -888,10 +886,7 @@ def as_rank(cli):
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_process(code)
 
 
 def _report(error):

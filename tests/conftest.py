@@ -38,6 +38,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from nanofp8.layout import leave_process  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The tiny model of every training test (train.py arguments): small enough to train for hundreds
@@ -75,6 +77,7 @@ def _rank_main(rank, fn, world, store, timeout_s, args):
         dist.barrier()  # nobody tears down while another rank may still talk to it
     finally:
         dist.destroy_process_group()
+    leave_process(0)  # (not Python's exit, which now and then aborted a finished rank: layout.py)
 
 
 def spawn(fn, world, *args, timeout_s=120, deadline_s=600):
