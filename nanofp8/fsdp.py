@@ -52,7 +52,11 @@ turns it into scales, and each rank casts its rows with their scales.
   row: W is scaled per row along K, and rows stay on their rank. But dgrad contracts over N, so
       W^T needs a scale per column, over every rank's rows: a second FP8 copy travels, cast with
       the all-reduced column amaxes. 2 bytes a value, still half of fp32, and bit-exact (one copy
-      with W^T re-cast from FP8 values would round twice).
+      with W^T re-cast from FP8 values would round twice). On one rank FSDP2 copies only the
+      first tensor a weight hands it, so there the two copies travel as one.
+  MX (1x32 tiles): refused. Its tiles do not transpose, so W^T would need a third cast, along
+      N, that the all-gather does not send (read transposed, W's bytes have 32x1 tiles: not the
+      one-process cast, and not an MX operand). These layers keep the fp32 all-gather.
   delayed scaling: refused. The weight's scale comes from the layer's amax history, which the
       forward pass writes after the cast; agreeing on it would move the history's bookkeeping
       into the all-gather. These layers keep the fp32 all-gather.
@@ -76,6 +80,8 @@ stale, and no hook after the optimizer step is needed. (torchao offers one that 
 weight's scale in a single all-reduce after the step: a latency saving of one small collective
 per layer, paid for with a second source of truth.)
 """
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -159,6 +165,8 @@ class Fp8AllGatherWeight(torch.Tensor):
             sent.append(torch.nn.functional.pad(data.view(torch.uint8), (0, 0, 0, rows - len(piece))))
         nbytes = sum(t.nbytes for t in sent)
         COMM.add("fsdp_all_gather_fp8", nbytes, nbytes * (world - 1), fmt.dtype)
+        if world == 1 and len(sent) > 1:  # FSDP2 on one rank copies only the first tensor sent:
+            sent = [torch.cat(sent)]  # row scaling's two copies go as one (no rank pads at 1)
         return tuple(sent), (r, (n, k), tuple(scales), tuple(amaxes))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -166,7 +174,11 @@ class Fp8AllGatherWeight(torch.Tensor):
         if out is not None:  # the same buffers, refilled: only the scales are new
             out.scales, out.amaxes = scales, amaxes
             return
-        w = GatheredFp8Weight(tuple(all_gather_outputs), recipe, shape, scales, amaxes, param_dtype)
+        copies = 2 if recipe.granularity == "row" else 1
+        data = tuple(all_gather_outputs)
+        if len(data) < copies:  # (one rank: the copies arrived as one, see fsdp_pre_all_gather)
+            data = data[0].chunk(copies)
+        w = GatheredFp8Weight(data, recipe, shape, scales, amaxes, param_dtype)
         return w, tuple(all_gather_outputs)
 
 
@@ -274,6 +286,9 @@ def _refusal(m):
         return f"{type(m).__name__} keeps a weight of its own making (O2/O3)"
     if m.recipe.scaling == "delayed":
         return "delayed scaling: the weight's scale comes from the layer's amax history"
+    if m.recipe.granularity == "block" and len(set(m.recipe.weight_tile)) > 1:
+        return (f"{m.recipe.grid} tiles {tuple(m.recipe.weight_tile)} do not transpose: W^T needs a cast of its "
+                f"own along N, which the all-gather does not send")
     if isinstance(m.weight, DTensor):
         return "the weight is a DTensor already: call fp8_all_gather before fully_shard or TP"
     return None
@@ -331,13 +346,34 @@ def multiple_of_16(fqn, linear):
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
-def convert(module, recipe=None, module_filter=None):
+def convert(module, recipe=None, module_filter_fn=None):
     """torchao's convert_to_float8_training for any nn.Module: swap its nn.Linear layers that
-    module_filter(fqn, linear) keeps (and whose dims are multiples of 16) for FP8 layers whose
-    weights all-gather in FP8 under FSDP2. Returns the module, ready for fully_shard; no hook
-    after the optimizer step is needed (the scales are measured in the all-gather)."""
+    module_filter_fn(module, fqn) keeps (torchao's order of arguments; it must return a bool) and
+    whose dims are multiples of 16 for FP8 layers whose weights all-gather in FP8 under FSDP2.
+    Returns the module, ready for fully_shard; no hook after the optimizer step is needed (the
+    scales are measured in the all-gather)."""
+    if module_filter_fn is not None:
+        try:
+            inspect.signature(module_filter_fn).bind(None, None)
+        except TypeError:
+            raise TypeError(f"module_filter_fn {module_filter_fn!r} must take two arguments, (module, fqn), as "
+                            f"torchao's convert_to_float8_training calls it") from None
+        except ValueError:  # (a builtin without a signature: called, and judged by what it returns)
+            pass
 
     def keep(fqn, linear):
-        return multiple_of_16(fqn, linear) and (module_filter is None or module_filter(fqn, linear))
+        if not multiple_of_16(fqn, linear):
+            return False
+        if module_filter_fn is None:
+            return True
+        try:
+            kept = module_filter_fn(linear, fqn)
+        except (TypeError, AttributeError) as e:  # a filter written for (fqn, module)
+            raise TypeError(f"module_filter_fn failed on {fqn!r} ({type(e).__name__}: {e}); it is called as "
+                            f"module_filter_fn(module, fqn), module first, as torchao calls it") from None
+        if not isinstance(kept, bool):
+            raise TypeError(f"module_filter_fn returned {kept!r} for {fqn!r}; it must return True or False "
+                            f"(it is called as module_filter_fn(module, fqn), as torchao calls it)")
+        return kept
 
     return fp8_all_gather(convert_to_fp8(module, recipe, keep))
