@@ -280,7 +280,10 @@ def weights_finite(model, layout):
     the largest magnitude of every floating-point parameter and buffer (emulate.amax_each: NaN
     propagates through it, an inf is its own maximum); the ranks agree by a MIN."""
     by_dtype = {}
-    for t in (*model.parameters(), *model.buffers()):
+    # (not delayed scaling's cast_log: a cast's non-finite amax waiting there is the step's news,
+    # judged by the gradients, not a bad weight)
+    buffers = (b for name, b in model.named_buffers() if not name.endswith("cast_log"))
+    for t in (*model.parameters(), *buffers):
         if t.is_floating_point():
             t = torchstack.local(t.detach())
             if t.element_size() == 1:
