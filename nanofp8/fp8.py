@@ -656,9 +656,9 @@ class Fp8Linear(nn.Linear):
     def push_amax(self):
         """Delayed scaling: put the amaxes the casts recorded since the last push (cast_log: per
         role their max) into the history, newest first, the finite ones only, and their counts
-        into nonfinite, clipped and cast_values; then
-        make each role's next scale from its history (the scale last used where the history gives
-        none). Reads the device once per call until every role has a history (history_warm)."""
+        into nonfinite, clipped and cast_values; then make each role's next scale from its
+        history (the scale last used where the history gives none). Reads the device once per
+        call until every role has a history (history_warm)."""
         self.push_history()
         self.mark_warm()
 

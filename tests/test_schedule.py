@@ -20,16 +20,20 @@ from nanofp8.o2_compile import cast_for_step, kept_operands
 from bench import COMPILED_BLOCK_TARGET as TARGET
 
 
+@pytest.fixture(scope="module")
+def o1_block():
+    return schedule.block_cost("O1", batch=2)
+
+
 @pytest.mark.slow  # ~10 s: two blocks scheduled
-def test_an_o1_block_compiles_to_few_kernels_and_bytes():
+def test_an_o1_block_compiles_to_few_kernels_and_bytes(o1_block):
     """O1's compiled GPT-2 block within #36's targets, and its bytes within 1.7x bf16's, at 2 x 1024
     tokens (the graphs' eager twins run on the CPU: 8 x 1024, bench.py kernels' size, takes 4x as
     long; it gives 42 kernels and 185 KB per token). Before: 63 kernels and 354 KB per token
     (autocast lost after the first FP8 layer: later GEMMs wrote fp32; the weight cast in every
     micro-step's graph; the activations' amax read apart from the kernel that made them; inverse
     scales made again in backward); with the first fix alone, 57 and 198."""
-    bf16 = schedule.block_cost("bf16", batch=2)
-    o1 = schedule.block_cost("O1", batch=2)
+    bf16, o1 = schedule.block_cost("bf16", batch=2), o1_block
     print(f"bf16: {bf16['kernels']} kernels, {bf16['KB_per_token']:.1f} KB/token; "
           f"O1: {o1['kernels']}, {o1['KB_per_token']:.1f}")
     assert o1["graphs"] == bf16["graphs"] == 2  # one forward and one backward graph: no break
@@ -39,8 +43,8 @@ def test_an_o1_block_compiles_to_few_kernels_and_bytes():
     assert o1["KB_per_token"] <= 1.7 * bf16["KB_per_token"], o1["kernel_list"]
 
 
-@pytest.mark.slow  # ~10 s
-def test_delayed_scaling_reads_each_tensor_once():
+@pytest.mark.slow  # ~5 s
+def test_delayed_scaling_reads_each_tensor_once(o1_block):
     """Delayed scaling's scale is known before the cast (a graph input, after the first step), so
     one pass over a tensor casts it and measures its amax: its compiled block moves fewer bytes
     than current scaling's (157 against 190 KB per token at 2 x 1024 tokens). Before: 116 kernels
@@ -48,8 +52,7 @@ def test_delayed_scaling_reads_each_tensor_once():
     one row per cast, cast_log, and push_amaxes updates the histories after it). What remains
     beyond O1's kernels: per cast, the last stages of the amax and clip-count reductions, the
     row of cast_log and the inverse scale, each a kernel of a few bytes."""
-    o1 = schedule.block_cost("O1", batch=2)
-    delayed = schedule.block_cost("O1-delayed", batch=2)
+    o1, delayed = o1_block, schedule.block_cost("O1-delayed", batch=2)
     print(f"O1: {o1['kernels']} kernels, {o1['KB_per_token']:.1f} KB/token; "
           f"O1-delayed: {delayed['kernels']}, {delayed['KB_per_token']:.1f}")
     assert delayed["graphs"] == 2 and delayed["gemms"] == o1["gemms"]
