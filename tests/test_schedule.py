@@ -47,8 +47,8 @@ def test_an_o1_block_compiles_to_few_kernels_and_bytes(o1_block):
 def test_delayed_scaling_reads_each_tensor_once(o1_block):
     """Delayed scaling's scale is known before the cast (a graph input, after the first step), so
     one pass over a tensor casts it and measures its amax: its compiled block moves fewer bytes
-    than current scaling's (157 against 190 KB per token at 2 x 1024 tokens). Before: 116 kernels
-    and 223 KB per token, the history updated inside the graph at every cast (now a graph records
+    than current scaling's (157 against 190 KB per token at 2 x 1024 tokens). Before: 126 kernels
+    and 224 KB per token, the history updated inside the graph at every cast (now a graph records
     one row per cast, cast_log, and push_amaxes updates the histories after it). What remains
     beyond O1's kernels: per cast, the last stages of the amax and clip-count reductions, the
     row of cast_log and the inverse scale, each a kernel of a few bytes."""
