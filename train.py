@@ -480,4 +480,7 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":
-    as_rank(cli) if "LOCAL_RANK" in os.environ else cli()  # (as_rank: a torchrun rank's exit)
+    if "LOCAL_RANK" in os.environ:  # a torchrun rank: it ends without the interpreter's teardown
+        as_rank(cli)
+    else:
+        cli()

@@ -202,9 +202,10 @@ def check_same_config(cfg):
 
 
 def stop(layout):
-    """The end of a run that went well: the ranks meet once more, then tear down together. A rank
-    that shut its gloo connections while a peer still waited on its last messages (rank 0 writes
-    the last log lines and releases the lock after the others are done) could abort that peer."""
+    """The end of a run that went well: the ranks meet once more, then tear down together, so no
+    rank closes its connections while another is still in its last collective (rank 0 writes the
+    last log lines and releases the lock after the others are done). The process then ends
+    through leave_process."""
     if dist.is_initialized():
         dist.barrier(group=_monitor_group)  # (gloo, on every backend: no device needed)
         dist.destroy_process_group()

@@ -20,6 +20,13 @@ instead, as the weight's own gradient: scaled by a power of two into fp16 (the w
 the scale in a buffer, written in place, which dynamo keeps), and a hook on the weight
 (_grad_from_autograd), run by autograd once it has the gradient, hands it back to take_wgrad,
 outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the graph break.)
+
+Delayed scaling's amax histories, updated after the graph. A compiled graph records each cast's
+amax in the layer's cast_log (one small write) and takes its scale as an input; push_amaxes puts
+the recorded amaxes into the histories after the graph (train.py calls it after each backward),
+where updating them inside it cost several small kernels per cast (nanofp8/fp8.py,
+Fp8Linear.delayed_quantize). On a GPU both the step's casts and the pushes run compiled
+(compiled_or_eager): one call for all layers instead of a loop of small launches.
 """
 
 import warnings
