@@ -204,8 +204,8 @@ def setup_precision(model, cfg, device_type):
         convert_to_o3(model)
     state = {"O1": "fp32 master, fp32 Adam", "O2": f"fp16 master, FP8 grads, FP8 m, {cfg['o2_v_format']} v",
              "O3": f"FP8 weights, FP8 grads, sharded fp16 master / FP8 m / {cfg['o2_v_format']} v"}[level]
-    desc = (f"{level}: {len(names)} Linears{' and attention' * cfg['fp8_attention']} in FP8 ({recipe.scaling} "
-            f"scaling, {recipe.grid}, {recipe.formats}, backend={recipe.backend}; {state}), the rest bf16 autocast")
+    desc = (f"{level}: {len(names)} Linears{' and attention' * cfg['fp8_attention']} in FP8 ({recipe.describe()}, "
+            f"backend={recipe.backend}; {state}), the rest bf16 autocast")
     if cfg["fp8_lm_head"] and "lm_head" not in names:
         if cfg["fp8_strict"]:
             raise ConfigError(f"fp8_lm_head=True, fp8_strict=True: the LM head cannot run in FP8 "

@@ -392,6 +392,20 @@ class Recipe:
     def grid(self):  # the scales' layout, for logs: "tensor", "row", "block", or "mx" (1x32, E8M0)
         return "mx" if self.scale_rule is mx_scale else self.granularity
 
+    @property
+    def name(self):
+        """The preset (RECIPES) this recipe is, knob for knob, or "custom". Only the backend is not
+        compared: an engine computes the same numbers as another. So a knob set to a value of its own
+        (a margin, a history length, even one that current scaling never reads) makes a recipe custom,
+        and a recipe built by hand with a preset's knobs carries that preset's name."""
+        return next((name for name, preset in RECIPES.items() if replace(self, backend=preset.backend) == preset),
+                    "custom")
+
+    def describe(self):
+        """The recipe in one phrase, the one that the start-up line, Fp8Linear's repr and the layer
+        table show: its name, then its scaling, scales and formats, e.g. "mxfp8 (current/mx/e4m3)"."""
+        return f"{self.name} ({self.scaling}/{self.grid}/{self.formats})"
+
     @classmethod
     def from_name(cls, name, **overrides):  # a named preset (RECIPES), single knobs overriding it
         if name not in RECIPES:
@@ -692,9 +706,7 @@ class Fp8Linear(nn.Linear):
         return Fp8LinearFunction.apply(x, self.weight, self.bias if bias else None, self, out_dtype)
 
     def extra_repr(self):
-        r = self.recipe
-        return (f"{super().extra_repr()}, fp8={r.scaling}/{r.grid}/{r.formats}, "
-                f"backend={r.backend}")
+        return f"{super().extra_repr()}, fp8={self.recipe.describe()}, backend={self.recipe.backend}"
 
 
 def convert_to_fp8(model, recipe=None, module_filter=None):

@@ -510,7 +510,7 @@ def linear_table(model):
                "recipe": "", "backend": "", "fallback": False}
         if isinstance(m, Fp8Linear):
             r = m.recipe
-            row["recipe"], row["backend"] = f"{r.scaling}/{r.granularity}/{r.formats}", r.backend
+            row["recipe"], row["backend"] = r.describe(), r.backend
             cuda = m.weight.is_cuda
             if r.backend == "torch" and cuda and bad_shape:
                 row["fallback"], row["why"] = True, f"GEMM falls back to high precision: {bad_shape}"

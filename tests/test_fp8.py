@@ -472,7 +472,7 @@ def test_convert_to_fp8_filters_shares_and_trains():
     assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear)
     assert type(model[4]) is nn.Linear
     assert model[0].weight is weights[0] and model[2].weight is weights[1]  # shared, not copied
-    assert model[2].fqn == "2" and "fp8=current/row/hybrid" in repr(model)
+    assert model[2].fqn == "2" and "fp8=custom (current/row/hybrid)" in repr(model)
     x = torch.randn(512, 16)
     target = (x[:, :4].sum(1, keepdim=True)).sin()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -85,6 +85,44 @@ def test_presets_are_one_frozen_table_and_knobs_override_them():
     assert GRANULARITIES == ("tensor", "row", "block")
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_a_recipe_says_its_name_alike_at_start_up_in_its_layers_and_in_the_layer_table(name):
+    """One phrase (Recipe.describe) describes a recipe wherever a run shows it: train.py's
+    start-up line, Fp8Linear's repr and the table of Linears (nanofp8/stats.py)."""
+    import train
+    from conftest import TINY
+    from nanofp8.model import GPT, GPTConfig
+    from nanofp8.run import MODEL_KEYS
+    from nanofp8.stats import linear_table
+
+    cfg = train.load_config(TINY + ["precision=O1", f"fp8_recipe={name}"])
+    model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}))
+    line = train.setup_precision(model, cfg, "cpu")
+    said = model.blocks[0].mlp.c_fc.recipe.describe()
+    assert said.startswith(f"{name} (") and f"in FP8 ({said}, backend=cpu;" in line, line
+    assert f"fp8={said}, backend=cpu" in repr(model.blocks[0].mlp.c_fc)
+    assert {row["recipe"] for row in linear_table(model) if row["fp8"]} == {said}
+
+
+def test_a_knob_that_leaves_every_preset_makes_the_recipe_custom():
+    """A recipe's name is the preset it equals knob for knob (the backend aside: an engine does
+    not change a number), else "custom"."""
+    import train
+    from conftest import TINY
+    from nanofp8.model import GPT, GPTConfig
+    from nanofp8.run import MODEL_KEYS
+
+    assert Recipe.from_name("rowwise", backend="emulate").name == "rowwise"
+    assert Recipe(granularity="row", formats="e4m3").name == "rowwise"  # built by hand: the knobs name it
+    assert Recipe.from_name("rowwise", margin=1).name == "custom"
+    assert Recipe(history_len=8).name == "custom"  # even a knob that current scaling never reads
+    assert Recipe.from_name("mxfp8", power_of_two=True).describe() == "custom (current/mx/e4m3)"
+    cfg = train.load_config(TINY + ["precision=O1", "fp8_recipe=rowwise", "fp8_margin=1"])
+    model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}))
+    assert "in FP8 (custom (current/row/e4m3), backend=cpu;" in train.setup_precision(model, cfg, "cpu")
+    assert "fp8=custom (current/row/e4m3)" in repr(model)
+
+
 def _grads(recipe, x, w, dy):
     lin = Fp8Linear(w.shape[1], w.shape[0], bias=False, recipe=recipe)
     with torch.no_grad():

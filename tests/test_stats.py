@@ -224,7 +224,7 @@ def test_linear_table_names_why_not():
     rows = {r["layer"]: r for r in stats.linear_table(model)}
     assert rows["lm_head"]["fp8"] is False and rows["lm_head"]["why"] == "shape: K=32, N=84 not multiples of 16"
     assert rows["blocks.0.mlp.c_fc"]["fp8"] is True and rows["blocks.0.mlp.c_fc"]["backend"] == "emulate"
-    assert rows["blocks.0.mlp.c_fc"]["recipe"] == "current/tensor/hybrid"
+    assert rows["blocks.0.mlp.c_fc"]["recipe"] == "tensorwise (current/tensor/hybrid)"
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=96, block_size=16))
     apply_fp8(model, Recipe(backend="emulate"))  # LM head left out by choice
     assert {r["layer"]: r for r in stats.linear_table(model)}["lm_head"]["why"].startswith("filter")
