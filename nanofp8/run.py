@@ -574,15 +574,17 @@ def check_resume_config(saved, cfg, path, converted=False):
                                   f"start a new run (init_from=scratch, another out_dir)")
     if converted or cfg["precision"] == "bf16":  # (a conversion starts the FP8 scaling state anew)
         return
-    for key in ("fp8_recipe", *RECIPE_KEYS):  # the recipe as it ran: its name (none: tensorwise's keys) and keys
+    # the recipe as it ran: its name (none: tensorwise's keys), its keys, and which GEMMs it casts
+    for key in ("fp8_recipe", *RECIPE_KEYS, "fp8_lm_head", "fp8_attention"):
         was, now = saved.get(key), cfg[key]
         if key == "fp8_recipe":
             was, now = was or "tensorwise", now or "tensorwise"
         if key in saved and was != now:
-            raise CheckpointError(f"{path} was written with {key}={was}; resuming with {key}={now} would cast "
-                                  f"the FP8 operands by another recipe than the one the run trained with, "
-                                  f"silently. Pass {key}={was}, or start a new run (init_from={os.path.dirname(path)}, "
-                                  f"another out_dir)")
+            what = "run other GEMMs in FP8 than" if key in ("fp8_lm_head", "fp8_attention") else \
+                "cast the FP8 operands by another recipe than"
+            raise CheckpointError(f"{path} was written with {key}={was}; resuming with {key}={now} would {what} "
+                                  f"the one the run trained with, silently. Pass {key}={was}, or start a new run "
+                                  f"(init_from={os.path.dirname(path)}, another out_dir)")
 
 
 def check_resume_layout(ckpt, cfg, path, layout):

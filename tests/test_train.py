@@ -113,6 +113,28 @@ def test_configs_hold_only_what_differs():
         cfg["precision"] = "O1"
 
 
+@pytest.mark.parametrize("change", ["fp8_recipe=rowwise", "fp8_scaling=delayed", "fp8_granularity=row",
+                                    "fp8_formats=e4m3", "fp8_history_len=8", "fp8_amax_algo=most_recent",
+                                    "fp8_margin=1", "fp8_attention=True", "fp8_lm_head=True"])
+def test_resume_refuses_another_recipe_in_one_line(change):
+    """Every fp8_* key that changes what the FP8 layers compute (the preset, each knob, which
+    GEMMs run in FP8) is held to the checkpoint's value on resume: one line naming it."""
+    from nanofp8.run import check_resume_config
+
+    saved = dict(train.load_config(TINY + ["precision=O1"]))
+    cfg = train.load_config(TINY + ["precision=O1", change])
+    key, now = change.split("=")
+    was = "tensorwise" if key == "fp8_recipe" else saved[key]
+    what = "run other GEMMs in FP8 than" if key in ("fp8_attention", "fp8_lm_head") else \
+        "cast the FP8 operands by another recipe than"
+    with pytest.raises(CheckpointError) as e:
+        check_resume_config(saved, cfg, "out/ckpt.pt")
+    assert str(e.value) == (f"out/ckpt.pt was written with {key}={was}; resuming with {key}={now} would {what} "
+                            f"the one the run trained with, silently. Pass {key}={was}, or start a new run "
+                            f"(init_from=out, another out_dir)")
+    check_resume_config(saved, train.load_config(TINY + ["precision=O1", "fp8_backend=emulate"]), "out/ckpt.pt")
+
+
 def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
     """The checkpoint's config is what was asked for; the device, the dataset's vocabulary and the
     rest of what the run derived are saved apart (model_args, derived)."""
