@@ -101,7 +101,7 @@ def cast(recipe, x, fmt):
                         scale_rule=r.scale_rule)
     from nanofp8.device import cast as device_cast  # the engine (seam), as Fp8Linear uses it
 
-    q = device_cast(r, x.reshape(-1, x.shape[-1]), fmt, tile)
+    q = device_cast(r, x.reshape(-1, x.shape[-1]), fmt, r.granularity, tile)
     scale = q.scale if r.granularity == "tensor" else q.scale.reshape(*x.shape[:-1], q.scale.shape[-1])
     return Fp8Tensor(q.data.view(x.shape), scale, fmt, q.granularity, q.block, x.shape, x.dtype, q.amax)
 

@@ -512,15 +512,15 @@ def _gemm_mx_alternative(a, b, out_dtype, bias, reason, name, report=True):
     return fn()
 
 
-def cast(recipe, x2, fmt, block, rows_first=False):
+def cast(recipe, x2, fmt, granularity, block, rows_first=False):
     """fp8.quantize of a GEMM operand (current scaling) for backend "torch", "triton" or "cpu":
     the same bytes, on kernels.py's Triton quantizers where triton_cast says so, on the CPU
     emulation's shortcut (emulate.quantize) where that handles x2, else quantize itself
-    (rows_first: how it reduces the amax)."""
+    (rows_first: how it reduces the amax). The granularity is the operand's (Recipe.casts)."""
     r = recipe
     if r.scale_rule is compute_scale and triton_cast(r, x2):  # (kernels.py's rule is compute_scale)
-        return quantize_triton(x2, fmt, r.granularity, block, r.margin, r.power_of_two)
+        return quantize_triton(x2, fmt, granularity, block, r.margin, r.power_of_two)
     if emulate.handles(x2):
-        return emulate.quantize(x2, fmt, r.granularity, block, r.margin, r.power_of_two, r.scale_rule)
-    return quantize(x2, fmt, r.granularity, block, margin=r.margin, power_of_two=r.power_of_two,
+        return emulate.quantize(x2, fmt, granularity, block, r.margin, r.power_of_two, r.scale_rule)
+    return quantize(x2, fmt, granularity, block, margin=r.margin, power_of_two=r.power_of_two,
                     scale_rule=r.scale_rule, rows_first=rows_first)

@@ -325,10 +325,14 @@ BACKENDS = ("torch", "emulate", "cpu", "triton")
 
 def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, name="?"):
     """out (M, N) = dequantize(a) @ dequantize(b).T (+ bias), accumulated in fp32.
-    a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K. backend "emulate": the fp32
+    a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K (or both plain tensors). backend "emulate": the fp32
     reference here; the others: nanofp8/device.py's gemm (a GEMM torch._scaled_mm cannot run
     goes to a named alternative, reported once per layer `name`). Batched, a (..., M, K) and
     b (..., N, K) give out (..., M, N): one GEMM per matrix (torch._scaled_mm is 2-D only)."""
+    if not isinstance(a, Fp8Tensor):  # operands a recipe keeps in high precision (Recipe.operands): the
+        # GEMM a Linear runs without FP8, in the dtype of the activation or gradient a (autocast's)
+        out = a @ b.to(a.dtype).t()
+        return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
     if a.data.shape[:-2] != b.data.shape[:-2] or a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"batch or contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}")
     if (a.granularity == "block") != (b.granularity == "block"):
@@ -353,6 +357,15 @@ def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, n
 # -----------------------------------------------------------------------------
 # 4. The recipe: every knob of FP8 training in one place, and its named presets
 
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
+# The six operands of a Linear's three GEMMs, each with the role of the tensor it is cast from:
+#     forward  y = x @ w^T        dgrad  dx = dy @ w_t^T        wgrad  dW = dy_t @ x_t^T
+# A recipe casts each operand on its own (Recipe.casts), so one GEMM can take operands that another
+# does not: another granularity, another format, or none (high precision). The scaling state stays
+# the tensor's: a delayed-scaling history describes x, whichever GEMM x is cast for.
+OPERANDS = {"x": INPUT, "w": WEIGHT, "dy": GRAD_OUTPUT, "x_t": INPUT, "w_t": WEIGHT, "dy_t": GRAD_OUTPUT}
+GEMMS = (("x", "w"), ("dy", "w_t"), ("dy_t", "x_t"))  # forward, dgrad, wgrad: (first, second operand)
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -367,8 +380,17 @@ class Recipe:
     act_tile: tuple = (1, BLOCK)  # block scales of activations and gradients: 1 token x 128 channels
     weight_tile: tuple = (BLOCK, BLOCK)  # block scales of weights (DeepSeek-V3)
     scale_rule: object = compute_scale  # (amax, fmt, margin, power_of_two) -> scale, for every cast
+    # Operands cast otherwise than the knobs above say, ((operand, granularity, fmt), ...): a
+    # granularity of None keeps the operand in high precision, a fmt of None is its tensor's format.
+    operands: tuple = ()
     fwd_fmt: Fp8Format = field(init=False, repr=False)  # weights and activations (from `formats`)
     bwd_fmt: Fp8Format = field(init=False, repr=False)  # gradients
+    # operand -> (fmt, granularity, tile) of its cast, or None: kept in high precision
+    casts: dict = field(init=False, repr=False, compare=False)
+    # the operands of a transpose that are the transpose of their tensor's other cast (t(): the same
+    # bytes, no second cast): cast alike, with scales that transpose with the data (one tensor
+    # scale, square tiles); row scales and 1x128 tiles would vary along the new contraction dim
+    transposes: frozenset = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         choices = {"scaling": ("current", "delayed"), "granularity": GRANULARITIES,
@@ -377,16 +399,33 @@ class Recipe:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"Recipe.{key}={getattr(self, key)!r}; expected one of {allowed}")
-        if self.scaling == "delayed" and self.granularity != "tensor":
-            # The rows and tiles of an activation are different tokens every step, so a history
-            # of per-row amaxes describes nothing that comes again: delay only whole tensors.
-            raise ValueError("delayed scaling needs granularity='tensor' (per-row/tile amax "
-                             "histories of activations do not carry over between steps)")
         if self.history_len < 1 or self.margin < 0:
             raise ValueError("Recipe needs history_len >= 1 and margin >= 0")
         fwd, bwd = FORMAT_CONVENTIONS[self.formats]
+        fmts, own = (fwd, fwd, bwd), {op: (g, fmt) for op, g, fmt in self.operands}
+        if not set(own) <= set(OPERANDS) or any(g not in (None, *GRANULARITIES) for g, _ in own.values()):
+            raise ValueError(f"Recipe.operands={self.operands!r}: each is (operand, granularity or None, "
+                             f"format or None), the operand one of {tuple(OPERANDS)}")
+        casts = {}
+        for op, role in OPERANDS.items():
+            g, fmt = own.get(op, (self.granularity, None))
+            casts[op] = None if g is None else (fmt or fmts[role], g, self.weight_tile if role == WEIGHT else self.act_tile)
+        for a, b in GEMMS:  # (torch._scaled_mm multiplies FP8 by FP8; a GEMM with one FP8 operand has no kernel)
+            if (casts[a] is None) != (casts[b] is None) or casts[a] and (casts[a][1] == "block") != (casts[b][1] == "block"):
+                raise ValueError(f"Recipe.operands: {a} and {b} meet in one GEMM: both in high precision or "
+                                 f"both FP8, both block-scaled or neither")
+        if self.scaling == "delayed" and any(c and (c[1], c[0]) != ("tensor", fmts[OPERANDS[op]]) for op, c in casts.items()):
+            # The rows and tiles of an activation are different tokens every step, so a history
+            # of per-row amaxes describes nothing that comes again: delay only whole tensors, and
+            # the one scale a tensor's history gives fits one format.
+            raise ValueError("delayed scaling needs granularity='tensor' for every operand, in its tensor's format "
+                             "(per-row/tile amax histories of activations do not carry over between steps)")
         object.__setattr__(self, "fwd_fmt", fwd)  # (frozen: set once, here)
         object.__setattr__(self, "bwd_fmt", bwd)
+        object.__setattr__(self, "casts", casts)
+        alike = [op for op in ("x_t", "w_t", "dy_t") if casts[op] and casts[op] == casts[op[:-2]]]
+        object.__setattr__(self, "transposes", frozenset(
+            op for op in alike if casts[op][1] == "tensor" or casts[op][1] == "block" and casts[op][2][0] > 1))
 
     @property
     def grid(self):  # the scales' layout, for logs: "tensor", "row", "block", or "mx" (1x32, E8M0)
@@ -403,8 +442,10 @@ class Recipe:
 
     def describe(self):
         """The recipe in one phrase, the one that the start-up line, Fp8Linear's repr and the layer
-        table show: its name, then its scaling, scales and formats, e.g. "mxfp8 (current/mx/e4m3)"."""
-        return f"{self.name} ({self.scaling}/{self.grid}/{self.formats})"
+        table show: its name, then its scaling, scales and formats, e.g. "mxfp8 (current/mx/e4m3)",
+        and the operands it casts otherwise ("x_t hp": x^T kept in high precision)."""
+        own = "".join(f", {op} {g or 'hp'}{'/' + fmt.name if g and fmt else ''}" for op, g, fmt in self.operands)
+        return f"{self.name} ({self.scaling}/{self.grid}/{self.formats}{own})"
 
     @classmethod
     def from_name(cls, name, **overrides):  # a named preset (RECIPES), single knobs overriding it
@@ -420,13 +461,17 @@ RECIPES = {  # the named presets: what each recipe of the field sets
     "delayed": Recipe(scaling="delayed"),  # amax history (Transformer Engine, MS-AMP)
     # OCP MXFP8 (Blackwell; torchao's MX, TE's MXFP8BlockScaling): E4M3, 1x32 tiles, E8M0 scales
     "mxfp8": Recipe(granularity="block", formats="e4m3", act_tile=(1, 32), weight_tile=(1, 32), scale_rule=mx_scale),
+    # torchao's ROWWISE_WITH_GW_HP (torchtitan's other default): row scales in the forward and dgrad
+    # GEMMs, one tensor scale for W^T (each tensor is then measured along one dim only), and the weight
+    # gradient dW = dy^T x in high precision, from x and dy as they are: backward keeps x, not x^T in FP8
+    "rowwise_with_gw_hp": Recipe(granularity="row", formats="e4m3",
+                                 operands=(("w_t", "tensor", None), ("x_t", None, None), ("dy_t", None, None))),
 }
 
 
 # -----------------------------------------------------------------------------
 # 5. The FP8 linear layer: one autograd.Function for the three GEMMs
 
-INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # tensor roles; each has its own scaling state
 # What a delayed-scaling cast records for push_amax, per role (the columns of Fp8Linear.cast_log):
 # the largest amax, and the number of casts with a non-finite one, since the last push; the values
 # cast and clipped; the scale of the last cast. One float64 row: one write per cast, exact counts.
@@ -434,11 +479,12 @@ CAST_LOG = ("amax", "nonfinite", "values", "clipped", "scale")
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """y = x W^T (+ b), its three GEMMs in FP8. `mod` is the layer (ctx.mod): its recipe and
-    scaling state, its FP8 weight (weight_operands), where dW goes (take_wgrad: O2 keeps it in
-    FP8). `given`: operands that arrive cast already, x before the forward GEMM and dy before
-    the backward ones (a tensor-parallel shard gathers them in FP8: nanofp8/parallel.py); x and
-    dy are then stand-ins of their shapes, never read."""
+    """y = x W^T (+ b), its three GEMMs in FP8. `mod` is the layer (ctx.mod): its recipe (how it
+    casts each operand: Recipe.casts, Recipe.transposes) and scaling state, its FP8 weight
+    (weight_operands), where dW goes (take_wgrad: O2 keeps it in FP8). `given`: operands that
+    arrive cast already, x before the forward GEMM and dy before the backward ones (a
+    tensor-parallel shard gathers them in FP8: nanofp8/parallel.py); x and dy are then stand-ins
+    of their shapes, never read."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mod, out_dtype, given=None):
@@ -447,7 +493,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             r = mod.recipe
             x2 = x.reshape(-1, x.shape[-1]) if given is None or given.x is None else None
-            qx = mod.quantize_operand(INPUT, x2, r.fwd_fmt) if x2 is not None else given.x
+            qx = mod.quantize_operand("x", x2) if x2 is not None else given.x
             if x2 is None:
                 given.x = None  # taken: ctx.given must not keep it alive until backward
             qw, qw_t = mod.weight_operands()  # W (N, K) for this GEMM, W^T (K, N) for dgrad
@@ -457,18 +503,19 @@ class Fp8LinearFunction(torch.autograd.Function):
             y = scaled_gemm(qx, qw, out_dtype, b, r.backend, fast_accum=True, name=mod.fqn)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
 
-            # Keep only the FP8 operands of the backward GEMMs (and their inverse scales), along their
-            # contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Row, 1x128: re-quantize x^T.
-            if qx.granularity == "tensor" or qx.block[0] > 1:  # scales that transpose with the data
-                qx_t = qx.t()
-            else:  # (x given cast: from its FP8 values)
-                src = dequantize(qx, torch.float32) if x2 is None else x2
-                qx_t = mod.quantize_operand(INPUT, src.t(), r.fwd_fmt)
+            # Keep only the operands of the backward GEMMs (FP8 ones with their inverse scales), along
+            # their contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Row, 1x128: x^T cast
+            # anew (x given cast: from its FP8 values). One the recipe keeps in high precision is kept
+            # in the dtype that its GEMM runs in: dy's, the output's.
+            qx_t = qx.t() if "x_t" in r.transposes else \
+                mod.quantize_operand("x_t", (dequantize(qx, torch.float32) if x2 is None else x2).t())
             if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
                 mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
-            ctx.save_for_backward(qx_t.data, qx_t.scale, qx_t.inv_scale, qw_t.data, qw_t.scale, qw_t.inv_scale)
-            ctx.meta = ((qx_t.fmt, qx_t.granularity, qx_t.block, qx_t.data.shape, qx_t.dtype),
-                        (qw_t.fmt, qw_t.granularity, qw_t.block, qw_t.data.shape, qw_t.dtype))
+            keep = [(q.data, q.scale, q.inv_scale) if isinstance(q, Fp8Tensor) else (q.to(out_dtype), None, None)
+                    for q in (qx_t, qw_t)]
+            ctx.save_for_backward(*keep[0], *keep[1])
+            ctx.meta = [(q.fmt, q.granularity, q.block, q.data.shape, q.dtype) if isinstance(q, Fp8Tensor) else None
+                        for q in (qx_t, qw_t)]
             ctx.mod, ctx.given = mod, given
             ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
             ctx.has_bias, ctx.b_dtype = bias is not None, None if bias is None else bias.dtype
@@ -478,23 +525,21 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         mod, r = ctx.mod, ctx.mod.recipe
         tx, sx, ix, tw, sw, iw = ctx.saved_tensors
-        qx_t, qw_t = Fp8Tensor(tx, sx, *ctx.meta[0], _inv=(sx, ix)), Fp8Tensor(tw, sw, *ctx.meta[1], _inv=(sw, iw))
+        qx_t = Fp8Tensor(tx, sx, *ctx.meta[0], _inv=(sx, ix)) if ctx.meta[0] else tx  # (else: high precision)
+        qw_t = Fp8Tensor(tw, sw, *ctx.meta[1], _inv=(sw, iw)) if ctx.meta[1] else tw
         dx = dw = db = qdy_t = None
         with torch.autocast(dy.device.type, enabled=False):
             given = ctx.given
             dy2 = dy.reshape(-1, dy.shape[-1]) if given is None or given.dy is None else None
-            qdy = mod.quantize_operand(GRAD_OUTPUT, dy2, r.bwd_fmt) if dy2 is not None else given.dy
+            qdy = mod.quantize_operand("dy", dy2) if dy2 is not None else given.dy
 
             if ctx.needs_input_grad[0]:
                 # ---- dgrad: dx (M, K) = dy (M, N) @ [W^T (K, N)]^T      E5M2 x E4M3 (hybrid)
                 dx = scaled_gemm(qdy, qw_t, ctx.x_dtype, backend=r.backend, name=mod.fqn).reshape(ctx.x_shape)
 
             if ctx.needs_input_grad[1]:
-                if qdy.granularity == "tensor" or qdy.block[0] > 1:
-                    qdy_t = qdy.t()
-                else:
-                    src = dequantize(qdy, torch.float32) if dy2 is None else dy2
-                    qdy_t = mod.quantize_operand(GRAD_OUTPUT, src.t(), r.bwd_fmt)
+                qdy_t = qdy.t() if "dy_t" in r.transposes else \
+                    mod.quantize_operand("dy_t", (dequantize(qdy, torch.float32) if dy2 is None else dy2).t())
                 # ---- wgrad: dW (N, K) = dy^T (N, M) @ [x^T (K, M)]^T    E5M2 x E4M3 (hybrid)
                 dw = scaled_gemm(qdy_t, qx_t, torch.float32, backend=r.backend, name=mod.fqn)
                 dw = mod.take_wgrad(dw)  # O1: the autograd gradient; O2: kept in FP8 instead
@@ -585,26 +630,26 @@ class Fp8Linear(nn.Linear):
 
     def cast_weight(self):
         """The FP8 cast of the weight and of its transpose (not cached)."""
-        w, fmt = self.hp_weight().detach(), self.recipe.fwd_fmt
-        qw = self.quantize_operand(WEIGHT, w, fmt)
-        if qw.granularity == "tensor" or qw.block[0] > 1:  # scales that transpose with the data
-            return qw, qw.t()
-        return qw, self.quantize_operand(WEIGHT, w.t(), fmt)
+        w = self.hp_weight().detach()
+        qw = self.quantize_operand("w", w)
+        return qw, qw.t() if "w_t" in self.recipe.transposes else self.quantize_operand("w_t", w.t())
 
-    def quantize_operand(self, role, x2, fmt):
-        """Quantize a GEMM operand (M, K) along K with the layer's recipe: current scaling measures
-        it, delayed scaling takes the scale from the role's history. Block tiles: the recipe's
-        weight_tile for the weight, act_tile for activations and gradients."""
-        r = self.recipe
+    def quantize_operand(self, operand, x2):
+        """Cast a GEMM operand (M, K) along K as the recipe casts that operand (OPERANDS, Recipe.casts):
+        current scaling measures it, delayed scaling takes the scale from the history of the tensor
+        it comes from (its role). An operand the recipe keeps in high precision is x2 itself."""
+        r, how = self.recipe, self.recipe.casts[operand]
+        if how is None:
+            return x2
+        fmt, granularity, tile = how
         if r.scaling == "delayed":
-            return self.delayed_quantize(role, x2, fmt)
-        tile = r.weight_tile if role == WEIGHT else r.act_tile
-        rows_first = role == INPUT  # (compiled: an activation's amax in the kernel that makes it)
+            return self.delayed_quantize(OPERANDS[operand], x2, fmt)
+        rows_first = OPERANDS[operand] == INPUT  # (compiled: an activation's amax in the kernel that makes it)
         if r.backend == "emulate":
-            return quantize(x2, fmt, r.granularity, tile, margin=r.margin, power_of_two=r.power_of_two,
+            return quantize(x2, fmt, granularity, tile, margin=r.margin, power_of_two=r.power_of_two,
                             scale_rule=r.scale_rule, rows_first=rows_first)
         from nanofp8.device import cast  # the engine (seam): Triton or CPU casts, the same bytes
-        return cast(r, x2, fmt, tile, rows_first)
+        return cast(r, x2, fmt, granularity, tile, rows_first)
 
     def weight_changed(self):
         """Called by an optimizer that wrote a new weight: forget the cached cast (O2: cast anew)."""

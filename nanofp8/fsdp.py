@@ -286,6 +286,9 @@ def _refusal(m):
         return f"{type(m).__name__} keeps a weight of its own making (O2/O3)"
     if m.recipe.scaling == "delayed":
         return "delayed scaling: the weight's scale comes from the layer's amax history"
+    if {op for op, *_ in m.recipe.operands} & {"w", "w_t"}:
+        return ("the recipe casts W or W^T by a rule of its own (Recipe.operands): the all-gather sends the "
+                "recipe's casts of W only")
     if m.recipe.granularity == "block" and len(set(m.recipe.weight_tile)) > 1:
         return (f"{m.recipe.grid} tiles {tuple(m.recipe.weight_tile)} do not transpose: W^T needs a cast of its "
                 f"own along N, which the all-gather does not send")

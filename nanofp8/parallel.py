@@ -120,7 +120,7 @@ import torch.nn.functional as F
 
 from . import dist as D
 from .dist import COMM, Fp8Chunks
-from .fp8 import E4M3, E5M2, INPUT, WEIGHT, Fp8Format, Fp8Linear, Fp8LinearFunction, Fp8Tensor, quantize
+from .fp8 import E4M3, E5M2, INPUT, OPERANDS, WEIGHT, Fp8Format, Fp8Linear, Fp8LinearFunction, Fp8Tensor, quantize
 from .layout import Layout, make_layout
 from .model import GPT
 
@@ -325,16 +325,16 @@ class TPLinear(Fp8Linear):
         self._init_scaling_state(weight.device)
         self.comm_fmts = comm_fmts or (self.recipe.fwd_fmt, self.recipe.bwd_fmt)
 
-    def quantize_operand(self, role, x2, fmt):
+    def quantize_operand(self, operand, x2):
         """fp8.py's quantization, plus the agreed tensor scale (section 2) for an operand whose
         values are spread over the ranks: the weight, a row-parallel input, a column-parallel
         gradient. (The weight is cast at every forward: Fp8Linear does not cache it, so the amax
         all-reduce stays matched across ranks.) Delayed scaling keeps each rank's own history."""
-        r = self.recipe
+        r, how, role = self.recipe, self.recipe.casts[operand], OPERANDS[operand]
         spread = role == WEIGHT or (role == INPUT) == (self.parallel == "row")
-        if spread and r.scaling == "current" and r.granularity == "tensor" and self.tp > 1:
-            return quantize(x2, fmt, "tensor", scale=_shared_scale(x2, self, fmt))
-        return super().quantize_operand(role, x2, fmt)
+        if spread and r.scaling == "current" and how and how[1] == "tensor" and self.tp > 1:
+            return quantize(x2, how[0], "tensor", scale=_shared_scale(x2, self, how[0]))
+        return super().quantize_operand(operand, x2)
 
     def shard(self):
         """(weight, bias) as this rank's GEMM reads them: its own tensors here; engine=torch's

@@ -108,7 +108,7 @@ import torch.nn as nn
 
 from . import device
 from .ckptfile import write_file
-from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, clip_edge, dequantize
+from .fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear, Fp8Tensor, clip_edge, dequantize
 from .mx import is_mx
 
 
@@ -249,8 +249,9 @@ class Fp8Stats:
 
     @torch.no_grad()
     def observe(self, mod, operand, src, q):
-        """One cast of mod's: its high-precision source src and its Fp8Tensor q."""
-        if _counted_elsewhere(mod, operand):
+        """One cast of mod's: its high-precision source src and its Fp8Tensor q (an operand that the
+        recipe keeps in high precision, q not an Fp8Tensor, was not cast: nothing to record)."""
+        if not isinstance(q, Fp8Tensor) or _counted_elsewhere(mod, operand):
             return
         sums, maxes = cast_stats(src, q)
         key = (mod.fqn, operand)

@@ -92,8 +92,9 @@ class O3Linear(O2Linear):
 
     def cast_weight(self):
         qw, r = self.fp8_weight(), self.recipe
-        if not (qw.granularity == "tensor" or qw.block[0] > 1):  # scales that do not transpose (fp8.py's rule)
-            return qw, quantize(self.hp_weight().t(), E4M3, qw.granularity, r.weight_tile, scale_rule=r.scale_rule)
+        if "w_t" not in r.transposes:  # W^T cast anew: scales that do not transpose, or its own cast (fp8.py)
+            fmt, granularity, tile = r.casts["w_t"]
+            return qw, quantize(self.hp_weight().t(), fmt, granularity, tile, scale_rule=r.scale_rule)
         return qw, qw.t()
 
     @torch.no_grad()

@@ -38,7 +38,7 @@ def test_the_function_multiplies_operands_given_cast(granularity):
     read (NaN here). Output and dx are those of the layer casting x and dy itself, bit for bit, and
     so is dW with tensor scales; with row and 1x128 scales dW's operands are re-quantized along
     the tokens from the FP8 values, one more rounding. A bias gradient sums dy's FP8 values."""
-    from nanofp8.fp8 import GRAD_OUTPUT, INPUT, Fp8LinearFunction
+    from nanofp8.fp8 import Fp8LinearFunction
     from nanofp8.parallel import Gathered
 
     g = torch.Generator().manual_seed(7)
@@ -48,12 +48,11 @@ def test_the_function_multiplies_operands_given_cast(granularity):
     lin(x).backward(dy)
     want = lin(x).detach(), x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()
     lin.zero_grad()
-    r = lin.recipe
-    given = Gathered(x=lin.quantize_operand(INPUT, x.detach().reshape(-1, 160), r.fwd_fmt))
+    given = Gathered(x=lin.quantize_operand("x", x.detach().reshape(-1, 160)))
     stand_in = torch.full_like(x, float("nan")).requires_grad_()
     y = Fp8LinearFunction.apply(stand_in, lin.weight, lin.bias, lin, torch.float32, given)
     assert given.x is None  # taken: not kept alive until backward
-    given.dy = qdy = lin.quantize_operand(GRAD_OUTPUT, dy.reshape(-1, 48), r.bwd_fmt)
+    given.dy = qdy = lin.quantize_operand("dy", dy.reshape(-1, 48))
     y.backward(torch.full_like(dy, float("nan")))
     assert torch.equal(y, want[0]) and torch.equal(stand_in.grad, want[1])
     if granularity == "tensor":  # x^T and dy^T are transposes of the given casts: the same dW
@@ -66,7 +65,7 @@ def test_the_function_multiplies_operands_given_cast(granularity):
 
 
 def test_presets_are_one_frozen_table_and_knobs_override_them():
-    assert set(RECIPES) == {"tensorwise", "rowwise", "blockwise", "delayed", "mxfp8"}
+    assert set(RECIPES) == {"tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "rowwise_with_gw_hp"}
     assert RECIPES["tensorwise"] == Recipe()
     row, block, delayed = RECIPES["rowwise"], RECIPES["blockwise"], RECIPES["delayed"]
     assert (row.granularity, row.fwd_fmt, row.bwd_fmt) == ("row", E4M3, E4M3)  # torchao's rowwise
@@ -76,6 +75,12 @@ def test_presets_are_one_frozen_table_and_knobs_override_them():
     mx = RECIPES["mxfp8"]  # OCP MX: 1x32 tiles for every operand, E8M0 scales by the shared-exponent rule
     assert (mx.granularity, mx.fwd_fmt, mx.bwd_fmt, mx.act_tile, mx.weight_tile) == ("block", E4M3, E4M3, (1, 32), (1, 32))
     assert mx.scale_rule is mx_scale
+    # torchao's ROWWISE_WITH_GW_HP: rowwise E4M3 forward and dgrad, but W^T with one tensor scale, and
+    # the wgrad GEMM's operands (x^T, dy^T) kept in high precision
+    hp = RECIPES["rowwise_with_gw_hp"]
+    assert {op: hp.casts[op][:2] if hp.casts[op] else None for op in ("x", "w", "dy", "w_t", "x_t", "dy_t")} == {
+        "x": (E4M3, "row"), "w": (E4M3, "row"), "dy": (E4M3, "row"), "w_t": (E4M3, "tensor"), "x_t": None, "dy_t": None}
+    assert all(row.casts[op] == (E4M3, "row", (1, 128) if op[0] != "w" else (128, 128)) for op in row.casts)
     with pytest.raises(dataclasses.FrozenInstanceError):
         row.granularity = "tensor"
     r = Recipe.from_name("rowwise", formats="hybrid", margin=2)
@@ -144,6 +149,37 @@ def test_rowwise_preset_gradients_are_e4m3_and_more_accurate():
         assert sqnr(ref, new) > 27 and sqnr(ref, new) > sqnr(ref, old) + 2
 
 
+@pytest.mark.parametrize("backend", ["emulate", "cpu"])
+def test_rowwise_with_gw_hp_multiplies_the_weight_gradient_in_high_precision(backend):
+    """torchao's ROWWISE_WITH_GW_HP: the forward and dgrad GEMMs as rowwise's (W^T with one tensor
+    scale), within rowwise's float64 floors; dW = dy^T x is the GEMM a Linear runs without FP8, from
+    x and dy as they are, in autocast's bf16: that GEMM's very bits, and far closer to float64 than
+    rowwise's FP8 wgrad. Backward keeps x in bf16 for it, in place of rowwise's FP8 x^T."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (256, 1), generator=g).float())
+    w, dy = torch.randn(96, 128, generator=g) * 0.05, torch.randn(256, 96, generator=g)
+    dx_ref, dw_ref = dy.double() @ w.double(), dy.double().t() @ x.double()
+    gw_hp = _grads(Recipe.from_name("rowwise_with_gw_hp", backend=backend), x, w, dy)
+    rowwise = _grads(Recipe.from_name("rowwise", backend=backend), x, w, dy)
+    assert sqnr(dx_ref, gw_hp[0]) > 27 and torch.equal(gw_hp[1], dy.t() @ x)  # (fp32 in, fp32 out)
+    assert sqnr(dw_ref, gw_hp[1]) > 120 and sqnr(dw_ref, rowwise[1]) < 35
+
+    lin = Fp8Linear(128, 96, bias=False, recipe=Recipe.from_name("rowwise_with_gw_hp", backend=backend))
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    xx = x.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(xx)
+    y.backward(dy.bfloat16())
+    assert torch.equal(lin.weight.grad, (dy.bfloat16().t() @ x.bfloat16()).float())  # autocast's Linear's dW
+    fp8_dw = scaled_gemm(quantize(dy.bfloat16().t(), E4M3, "row"), quantize(x.t(), E4M3, "row"), torch.float32)
+    assert not torch.equal(lin.weight.grad, fp8_dw) and sqnr(dw_ref, lin.weight.grad) > sqnr(dw_ref, fp8_dw) + 10
+    assert [t.dtype for t in saved if t.shape == (128, 256)] == [torch.bfloat16]  # x^T, kept in bf16
+    assert sqnr(dx_ref, xx.grad) > 25
+
+
 @pytest.mark.parametrize("backend", ["emulate", "cpu", "torch"])
 def test_scale_rule_is_one_field_used_by_every_cast(backend):
     # a fork's new rule: one field of the recipe, and every operand cast of the layer uses it
@@ -157,7 +193,7 @@ def test_scale_rule_is_one_field_used_by_every_cast(backend):
     x = torch.randn(16, 64, requires_grad=True)
     lin(x).sum().backward()
     assert calls == ["e4m3", "e4m3", "e5m2"]  # x, W, dy (their transposes keep the scale)
-    q = lin.quantize_operand(0, x.detach(), E4M3)
+    q = lin.quantize_operand("x", x.detach())
     assert torch.equal(q.scale, compute_scale(x.detach().abs().amax(), E4M3) / 2)
 
 
