@@ -72,7 +72,10 @@ parallelism, the heads of the rank), "row": one scale per row of each GEMM opera
 key, a channel of V^T, ...), "block": one scale per act_tile (1 x 128: a row's 128 values along
 the contracted dim; any 1 x N tile, 1x32 MX tiles included). Scaling is current: delayed
 scaling's amax history (Fp8Linear) has no equivalent here, so a "delayed" recipe's attention
-measures each tensor as it casts it. nanofp8/stats.py does not observe these casts.
+measures each tensor as it casts it. A recipe's casts of one Linear operand (Recipe.operands:
+rowwise_with_gw_hp's high-precision weight gradient) have no equivalent either: attention has no
+weight, and casts every operand by the recipe's granularity and formats. nanofp8/stats.py does
+not observe these casts.
 
 What it costs: this is the lesson, not a fused kernel. S and P are materialized (B*H*T*T fp32,
 for the duration of one call), and fp8.scaled_gemm runs one GEMM per head (B*H per product).

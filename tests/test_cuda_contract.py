@@ -6,7 +6,8 @@ the decisions it would take on that device). For four simulated devices, H100 wi
 12.9 and torch >= 2.11 (native block scales), H100 with cuBLASLt 12.6 (CUDA 12.6 wheels: row-wise
 on CUTLASS, bf16/fp16 only), H100 with a torch without native block scales, and an SM89 GPU:
 
-* every recipe (current/delayed x tensor/row/block x hybrid/e4m3), with and without bias, in fp32
+* every recipe (current/delayed x tensor/row/block x hybrid/e4m3, and rowwise_with_gw_hp's row x
+  tensor dgrad beside its high-precision wgrad), with and without bias, in fp32
   and under bf16 autocast, forward and backward, and the TP/SP layers of nanofp8/parallel.py
   inside a GPT: the stand-in refuses nothing;
 * GEMMs the device cannot run are never attempted: they go to a named alternative, reported
@@ -32,7 +33,8 @@ DEVICES = {"h100": dict(sm=(9, 0), cublaslt=(12, 9)),
            "h100-no-native-block": dict(sm=(9, 0), cublaslt=(12, 9), torch_version=(2, 10)),
            "sm89": dict(sm=(8, 9), cublaslt=(12, 9))}
 RECIPES = [dict(scaling="current", granularity=g, formats=f) for g in GRANULARITIES
-           for f in ("hybrid", "e4m3")] + [dict(scaling="delayed", formats=f) for f in ("hybrid", "e4m3")]
+           for f in ("hybrid", "e4m3")] + [dict(scaling="delayed", formats=f) for f in ("hybrid", "e4m3")] + [
+    dict(granularity="row", formats="e4m3", operands=fp8.RECIPES["rowwise_with_gw_hp"].operands)]  # (dW: no FP8)
 
 
 @pytest.fixture

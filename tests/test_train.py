@@ -9,6 +9,7 @@ lands within 2% of bf16 on the same data.
 The tiny model (conftest.TINY) trains on the Shakespeare data (conftest.shakespeare)."""
 
 import io
+import math
 import os
 import sys
 
@@ -19,6 +20,7 @@ import conftest
 import train
 from conftest import REPO, TINY, logged_losses, newest_checkpoint, run
 from nanofp8.configurator import ConfigError, read_config_file, read_dataset_meta
+from nanofp8.fp8 import Recipe, convert_to_fp8
 from nanofp8.ckptfile import CheckpointError, load_checkpoint, save_checkpoint
 
 from nanofp8.run import MODEL_KEYS
@@ -212,6 +214,42 @@ def test_checkpoint_atomic_and_damaged(tmp_path, monkeypatch):
     open(out / "ckpt.pt", "wb").write(blob[:100])
     r = run("train.py", *TINY, "init_from=resume", f"out_dir={out}", "max_iters=2")
     assert r.returncode == 2 and str(out / "ckpt.pt") in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("precision", ["O1", "O2"])
+def test_rowwise_with_gw_hp_trains(tmp_path, capsys, precision):
+    """fp8_recipe=rowwise_with_gw_hp from train.py: its name in the start-up line, and the loss
+    falls. O2 keeps the high-precision weight gradient in FP8 afterwards (take_wgrad); an O3 layer
+    (torchrun: test_torchrun_fp8_data_parallel_and_o3_resume's kind) casts W^T by the preset's rule."""
+    from nanofp8.zero import convert_to_o3
+
+    o3 = convert_to_o3(convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 32)),
+                                      Recipe.from_name("rowwise_with_gw_hp", backend="cpu")))
+    assert [q.granularity for q in o3[0].cast_weight()] == ["row", "tensor"]
+    from nanofp8.fsdp import fp8_all_gather  # FSDP2's FP8 all-gather sends W's cast only: fp32 there
+
+    left = fp8_all_gather(convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 32)),
+                                         Recipe.from_name("rowwise_with_gw_hp", backend="cpu"))).fp8_all_gather_left
+    assert "casts W or W^T by a rule of its own" in left["0"]
+    got = train.main(TINY + [f"precision={precision}", "fp8_recipe=rowwise_with_gw_hp", "max_iters=12",
+                             "lr_decay_iters=12", "eval_interval=12", f"out_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "in FP8 (rowwise_with_gw_hp (current/row/e4m3, w_t tensor, x_t hp, dy_t hp), backend=cpu;" in out
+    losses = [loss for _, loss in got["losses"]]
+    assert all(map(math.isfinite, losses)) and sum(losses[-3:]) < sum(losses[:3]) - 0.3, losses
+
+
+def test_rowwise_with_gw_hp_is_refused_where_x_and_dy_arrive_in_fp8():
+    """Sequence parallelism gathers x and dy in FP8 (mp_comm=fp8): the weight gradient could then
+    not be made from them in high precision. One line, naming the way out."""
+    with pytest.raises(ConfigError) as e:
+        train.load_config(TINY + ["precision=O1", "fp8_recipe=rowwise_with_gw_hp", "tensor_parallel=2",
+                                  "sequence_parallel=True"])
+    assert str(e.value) == ("fp8_recipe=rowwise_with_gw_hp keeps x^T and dy^T in high precision, and "
+                            "sequence_parallel=True gathers x and dy in FP8 (mp_comm=auto): set mp_comm=bf16, "
+                            "or sequence_parallel=False, or fp8_recipe=rowwise")
+    train.load_config(TINY + ["precision=O1", "fp8_recipe=rowwise_with_gw_hp", "tensor_parallel=2",
+                              "sequence_parallel=True", "mp_comm=bf16"])
 
 
 # ---------------------------------------------------------------- resume
