@@ -366,7 +366,8 @@ def check_model_parallel(cfg):
                           f"by tensor_parallel ({tp}): every rank holds block_size/tensor_parallel tokens")
     hp = [op for op, g, _ in RECIPES[cfg["fp8_recipe"] or "tensorwise"].operands if g is None]
     if sp and hp and cfg["mp_comm"] in ("auto", "fp8"):  # (auto: fp8 at the FP8 levels)
-        raise ConfigError(f"fp8_recipe={cfg['fp8_recipe']} keeps {' and '.join(op.replace('_t', '^T') for op in hp)} in high precision, and "
+        hp = " and ".join(op.replace("_t", "^T") for op in hp)
+        raise ConfigError(f"fp8_recipe={cfg['fp8_recipe']} keeps {hp} in high precision, and "
                           f"sequence_parallel=True gathers x and dy in FP8 (mp_comm={cfg['mp_comm']}): set "
                           f"mp_comm=bf16, or sequence_parallel=False, or fp8_recipe=rowwise")
     if tp * pp == 1:

@@ -325,10 +325,11 @@ BACKENDS = ("torch", "emulate", "cpu", "triton")
 
 def scaled_gemm(a, b, out_dtype, bias=None, backend="torch", fast_accum=False, name="?"):
     """out (M, N) = dequantize(a) @ dequantize(b).T (+ bias), accumulated in fp32.
-    a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K (or both plain tensors). backend "emulate": the fp32
-    reference here; the others: nanofp8/device.py's gemm (a GEMM torch._scaled_mm cannot run
-    goes to a named alternative, reported once per layer `name`). Batched, a (..., M, K) and
-    b (..., N, K) give out (..., M, N): one GEMM per matrix (torch._scaled_mm is 2-D only)."""
+    a: Fp8Tensor (M, K), b: Fp8Tensor (N, K), both quantized along K, or both plain tensors (kept in
+    high precision). backend "emulate": the fp32 reference here; the others: nanofp8/device.py's
+    gemm (a GEMM torch._scaled_mm cannot run goes to a named alternative, reported once per layer
+    `name`). Batched, a (..., M, K) and b (..., N, K) give out (..., M, N): one GEMM per matrix
+    (torch._scaled_mm is 2-D only)."""
     if not isinstance(a, Fp8Tensor):  # operands a recipe keeps in high precision (Recipe.operands): the
         # GEMM a Linear runs without FP8, in the dtype of the activation or gradient a (autocast's)
         out = a @ b.to(a.dtype).t()
@@ -409,12 +410,15 @@ class Recipe:
         casts = {}
         for op, role in OPERANDS.items():
             g, fmt = own.get(op, (self.granularity, None))
-            casts[op] = None if g is None else (fmt or fmts[role], g, self.weight_tile if role == WEIGHT else self.act_tile)
-        for a, b in GEMMS:  # (torch._scaled_mm multiplies FP8 by FP8; a GEMM with one FP8 operand has no kernel)
-            if (casts[a] is None) != (casts[b] is None) or casts[a] and (casts[a][1] == "block") != (casts[b][1] == "block"):
+            tile = self.weight_tile if role == WEIGHT else self.act_tile
+            casts[op] = None if g is None else (fmt or fmts[role], g, tile)
+        for a, b in GEMMS:  # (torch._scaled_mm multiplies FP8 by FP8: one FP8 operand has no kernel)
+            kinds = [None if casts[op] is None else casts[op][1] == "block" for op in (a, b)]
+            if kinds[0] != kinds[1]:
                 raise ValueError(f"Recipe.operands: {a} and {b} meet in one GEMM: both in high precision or "
                                  f"both FP8, both block-scaled or neither")
-        if self.scaling == "delayed" and any(c and (c[1], c[0]) != ("tensor", fmts[OPERANDS[op]]) for op, c in casts.items()):
+        if self.scaling == "delayed" and any(c and (c[1], c[0]) != ("tensor", fmts[OPERANDS[op]])
+                                             for op, c in casts.items()):
             # The rows and tiles of an activation are different tokens every step, so a history
             # of per-row amaxes describes nothing that comes again: delay only whole tensors, and
             # the one scale a tensor's history gives fits one format.
