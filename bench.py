@@ -42,6 +42,7 @@ Nothing here is typed in by hand: every figure is measured when the command runs
 """
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -1382,7 +1383,7 @@ def stats_cost(args):
 
 
 # -----------------------------------------------------------------------------
-# report: the README's results section, regenerated from results/*.json
+# report: the results sections of README.md and docs/*.md, regenerated from results/*.json
 
 
 def _md_table(rows, cols, fmt=None):
@@ -1499,12 +1500,14 @@ def report_parity(d):
 GIB_PARTS = ("peak_GiB", "state_GiB", "saved_for_backward_GiB", "transient_GiB")  # (bench.py throughput on CUDA)
 
 
-def report_gpu(folder):
+def report_gpu(folder, kinds=("kernels_", "throughput_")):
     """The GPU figures: each kernels_*.json (python kernels.py --json) and throughput_*.json (the
-    figures of first_gpu_run.sh, transcribed from its log, which lies beside them) in folder."""
+    figures of first_gpu_run.sh, transcribed from its log, which lies beside them) in folder, of the
+    kinds asked for."""
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     if not names:
         return ["### GPU figures", "No GPU figures are published yet. `bash first_gpu_run.sh` produces them.", ""]
+    names = [n for n in names if n.startswith(kinds)]
     out = []
     for name in (n for n in names if n.startswith("kernels_") and n.endswith(".json")):
         d = json.load(open(os.path.join(folder, name)))
@@ -1540,7 +1543,7 @@ def report_gpu(folder):
 
 
 def report_throughput(d):
-    """The README's throughput section, with what the ratios mean on the machine that made them."""
+    """A throughput section (docs/results.md), with what the ratios mean on the machine that made them."""
     rows = d["throughput"]
     cpu_kind = (f", CPU capability {d['env']['cpu_capability']}" if d["env"].get("cpu_capability")
                 and d["env"]["device"].startswith("CPU") else "")
@@ -1575,7 +1578,7 @@ def report_throughput(d):
 
 
 def report_predict(h100, b200):
-    """The README's predict section, from results/predict_h100.json (and predict_b200.json)."""
+    """The predict section (docs/performance.md), from results/predict_h100.json (and predict_b200.json)."""
     out = ["Validation on an H100 (`results/predict_h100.json`), predicted FP8 speedup over bf16, compiled:", "",
            _md_table([{"published measurement": v["case"], "published": v["published"],
                        "predicted": f"{v['predicted_speedup']:.3f}x",
@@ -1603,8 +1606,26 @@ def report_predict(h100, b200):
     return out
 
 
+def write_sections(path, sections, root):
+    """Rewrites, in the file at path, each section whose markers it holds (<!-- name:start --> to
+    <!-- name:end -->), its links to results/ made relative to the file's folder (root: the folder
+    of README.md and results/). Returns the names of the sections written."""
+    text, written = open(path).read(), []
+    rel = os.path.relpath(os.path.join(root, "results"), os.path.dirname(os.path.abspath(path)))
+    for name, lines in sections.items():
+        a, b = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        if lines is not None and a in text:
+            body = "\n".join(lines).replace("](results/", f"]({rel}/")
+            text = text[: text.index(a)] + a + "\n" + body + "\n" + text[text.index(b):]
+            written.append(name)
+    if written:
+        with open(path, "w") as f:
+            f.write(text)
+    return written
+
+
 def cmd_report(args):
-    res, parts = args.results, []
+    res, parts, extra = args.results, [], []  # parts: README.md's results section; extra: docs/results.md's
 
     def load(name):
         path = os.path.join(res, name)
@@ -1625,25 +1646,25 @@ def cmd_report(args):
                   "for backward; `O1-mxfp8` = MXFP8's 1x32 tiles, one E8M0 byte per 32 values; `O1-fp8attn` = "
                   "O1 with FP8 attention (FP8 Q, K, V and one lse per row kept for backward).", ""]
     if (d := load("comm_cpu.json")):
-        parts += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
+        extra += ["### Communication (`bench.py comm`)", _env_line(d["env"]), "",
                   _md_table(d["comm"], [k for k in d["comm"][0] if k != "note"]), "",
                   "`fp8_layers` = the block Linears: their weight gradients (O3: + the all-gathered FP8 "
                   "weights); `rest` = every other parameter (embeddings, LM head, norms, biases), whose "
                   "gradients travel in fp32 at every level; `model` = all bytes over all parameters; "
                   "`fp8_layer_share` = the block Linears' share of the parameters.", ""]
         if d.get("comm_torch"):
-            parts += ["engine=torch (FSDP2, `nanofp8/torchstack.py`), the same GPT and steps, bytes per parameter "
+            extra += ["engine=torch (FSDP2, `nanofp8/torchstack.py`), the same GPT and steps, bytes per parameter "
                       "per step on the wire: what FSDP2 hands its collectives (weights all-gathered before each "
                       "block's forward and again before its backward, gradients reduce-scattered in fp32); O1 "
                       "gathers the block Linears' weights in FP8 (`of_which_fp8`, `nanofp8/fsdp.py`):", "",
                       _md_table(d["comm_torch"], [k for k in d["comm_torch"][0] if k not in ("note", "engine")]), ""]
         if d.get("comm_model_parallel"):
             mp_rows = d["comm_model_parallel"]
-            parts += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",
+            extra += ["Tensor, sequence and pipeline parallelism, bytes per token on the wire, FP8 vs bf16:", "",
                       _md_table(mp_rows, [k for k in mp_rows[0] if k not in ("note", "fp8_ops", "what")]), ""]
     if (d := load("kernels_schedule_cpu.json")):
         t = d["block_target"]
-        parts += ["### What a GPU runs, counted on a CPU (`bench.py kernels`)", _env_line(d["env"]), "",
+        extra += ["### What a GPU runs, counted on a CPU (`bench.py kernels`)", _env_line(d["env"]), "",
                   _md_table(d["kernels"], ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16",
                                            "saved_KB_per_token", "step_launches", "step_bytes_per_fp8_value"],
                             {"block_KB_per_token": lambda v: f"{v:.0f}", "KB_vs_bf16": lambda v: f"{v:.2f}x",
@@ -1659,23 +1680,28 @@ def cmd_report(args):
                   "foreach operator once; bf16 and O1 on torch's fused AdamW) and bytes of their operands per "
                   "FP8 weight value. Not timings: what a GPU would run, from this code, on any machine.", ""]
     for name in sorted(f for f in os.listdir(res) if f.startswith("throughput_cpu") and f.endswith(".json")):
-        parts += report_throughput(load(name))  # one per CPU kind measured: bf16's speed differs most
+        extra += report_throughput(load(name))  # one per CPU kind measured: bf16's speed differs most
     if (d := load("stats_cost_cpu.json")):
-        parts += ["### Cost of the FP8 statistics (`bench.py stats --cost`)", _env_line(d["env"]), "",
+        extra += ["### Cost of the FP8 statistics (`bench.py stats --cost`)", _env_line(d["env"]), "",
                   _md_table(d["stats_cost"], ["model", "stats", "steps", "ms_per_step", "vs_off"]), "",
                   "Eager mode; on a CPU the FP8 GEMMs are emulated, so the step itself is slow and the "
                   "ratio is the CPU's, not a GPU's.", ""]
-    parts += report_gpu(os.path.join(res, "gpu"))
-    readme = args.readme
-    text = open(readme).read()
-    a, b = text.index("<!-- results:start -->"), text.index("<!-- results:end -->")
-    text = text[: a] + "<!-- results:start -->\n" + "\n".join(parts) + "\n" + text[b:]
-    if (h100 := load("predict_h100.json")) and "<!-- predict:begin -->" in text:
-        a, b = text.index("<!-- predict:begin -->"), text.index("<!-- predict:end -->")
-        text = text[:a] + "<!-- predict:begin -->\n" + "\n".join(report_predict(h100, load("predict_b200.json"))) + "\n" + text[b:]
-    with open(readme, "w") as f:
-        f.write(text)
-    print(f"{readme}: results section rewritten from {res}/*.json")
+    parts += report_gpu(os.path.join(res, "gpu"), ("throughput_",))
+    extra += report_gpu(os.path.join(res, "gpu"), ("kernels_",))
+    h100 = load("predict_h100.json")
+    sections = {"results": parts, "results-more": extra,
+                "predict": report_predict(h100, load("predict_b200.json")) if h100 else None}
+    # Each section is written where its markers are: README.md, or a file of docs/ beside it.
+    root = os.path.dirname(os.path.abspath(args.readme))
+    paths = [args.readme] + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
+    written = {path: write_sections(path, sections, root) for path in paths}
+    if "results" not in written[args.readme]:
+        sys.exit(f"{args.readme} has no <!-- results:start --> and <!-- results:end --> markers")
+    for path, names in written.items():
+        if names:
+            print(f"{path}: {', '.join(names)} rewritten from {res}/*.json")
+    if (lost := [n for n, v in sections.items() if v is not None and not any(n in w for w in written.values())]):
+        print(f"not written (no file holds their markers): {', '.join(lost)}")
 
 
 # -----------------------------------------------------------------------------

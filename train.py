@@ -41,7 +41,7 @@ pipeline's schedule (pipeline_loss, which owns backward), gradients spread over 
 Checkpoints (nanofp8/outdir.py): each is a set, out_dir/ckpt-<iter>/, complete once its
 manifest is written; the newest keep_checkpoints are kept, a diverged state is never saved, and
 a run refuses to start where it would lose work. Every failure is one line and an exit status
-(README: "Checkpoints and recovery"). Seeing the numerics (nanofp8/stats.py): a table of the
+(docs/checkpoints.md). Seeing the numerics (nanofp8/stats.py): a table of the
 Linears, a count of GEMMs that fell back to high precision, fp8_stats_interval=N's statistics.
 
 Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, rank): a resumed run

@@ -392,8 +392,8 @@ def check_engine(cfg):
     if cfg["precision"] in ("O2", "O3"):
         raise ConfigError(f"precision={cfg['precision']} does not run on engine=torch: its FP8 weight gradients live "
                           f"outside .grad, and FSDP2 reduce-scatters only .grad; its moments carry a scale per 128 "
-                          f"values of a shard, which DCP cannot re-cut for another world size (README: 'Scaling "
-                          f"beyond one machine'); {use}, or precision=O1 on engine=torch")
+                          f"values of a shard, which DCP cannot re-cut for another world size (docs/distributed.md: "
+                          f"'Scaling beyond one machine'); {use}, or precision=O1 on engine=torch")
     if tp > 1 and cfg["fp8_scaling"] == "delayed":
         raise ConfigError(f"fp8_scaling=delayed with engine=torch and tensor_parallel={tp}: each TP rank keeps its own "
                           f"amax history, which a DCP checkpoint would save as one; use fp8_scaling=current, or {use}")

@@ -838,7 +838,7 @@ class Clock:
         return line
 
 
-# The exit statuses of train.py (README: "Checkpoints and recovery").
+# The exit statuses of train.py (docs/checkpoints.md: "Exit statuses").
 EXIT_DIVERGED, EXIT_REFUSED, EXIT_LOST_RANKS, EXIT_WRITE_FAILED = 1, 2, 3, 4
 _signal = None  # the signal that stopped the run (SIGINT: Ctrl-C, SIGTERM: a scheduler), if any
 

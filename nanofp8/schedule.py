@@ -9,8 +9,8 @@ its operations, by rules that depend on the device. Inductor can be told to appl
 (Triton kernels) to a CPU graph (`cpu_backend = "triton"`): scheduling the graphs that
 AOTAutograd hands it then gives the kernels a GPU would launch and the bytes each one reads and
 writes, without a GPU and without compiling any of them. Priced at HBM bandwidth, this count
-reproduced the H200's O1/bf16 ratios within 1% (README, "Where a compiled FP8 step spends a GPU's
-time").
+reproduced the H200's O1/bf16 ratios within 1% (docs/performance.md, "Where a compiled FP8 step
+spends a GPU's time").
 
     graph_cost(fn, *args)      run fn (forward and backward), counting every graph it compiles
     block_cost(level, ...)     one GPT-2 block of train.py's model at a precision level, with its

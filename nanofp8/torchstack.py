@@ -58,8 +58,8 @@ engine goes through nanofp8/checkpoint.py's conversion (weights exact; Adam mome
 whole by read_dcp_moments, unless the new layout cuts over tensor or pipeline ranks), and so
 do sample.py and export.py: read_dcp_set reads a set in one process into the single-device GPT.
 
-4. What runs where (README: "Scaling beyond one machine")
----------------------------------------------------------
+4. What runs where (docs/distributed.md: "Scaling beyond one machine")
+----------------------------------------------------------------------
 bf16 and O1, FSDP2 and/or TP (+SP). Not here, refused by the config check with the reason:
 pipeline parallelism, O2 and O3 (their FP8 weight gradient lives outside .grad, which is all
 FSDP2 reduce-scatters; their moments carry a scale per 128 values of a shard, tied to the

@@ -221,10 +221,15 @@ def test_parity_outputs_and_report(tmp_path):
     assert csv[0] == "variant,seed,iters,kind,iter,loss" and "O1,0,3000,val,3000,1.5030" in csv
     assert len(csv) == 1 + 14 * (1000 + 3) + 2 * (3000 + 3)  # every step of every run, and its evals
     assert (out / "parity.png").stat().st_size > 10000
-    readme = tmp_path / "README.md"
+    readme, more = tmp_path / "README.md", tmp_path / "docs" / "results.md"
     readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\n")
+    more.parent.mkdir()
+    more.write_text("# y\n<!-- results-more:start -->\nold\n<!-- results-more:end -->\n")
     bench.main(["report", "--results", str(out), "--readme", str(readme)])
-    text = readme.read_text()
+    text, more_text = readme.read_text(), more.read_text()
+    assert "old" not in more_text and "No GPU figures" in more_text and "Noise floor" not in more_text
+    assert bench.write_sections(str(more), {"results-more": ["[j](results/j.json)"]}, str(tmp_path)) == ["results-more"]
+    assert "[j](../results/j.json)" in more.read_text()  # links made relative to docs/
     assert "old" not in text and "No GPU figures" in text and "**Noise floor:** bf16's final val loss moves by 5.00%" in text
     assert "- **O1** (target 1.00%): met, +0.20% +- 0.06%" in text
     assert "- **O2** (target 1.00%): missed" in text and "- **O1-block** (target 0.25%): unresolvable" in text
@@ -294,7 +299,7 @@ def test_throughput_tiny(tmp_path):
 
 
 def test_throughput_report_states_the_step_target():
-    """The README's throughput section says met or missed against STEP_TARGET, and how much of O1's
+    """A throughput section (docs/results.md) says met or missed against STEP_TARGET, and how much of O1's
     step is the fp32 floor (known answers: bf16 100 tok/s, fp32 80, O1 50 or 90)."""
     def report(o1):
         rows = [{"model": "m", "level": lv, "compile": False, "tokens_per_s": t, "vs_bf16": t / 100, "vs_fp32": t / 80,

@@ -12,7 +12,7 @@ generation (kernels.mx_gemm_tiles) and each output dtype, this checks:
 * both: A and B arrive by TMA, shared memory fits a block (232,448 B on both), no spills.
 
 `python tests/test_mx_compile.py --json results/kernels_sm100.json` writes the figures (shared
-memory, registers, spills, MMA instructions, versions) that the README quotes. Speed and the
+memory, registers, spills, MMA instructions, versions) that docs/gpu.md quotes. Speed and the
 numbers the compiled code computes need a GPU (`python kernels.py`).
 """
 

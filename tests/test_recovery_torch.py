@@ -144,7 +144,7 @@ def test_a_resume_keeps_its_recipe(run_dir, capsys):
 def test_faults_during_a_dcp_save(run_dir, monkeypatch, capsys):
     """A full disk (exit 1 with a traceback and a partial set once), Ctrl-C and SIGTERM (the partial
     set stayed while the line said nothing was kept) inside DCP's write of the set of iteration 6:
-    one line naming the last good set, the status of README's table, no partial set."""
+    one line naming the last good set, the status of docs/checkpoints.md's table, no partial set."""
     real = dcp_fs._write_item
     last = f"the last good checkpoint is {run_dir}/ckpt-00000004 (iter 4)"
     for fault, status, line in (
