@@ -154,6 +154,17 @@ def micro_steps(model, batches, layout):
     return loss / len(batches)
 
 
+def stopped_at(full_dir, out_dir, iter_num):
+    """out_dir as a run stopped at iter_num leaves it: the checkpoint set a longer run (full_dir)
+    saved at that step, copied. A set is the same whether the run stops there or goes on (the
+    schedule follows lr_decay_iters, not max_iters), so a resume test resumes from it instead of
+    paying for a third launch that trains the first steps again."""
+    import shutil
+
+    name = f"ckpt-{iter_num:08d}"
+    shutil.copytree(os.path.join(full_dir, name), os.path.join(out_dir, name))
+
+
 def newest_checkpoint(out_dir, name="ckpt.pt"):
     """The path of one file (a rank's) of out_dir's newest complete checkpoint set."""
     from nanofp8.checkpoint import find_checkpoint

@@ -86,16 +86,16 @@ def test_fsdp2_trains_as_the_hand_written_data_parallelism(tmp_path):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_dcp_resume_is_exact_at_any_data_parallel_size(tmp_path):
-    """FSDP2 x TP + SP (2 x 2 ranks, O1, dropout): stop at the checkpoint of step 4 and resume:
-    the losses and weights of never stopping, bit for bit (every rank's shards, Adam's moments and
+    """FSDP2 x TP + SP (2 x 2 ranks, O1, dropout): resume from the checkpoint of step 4
+    (conftest.stopped_at): the losses and weights of never stopping, bit for bit (every rank's shards, Adam's moments and
     the dropout streams restored). The same checkpoint on 2 ranks (TP only): loaded as it is, no
     conversion; on 1 process (another TP): converted, and the log says so. sample.py reads it."""
     common = [O1, TP2, SP, TORCH, "dropout=0.1"]
     full = torchrun(4, *common, f"out_dir={tmp_path / 'full'}")
-    first = torchrun(4, *common, "max_iters=4", f"out_dir={tmp_path / 'stopped'}")
+    conftest.stopped_at(tmp_path / "full", tmp_path / "stopped", 4)
     rest = torchrun(4, *common, "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
     assert "resuming at iter 4" in rest.stdout and "converting" not in rest.stdout
-    assert logged_losses(first.stdout) + logged_losses(rest.stdout) == logged_losses(full.stdout)
+    assert logged_losses(rest.stdout) == logged_losses(full.stdout)[4:] and len(logged_losses(rest.stdout)) == 4
     a, b = weights(tmp_path / "full"), weights(tmp_path / "stopped")
     assert all(torch.equal(a[k], b[k]) for k in a)
     found = find_checkpoint(str(tmp_path / "stopped"))[0]
@@ -251,15 +251,15 @@ def test_compile_stays_off_where_fsdp2_gathers_fp8_weights():
 @pytest.mark.dist
 def test_delayed_scaling_resumes_exactly_under_fsdp2(tmp_path):
     """FSDP2 over 2 ranks with delayed scaling: each rank casts its own activations and gradients,
-    so each keeps its own amax histories, plain buffers that DCP saves once. Stop at the
-    checkpoint of step 4 and resume: the losses and weights of never stopping, bit for bit (ckpt.pt
+    so each keeps its own amax histories, plain buffers that DCP saves once. Resume from
+    the checkpoint of step 4 (conftest.stopped_at): the losses and weights of never stopping, bit for bit (ckpt.pt
     holds every rank's scaling state, and each rank gets its own back)."""
     common = [O1, TORCH, "fp8_recipe=delayed"]
     full = torchrun(2, *common, f"out_dir={tmp_path / 'full'}")
-    first = torchrun(2, *common, "max_iters=4", f"out_dir={tmp_path / 'stopped'}")
+    conftest.stopped_at(tmp_path / "full", tmp_path / "stopped", 4)
     rest = torchrun(2, *common, "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
     assert "resuming at iter 4" in rest.stdout
-    assert logged_losses(first.stdout) + logged_losses(rest.stdout) == logged_losses(full.stdout)
+    assert logged_losses(rest.stdout) == logged_losses(full.stdout)[4:] and len(logged_losses(rest.stdout)) == 4
     a, b = weights(tmp_path / "full"), weights(tmp_path / "stopped")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     a, b = (load_checkpoint(conftest.newest_checkpoint(tmp_path / d))["fp8_ranks"] for d in ("full", "stopped"))
