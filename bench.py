@@ -64,7 +64,7 @@ from nanofp8.layout import leave_process
 from nanofp8.model import GPT, GPTConfig, apply_fp8, fp8_module_filter
 from nanofp8.memory import activation_bytes, training_state_bytes
 from nanofp8.o2_compile import cast_for_step, push_amaxes
-from nanofp8.optim import fp8_grad
+from nanofp8.optim import ADAMW_MOMENTS, fp8_grad
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -308,7 +308,7 @@ def _state_of_training(steps, keep):
         opt.step()
         opt.zero_grad()
         if it in keep:
-            out[it] = [(g, opt.state[m.weight]["exp_avg"].clone(), opt.state[m.weight]["exp_avg_sq"].clone())
+            out[it] = [(g, *(opt.state[m.weight][mo.key].clone() for mo in ADAMW_MOMENTS["fp16"].values()))
                        for g, m in zip(grads, lins)]
     return out, sorted({m.in_features for m in lins})
 

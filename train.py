@@ -48,6 +48,7 @@ Reproducibility: the batch of iteration i is seeded with (seed, i, micro step, r
 reproduces one that never stopped, on CPU bit for bit. The config is read-only once validated.
 """
 
+import inspect
 import math
 import os
 import sys
@@ -257,8 +258,9 @@ def optimizer_step(model, optimizer, cfg, layout=None, clips=None):
         norm, weights_ok, finite, *clipped = torch.stack([norm.float(), weights_ok, finite, *clipped]).to(
             "cpu", copy=True).tolist()
         stepped = finite == 1 and math.isfinite(norm)
-        if stepped:  # (Fp8AdamW: a finite norm means every gradient is finite, no check of its own)
-            optimizer.step(**({"grads_finite": True} if isinstance(optimizer, Fp8AdamW) else {}))
+        if stepped:  # (a finite norm means every gradient is finite: an optimizer that checks them need not)
+            takes_verdict = "grads_finite" in inspect.signature(optimizer.step).parameters
+            optimizer.step(**({"grads_finite": True} if takes_verdict else {}))
             bump_if_fused(optimizer)  # (a fused AdamW writes the weights without telling autograd)
     optimizer.zero_grad(set_to_none=True)
     if clips is not None:

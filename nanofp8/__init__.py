@@ -55,8 +55,8 @@ dist.py   Fp8DataParallel._launch              (from that hook, once the bucket 
 dist.py   Fp8DataParallel.sync_gradients       all-gathers the average onto the weight
                                                   (set_fp8_grad)
 optim.py  clip_grad_norm                       the norm of every .grad and every fp8_grad(p)
-optim.py  Fp8AdamW.step                        AdamW on the dequantized fp8_grad(p); the new fp16
-                                                  master (O2Linear.set_weight) and its next FP8
+optim.py  Fp8AdamW.step                        AdamW on the dequantized fp8_grad(p) (Fp8AdamW.update,
+                                                  O3's too); the new fp16 master and its next FP8
                                                   cast (O2Linear.refresh_fp8_weight)
 
 train.py's optimizer_step calls the last three (the first two through run.sync_gradients and

@@ -154,10 +154,11 @@ def _o3_masters(ckpt, path):
 
 
 def fp32_moments(ckpt):
-    """{parameter name: {step, exp_avg, exp_avg_sq}} in fp32, from the optimizer state of a
-    single-device checkpoint of any level: torch AdamW's fp32 moments, O2's E4M3 m and fp16 (or
-    E4M3 sqrt) v with their scales, O3's shards of those glued back. None if there is none."""
-    from nanofp8.optim import STATE_FORMATS, dequantize_blocks
+    """{parameter name: {"step": ..., and each Adam moment under its name in
+    optim.ADAMW_MOMENTS}} in fp32, from the optimizer state of a single-device checkpoint of any
+    level: torch AdamW's fp32 moments (the same names), O2's E4M3 m and fp16 (or E4M3 sqrt) v
+    with their scales, O3's shards of those glued back. None if there is none."""
+    from nanofp8.optim import ADAMW_MOMENTS, dequantize_blocks
 
     opt = ckpt.get("optimizer")
     if not isinstance(opt, dict) or "param_groups" not in opt and "zero_shards" not in opt:
@@ -167,10 +168,13 @@ def fp32_moments(ckpt):
     index = [i for g in shards[0]["param_groups"] for i in g["params"]]
     if len(index) != len(names):
         return None
-    sqrt_v = STATE_FORMATS[ckpt["config"].get("o2_v_format", "fp16")].v_sqrt  # O2/O3 weights' v
+    moments = ADAMW_MOMENTS[ckpt["config"].get("o2_v_format", "fp16")].values()  # (O2/O3 weights')
 
-    def load(st, key):  # (a scale per block of values, or one per tensor: optim.dequantize_blocks)
-        return dequantize_blocks(st[key], st[key + "_scale"]) if key + "_scale" in st else st[key].float()
+    def load(st, mo):  # (a scale per block of values, or one per tensor: optim.dequantize_blocks)
+        if mo.key + "_scale" not in st:
+            return st[mo.key].float()  # fp32 state
+        x = dequantize_blocks(st[mo.key], st[mo.key + "_scale"])
+        return x.square() if mo.sqrt else x
 
     out = {}
     for i, name in zip(index, names):
@@ -179,13 +183,11 @@ def fp32_moments(ckpt):
             continue  # never stepped
         shape = ckpt["model"][name].shape
         if "master" in sts[0]:  # an O3 weight: flat shards, zero-padded at the end
-            m, v = (torch.cat([load(st, k).reshape(-1) for st in sts])[: shape.numel()].view(shape)
-                    for k in ("exp_avg", "exp_avg_sq"))
+            out[name] = {mo.key: torch.cat([load(st, mo).reshape(-1) for st in sts])[: shape.numel()].view(shape)
+                         for mo in moments}
         else:
-            m, v = load(sts[0], "exp_avg"), load(sts[0], "exp_avg_sq")
-        if sqrt_v and "exp_avg_sq_scale" in sts[0]:
-            v = v.square()
-        out[name] = {"step": sts[0]["step"].float().cpu(), "exp_avg": m, "exp_avg_sq": v}
+            out[name] = {mo.key: load(sts[0], mo) for mo in moments}
+        out[name]["step"] = sts[0]["step"].float().cpu()
     return out
 
 
@@ -196,34 +198,33 @@ def load_moments(optimizer, model, moments):
     shard of those for O3, this rank's DTensor piece where FSDP2 shards the parameter (engine=torch).
     Parameters are matched by name; a shape mismatch is an error."""
     from nanofp8.dist import held_shard_len
-    from nanofp8.optim import Fp8AdamW, quantize_blocks
-    from nanofp8.zero import ZeroFp8AdamW
+    from nanofp8.optim import ADAMW_MOMENTS, quantize_blocks
 
+    table = getattr(optimizer, "moments", ADAMW_MOMENTS["fp16"]).values()  # (torch AdamW: fp32, Adam's names)
     trained = {p for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
-        mo = moments.get(name)
-        if mo is None or p not in trained:
+        saved = moments.get(name)
+        if saved is None or p not in trained:
             continue
-        m, v = mo["exp_avg"].to(p.device), mo["exp_avg_sq"].to(p.device)
-        if m.shape != p.shape:
-            raise CheckpointError(f"optimizer moments of {name} have shape {tuple(m.shape)}, the "
+        xs = [saved[mo.key].to(p.device) for mo in table]
+        if xs[0].shape != p.shape:
+            raise CheckpointError(f"optimizer moments of {name} have shape {tuple(xs[0].shape)}, the "
                                   f"parameter {tuple(p.shape)}")
         if isinstance(p, DTensor):  # engine=torch's FSDP2 shard: the moments cut as the parameter is
-            m, v = (distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None) for t in (m, v))
+            xs = [distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None) for t in xs]
         st = optimizer.state[p]
-        if isinstance(optimizer, Fp8AdamW) and p in optimizer.o2:
-            if isinstance(optimizer, ZeroFp8AdamW):  # this rank's shard (the master is already there)
+        if p in getattr(optimizer, "o2", ()):  # an O2/O3 weight: the table's formats
+            if getattr(optimizer, "sharded", False):  # this rank's shard (the master is already there)
                 c, r = held_shard_len(p, optimizer.world), optimizer.rank
-                m, v = (F.pad(t.reshape(-1), (0, optimizer.world * c - p.numel()))[r * c : (r + 1) * c]
-                        for t in (m, v))
-            f = optimizer.formats
-            st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(m, f.m)
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(v.sqrt() if f.v_sqrt else v, f.v)
+                xs = [F.pad(t.reshape(-1), (0, optimizer.world * c - p.numel()))[r * c : (r + 1) * c] for t in xs]
+            for mo, x in zip(table, xs):
+                st[mo.key], st[mo.key + "_scale"] = quantize_blocks(x.sqrt() if mo.sqrt else x, mo.fmt)
         else:
-            st["exp_avg"], st["exp_avg_sq"] = m.clone(), v.clone()
+            for mo, x in zip(table, xs):
+                st[mo.key] = x.clone()
         # torch's fused AdamW wants its step counter on the parameter's device, the others on the CPU
         fused = optimizer.param_groups[0].get("fused") or False
-        st["step"] = mo["step"].clone().to(p.device if fused else "cpu")
+        st["step"] = saved["step"].clone().to(p.device if fused else "cpu")
 
 
 def _resolve(ckpt, path, notes):

@@ -23,7 +23,7 @@ import torch
 # model_args (GPTConfig fields), config (the run's settings), iter_num, best_val_loss, rng,
 # fp8_ranks (every data-parallel rank's FP8 scaling state, nanofp8/run.py's scaling_state), and
 # checksums: a CRC-32 of every tensor's bytes, by its path in the dict ("model/tok_emb.weight",
-# "optimizer/state/3/exp_avg"), so that a damaged file is reported by the tensor that is damaged.
+# "optimizer/state/3/step"), so that a damaged file is reported by the tensor that is damaged.
 # At O3 the optimizer entry only names the files of the shards, {"zero_shard_files": [rank 0's,
 # ...]}; each of those holds format, optimizer (that rank's state_dict), iter_num and checksums.
 # A training run writes its files in checkpoint sets whose manifest also holds each file's size

@@ -4,8 +4,8 @@ The FP8 weight cast once per optimizer step, also under torch.compile; and what 
 
 The FP8 weight, cast once per optimizer step, at every level. Right after the step writes the
 weights, the casts W (N, K) and W^T (K, N) are made and kept in buffers (not saved: they are made
-from the weight) until the next step: O2/O3's step calls refresh_fp8_weight() (through
-O2Linear.set_weight); at O1, train.py's optimizer calls cast_for_step() after torch's AdamW. A
+from the weight) until the next step: O2/O3's step calls refresh_fp8_weight() once it has written
+the new weight; at O1, train.py's optimizer calls cast_for_step() after torch's AdamW. A
 forward takes them as they are, also a compiled one: dynamo reads buffers as graph inputs, so the
 compiled graph of a micro-step holds no weight cast (its amax, scale and two FP8 copies: about a
 third of an FP8 block's kernels at GPT-2 width). (Fp8Linear's own cache is keyed on the weight's

@@ -14,7 +14,7 @@ it tolerates, as FP8-LM (MS-AMP) does. For the Linear weights of the transformer
                                                       6.09 B once the step has read the gradient
 
 `v_format="fp8"` takes 1 B off v, `grad_accum="fp8"` 1 B off the gradient sum (at a price, (6)):
-5.09 B with both (STATE_FORMATS below; `bench.py memory` measures each). Embeddings, norms, biases
+5.09 B with both (ADAMW_MOMENTS below; `bench.py memory` measures each). Embeddings, norms, biases
 and the LM head (few, touchy) keep fp32 state, bit-identical to torch.optim.AdamW.
 
 (1) Master weights need mantissa, not range. fp16 has 11 significant bits; the range is what the
@@ -71,10 +71,11 @@ sync, or the caller's verdict) decides whether the step is taken. If any is NaN 
 is skipped and counted (`skipped_steps`): no scale, moment or weight changes.
 
 The step (Fp8AdamW.step, foreach=False) is one loop over the parameters: gradient, master and
-moments dequantized to fp32, Adam in torch.optim.AdamW's operations and order, the new m, v and
-master rounded into their formats. Its twin, nanofp8/optim_foreach.py (foreach=True, the default),
-makes the same operations on all tensors of a param group at once, in a number of launches that
-does not grow with depth: torch.optim's _single_tensor_adamw / _multi_tensor_adamw, bit-equal.
+moments dequantized to fp32, Adam in torch.optim.AdamW's operations and order (Fp8AdamW.update,
+which O3 runs on its shards), the new m, v and master rounded into their formats. Its twin,
+nanofp8/optim_foreach.py (foreach=True, the default), makes the same operations on all tensors of a
+param group at once, in a number of launches that does not grow with depth: torch.optim's
+_single_tensor_adamw / _multi_tensor_adamw, bit-equal.
 """
 
 import math
@@ -93,22 +94,22 @@ FP16_MAX = 65504.0
 FP16 = Fp8Format("fp16", torch.float16, FP16_MAX, 2.0**-14)  # fp16 under a scale: the master, v
 MASTER_HEADROOM = 2.0**12  # master weights are stored with amax scaled to ~2^12 in fp16
 STATE_BLOCK = 128  # values per scale of the FP8 weight gradient, Adam m and Adam v (see (7))
+WGRAD = E4M3  # the weight gradient held on the weight, fp8_grad(p)
 
 
 @dataclass(frozen=True)
-class StateFormats:
-    """The formats an O2/O3 weight's state is stored in. The weight gradient, m and v carry one
-    fp32 scale per block of state_block values (7); the fp16 master one per tensor (1)."""
-    grad: Fp8Format  # the weight gradient held on the weight, fp8_grad(p)
-    m: Fp8Format  # Adam's first moment
-    v: Fp8Format  # Adam's second moment, or its square root when v_sqrt (4)
-    v_sqrt: bool
-    master: Fp8Format = FP16
+class Moment:
+    """One moment of an optimizer's state, as its table lists it. An O2/O3 weight keeps it in
+    `fmt` with one fp32 scale per block of state_block values (7), at state[key] and
+    state[key + "_scale"]; any other parameter keeps it in fp32 at state[key]."""
+    key: str  # its name in the state (Adam's: torch.optim.AdamW's names)
+    fmt: Fp8Format
+    sqrt: bool = False  # stored as its square root (4)
 
 
-STATE_FORMATS = {  # by Fp8AdamW's v_format
-    "fp16": StateFormats(grad=E4M3, m=E4M3, v=FP16, v_sqrt=False),
-    "fp8": StateFormats(grad=E4M3, m=E4M3, v=E4M3, v_sqrt=True),
+ADAMW_MOMENTS = {  # Fp8AdamW's moments by v_format: the one place that names them
+    "fp16": {"m": Moment("exp_avg", E4M3), "v": Moment("exp_avg_sq", FP16)},
+    "fp8": {"m": Moment("exp_avg", E4M3), "v": Moment("exp_avg_sq", E4M3, sqrt=True)},
 }
 GRAD_ACCUM = ("fp16", "fp8")  # how micro-steps are summed (6)
 
@@ -170,8 +171,7 @@ def quantize_wgrad(x):
     Fp8Tensor of "row" granularity over the (blocks, values per block) view (dequantize gives
     back x's shape)."""
     blocks = x.reshape(-1, math.gcd(x.numel(), STATE_BLOCK))  # (state_block)
-    fmt = STATE_FORMATS["fp16"].grad  # (the same for either v_format)
-    return replace(quantize(blocks, fmt, "row"), shape=x.shape, dtype=torch.float32)
+    return replace(quantize(blocks, WGRAD, "row"), shape=x.shape, dtype=torch.float32)
 
 
 def quantize_blocks(x, fmt, noise=None):
@@ -330,15 +330,6 @@ class O2Linear(O2CompileParts, Fp8Linear):
             self.ensure_grad_hook()
         return super().forward(x)
 
-    @torch.no_grad()
-    def set_weight(self, w, noise=None):
-        """Store a new fp32 weight as the scaled fp16 master, rounded stochastically with `noise`
-        if given (Fp8AdamW.rounding_noise's for the master), and cast it to FP8 for the next forward."""
-        master, s = to_fp16_scaled(w, noise=noise)
-        self.weight.copy_(master)
-        self.weight_scale.copy_(s)
-        self.refresh_fp8_weight()
-
 
 def convert_to_o2(model, cls=None, grad_accum="fp16"):
     """Swap every Fp8Linear of the model for an O2Linear (fp16 master, FP8 gradient), or for
@@ -364,19 +355,20 @@ class Fp8AdamW(torch.optim.Optimizer):
     """AdamW over a model converted with convert_to_o2: O2Linear weights get the decoupled
     state of the table above, every other parameter plain fp32 AdamW (the same math).
 
-    State per O2 weight: exp_avg (m) + exp_avg_scale, exp_avg_sq (v, or sqrt(v)) +
-    exp_avg_sq_scale, step, in the formats STATE_FORMATS[v_format]; other parameters: exp_avg,
-    exp_avg_sq (fp32), step. `seed` picks the stream of stochastic rounding (5). foreach: True
-    or None (the default) steps on nanofp8/optim_foreach.py, False on the loop of step()."""
+    State per parameter: step, and the moments of `self.moments` (ADAMW_MOMENTS[v_format]: m and
+    v, or sqrt(v)), each with its scale for an O2 weight, in fp32 for the others. `seed` picks
+    the stream of stochastic rounding (5). foreach: True or None (the default) steps on
+    nanofp8/optim_foreach.py, False on the loop of step()."""
 
     rank = 0  # O3 (nanofp8/zero.py) sets its data-parallel rank: each shard rounds differently
+    sharded = False  # O3: each rank holds, and saves, only its shard of the O2 weights' state
 
     def __init__(self, params, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  v_format="fp16", seed=0, foreach=None):
-        if v_format not in STATE_FORMATS:
-            raise ValueError(f"v_format={v_format!r}; expected one of {tuple(STATE_FORMATS)}")
+        if v_format not in ADAMW_MOMENTS:
+            raise ValueError(f"v_format={v_format!r}; expected one of {tuple(ADAMW_MOMENTS)}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.v_format, self.formats, self.seed = v_format, STATE_FORMATS[v_format], seed
+        self.v_format, self.moments, self.seed = v_format, ADAMW_MOMENTS[v_format], seed
         self.foreach = True if foreach is None else bool(foreach)
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         for m in self.o2.values():
@@ -385,10 +377,11 @@ class Fp8AdamW(torch.optim.Optimizer):
         self._generators = {}  # device -> the generator re-seeded for every rounding
 
     def rounding_noise(self, index, step, like):
-        """The noise of the three stochastic roundings of parameter number `index` (counted over
-        the param groups) at `step`: for its master, its m and its v, each shaped as `like` (see
-        round_stochastic), drawn right after seeding a generator with (seed, step, index, rank)
-        alone: a resumed run draws the same numbers, whatever else used the global generator."""
+        """The noise of the stochastic roundings of parameter number `index` (counted over the
+        param groups) at `step`, {"master": ..., and one per moment of the table}, each shaped as
+        `like` (see round_stochastic), drawn in that order right after seeding a generator with
+        (seed, step, index, rank) alone: a resumed run draws the same numbers, whatever else used
+        the global generator."""
         gen = self._generators.get(like.device)
         if gen is None:
             gen = self._generators[like.device] = torch.Generator(device=like.device)
@@ -396,14 +389,20 @@ class Fp8AdamW(torch.optim.Optimizer):
         gen.manual_seed(key % 2**63)
         # uniform in [-2^(d-1), 2^(d-1)), d = 23 - the format's mantissa bits: half a spacing of
         # the format, in units of fp32's last bit (see round_stochastic)
-        noises = []
-        for fmt in (self.formats.master, self.formats.m, self.formats.v):
+        noise = {}
+        for name, fmt in {"master": FP16, **{k: mo.fmt for k, mo in self.moments.items()}}.items():
             half = 1 << (22 - MANTISSA_BITS[fmt.dtype])
-            noises.append(torch.randint(-half, half, like.shape, generator=gen, device=like.device, dtype=torch.int32))
-        return noises
+            noise[name] = torch.randint(-half, half, like.shape, generator=gen, device=like.device, dtype=torch.int32)
+        return noise
+
+    def state_keys(self, p):
+        """What p's state holds once it has stepped: the step and every moment of the table (each
+        with its scale, for an O2 weight)."""
+        keys = {"step"} | {mo.key for mo in self.moments.values()}
+        return keys | {mo.key + "_scale" for mo in self.moments.values()} if p in self.o2 else keys
 
     def state_dict(self):
-        return {**super().state_dict(), "v_format": self.v_format}  # how exp_avg_sq is stored
+        return {**super().state_dict(), "v_format": self.v_format}  # how v is stored
 
     def load_state_dict(self, state_dict):
         # The same bytes mean v in fp16 and sqrt(v) in E4M3: never read one as the other.
@@ -411,12 +410,18 @@ class Fp8AdamW(torch.optim.Optimizer):
         if saved != self.v_format:
             raise ValueError(f"optimizer state has Adam v stored as v_format={saved!r}; this "
                              f"optimizer has v_format={self.v_format!r}")
+        # Another optimizer's state holds other moments: refused here, not found out at the step.
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, st in state_dict["state"].items():
+            if i < len(params) and set(st) != self.state_keys(params[i]):
+                name, keeps = type(self).__name__, ", ".join(sorted(self.state_keys(params[i])))
+                raise ValueError(f"this optimizer state is not {name}'s: it holds {', '.join(sorted(st))} for "
+                                 f"parameter {i}, where {name} keeps {keeps}")
         state_dict = {k: v for k, v in state_dict.items() if k != "v_format"}
         # torch.optim casts loaded state to each parameter's dtype (fp16 for an O2 master), which
         # would turn FP8 moments and fp32 scales into fp16: put back the tensors as they were saved.
-        # The step counter stays on the host (see _init_state), wherever the parameter is.
+        # The step counter stays on the host (see init_state), wherever the parameter is.
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
         for i, st in state_dict["state"].items():
             for k, v in st.items():
                 if torch.is_tensor(v):
@@ -445,18 +450,19 @@ class Fp8AdamW(torch.optim.Optimizer):
                     ok.append(torch.isfinite(g).all())
         return torch.stack(ok).all() if ok else torch.tensor(True)
 
-    def _init_state(self, p):
-        """fp32 moments for an ordinary parameter; the decoupled formats for an O2 weight. The
-        step counter lives on the host, as in torch.optim's non-fused AdamW: the step reads it
-        for its bias corrections, and reading host memory is no device sync."""
+    def init_state(self, p, like=None):
+        """The moments at zero, fp32 for an ordinary parameter, in the table's formats for an O2
+        weight (shaped as `like`: O3's shard). The step counter lives on the host, as in
+        torch.optim's non-fused AdamW: the step reads it for its bias corrections, and reading
+        host memory is no device sync."""
         st = self.state[p]
         st["step"] = torch.zeros((), dtype=torch.float32)
-        zeros = torch.zeros_like(p, dtype=torch.float32)
-        if p in self.o2:
-            st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(zeros, self.formats.m)
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(zeros, self.formats.v)
-        else:
-            st["exp_avg"], st["exp_avg_sq"] = zeros, zeros.clone()
+        zeros = torch.zeros_like(p if like is None else like, dtype=torch.float32)
+        for mo in self.moments.values():
+            if p in self.o2:
+                st[mo.key], st[mo.key + "_scale"] = quantize_blocks(zeros, mo.fmt)
+            else:
+                st[mo.key] = zeros.clone()
 
     @torch.no_grad()
     def step(self, closure=None, grads_finite=None):
@@ -470,7 +476,6 @@ class Fp8AdamW(torch.optim.Optimizer):
             return True
         index = -1  # parameters are numbered over the param groups (the rounding noise's seed)
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 index += 1
                 q = fp8_grad(p)
@@ -478,37 +483,47 @@ class Fp8AdamW(torch.optim.Optimizer):
                     continue  # no gradient this step
                 st = self.state[p]
                 if not st:
-                    self._init_state(p)
+                    self.init_state(p)
                 st["step"] += 1
-                t = st["step"].item()  # (host memory: no device sync)
                 if q is None:  # fp32 state: torch.optim.AdamW's own update
-                    w, g, m, v = p.float(), p.grad, st["exp_avg"], st["exp_avg_sq"]
-                else:  # an O2 weight: its gradient, master and moments in fp32
-                    mod = self.o2[p]
-                    g = dequantize_blocks(q.data, q.scale).view(p.shape)
-                    noise_w, noise_m, noise_v = self.rounding_noise(index, t, g)
-                    w = dequantize_blocks(mod.weight, mod.weight_scale)
-                    m = dequantize_blocks(st["exp_avg"].view(p.shape), st["exp_avg_scale"])
-                    v = dequantize_blocks(st["exp_avg_sq"].view(p.shape), st["exp_avg_sq_scale"])
-                    v = v.pow(2) if self.formats.v_sqrt else v  # (stored as sqrt(v))
-                # Adam's moments and update, in torch.optim.AdamW's operations and order
-                m.lerp_(g, 1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                if q is not None:  # (3): no |m| beyond what Adam allows beside this v
-                    lim = v.sqrt().mul_(adam_ratio_bound(t, b1, b2))
-                    m = m.minimum(lim).maximum(lim.neg_())
-                w = w * (1 - lr * wd)  # decoupled weight decay
-                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-                w.addcdiv_(m, denom, value=-lr / (1 - b1**t))
-                if q is None:
-                    p.copy_(w)
+                    p.copy_(self.update(p.float(), p.grad, st, group))
                     continue
-                # the new m, v and master in their formats, rounded stochastically (5)
-                st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(m, self.formats.m, noise_m)
-                v = v.sqrt() if self.formats.v_sqrt else v
-                st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(v, self.formats.v, noise_v)
-                mod.set_weight(w, noise_w)  # the fp16 master, and its FP8 cast for the next forward
+                mod = self.o2[p]  # an O2 weight: its gradient and master in fp32
+                g = dequantize_blocks(q.data, q.scale).view(p.shape)
+                noise = self.rounding_noise(index, st["step"].item(), g)  # (host memory: no sync)
+                w = self.update(dequantize_blocks(mod.weight, mod.weight_scale), g, st, group, noise)
+                master, scale = to_fp16_scaled(w, noise=noise["master"])  # the new fp16 master (5)
+                mod.weight.copy_(master)
+                mod.weight_scale.copy_(scale)
+                mod.refresh_fp8_weight()  # and its FP8 cast for the next forward
         return True
+
+    def update(self, w, g, st, group, noise=None):
+        """One AdamW step of one parameter, or of O3's shard of one (nanofp8/zero.py): w and g in
+        fp32, st its state, its step already counted; returns the new fp32 weight, for the
+        caller to store. Without noise the moments are fp32, updated in place; with the noise of
+        rounding_noise they are read from the table's formats and rounded back stochastically
+        (5), after the bound of (3). Its twin for lists is optim_foreach.update."""
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        t, M, V = st["step"].item(), self.moments["m"], self.moments["v"]
+        if noise is None:
+            m, v = st[M.key], st[V.key]
+        else:
+            m, v = (dequantize_blocks(st[mo.key].view(g.shape), st[mo.key + "_scale"]) for mo in (M, V))
+            v = v.pow(2) if V.sqrt else v  # (stored as sqrt(v))
+        # Adam's moments and update, in torch.optim.AdamW's operations and order
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if noise is not None:  # (3): no |m| beyond what Adam allows beside this v
+            lim = v.sqrt().mul_(adam_ratio_bound(t, b1, b2))
+            m = m.minimum(lim).maximum(lim.neg_())
+        w = w * (1 - lr * wd)  # decoupled weight decay
+        denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+        if noise is not None:  # the new m and v in their formats, rounded stochastically (5)
+            st[M.key], st[M.key + "_scale"] = quantize_blocks(m, M.fmt, noise["m"])
+            st[V.key], st[V.key + "_scale"] = quantize_blocks(v.sqrt() if V.sqrt else v, V.fmt, noise["v"])
+        return w
 
 
 def _foreach():

@@ -111,8 +111,8 @@ def to_fp16_scaled_all(xs, noises, target=MASTER_HEADROOM):
 
 @torch.no_grad()
 def set_weights(mods, ws, noises):
-    """O2Linear.set_weight for many modules: each new fp32 weight stored as its scaled fp16
-    master, rounded stochastically with its own noise, then cast to FP8 for the next forward."""
+    """The end of Fp8AdamW.step's loop, for many modules: each new fp32 weight stored as its scaled
+    fp16 master, rounded stochastically with its own noise, then cast to FP8 for the next forward."""
     ys, scales = _scaled_all(ws, MASTER_HEADROOM)
     round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], FP16, out=[m.weight for m in mods])
     torch._foreach_copy_([m.weight_scale for m in mods], scales)
@@ -153,41 +153,69 @@ def count_steps(sts):
     return torch.stack(steps).tolist()
 
 
-def fp32_update(ps, gs, sts, group):
-    """torch.optim.AdamW on ordinary parameters, all of them at once."""
+def update(opt, ws, gs, sts, group, ts, noises=None):
+    """Fp8AdamW.update for lists of tensors of one param group (ts: their step counts, already
+    counted): the same operations in the same order, one foreach call each. Returns the new fp32
+    weights (not yet stored)."""
+    M, V = opt.moments["m"], opt.moments["v"]
+    if noises is None:  # fp32 moments, updated in place
+        ms, vs = [st[M.key] for st in sts], [st[V.key] for st in sts]
+    else:  # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
+        ms, vs = (dequantize_blocks_all([st[mo.key].view(g.shape) for st, g in zip(sts, gs)],
+                                        [st[mo.key + "_scale"] for st in sts]) for mo in (M, V))
+        ws = [w.view(g.shape) for w, g in zip(ws, gs)]
+        vs = torch._foreach_pow(vs, 2) if V.sqrt else vs
+    adam_moments(ms, vs, gs, group["betas"])
+    if noises is not None:
+        lim = torch._foreach_sqrt(vs)
+        torch._foreach_mul_(lim, [adam_ratio_bound(t, *group["betas"]) for t in ts])
+        torch._foreach_minimum_(ms, lim)
+        torch._foreach_neg_(lim)
+        torch._foreach_maximum_(ms, lim)
+    ws = adamw_apply(ws, ms, vs, ts, group)
+    if noises is not None:
+        for st, (data, scale) in zip(sts, quantize_blocks_all(ms, M.fmt, [n["m"] for n in noises])):
+            st[M.key], st[M.key + "_scale"] = data, scale
+        vs = torch._foreach_sqrt(vs) if V.sqrt else vs
+        for st, (data, scale) in zip(sts, quantize_blocks_all(vs, V.fmt, [n["v"] for n in noises])):
+            st[V.key], st[V.key + "_scale"] = data, scale
+    return ws
+
+
+# The step's two parts, shared by O2's foreach step (step below) and O3's (nanofp8/zero.py, on its
+# shards). Each runs Fp8AdamW.update's twin above, or Fp8AdamW.update itself when opt.foreach is
+# False (O3 has no loop of its own).
+
+
+def update_plain(opt, group, ps):
+    """torch.optim.AdamW on the ordinary parameters ps of one param group (fp32 state)."""
+    if not ps:
+        return
+    for p in ps:
+        if not opt.state[p]:
+            opt.init_state(p)
+    sts = [opt.state[p] for p in ps]
     ts = count_steps(sts)
-    ws = [p.float() for p in ps]
-    adam_moments([st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], gs, group["betas"])
-    ws = adamw_apply(ws, [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], ts, group)
+    if opt.foreach:
+        ws = update(opt, [p.float() for p in ps], [p.grad for p in ps], sts, group, ts)
+    else:
+        ws = [opt.update(p.float(), p.grad, st, group) for p, st in zip(ps, sts)]
     torch._foreach_copy_(ps, ws)
 
 
-def decoupled_update(formats, sts, ws, gs, group, ts, noises):
-    """The O2 update of Fp8AdamW.step's loop, for lists of weights. Stores the new
-    moments into the states sts (rounded with noises[i][1] and noises[i][2]) and returns the new
-    fp32 weights (not yet stored)."""
-    # (shaped as the gradients: the moments are stored 2-D, O3's shards and masters are flat)
-    ms = dequantize_blocks_all([st["exp_avg"].view(g.shape) for st, g in zip(sts, gs)],
-                               [st["exp_avg_scale"] for st in sts])
-    vs = dequantize_blocks_all([st["exp_avg_sq"].view(g.shape) for st, g in zip(sts, gs)],
-                               [st["exp_avg_sq_scale"] for st in sts])
-    ws = [w.view(g.shape) for w, g in zip(ws, gs)]
-    if formats.v_sqrt:
-        vs = torch._foreach_pow(vs, 2)
-    adam_moments(ms, vs, gs, group["betas"])
-    lim = torch._foreach_sqrt(vs)
-    torch._foreach_mul_(lim, [adam_ratio_bound(t, *group["betas"]) for t in ts])
-    torch._foreach_minimum_(ms, lim)
-    torch._foreach_neg_(lim)
-    torch._foreach_maximum_(ms, lim)
-    ws = adamw_apply(ws, ms, vs, ts, group)
-    for st, (data, scale) in zip(sts, quantize_blocks_all(ms, formats.m, [n[1] for n in noises])):
-        st["exp_avg"], st["exp_avg_scale"] = data, scale
-    if formats.v_sqrt:
-        vs = torch._foreach_sqrt(vs)
-    for st, (data, scale) in zip(sts, quantize_blocks_all(vs, formats.v, [n[2] for n in noises])):
-        st["exp_avg_sq"], st["exp_avg_sq_scale"] = data, scale
-    return ws
+def update_decoupled(opt, group, numbers, ps, ws, gs):
+    """The O2 update of a run of O2 weights ps of one param group (O3: this rank's shards of them),
+    numbers: their parameter numbers (the rounding noise's seed), ws and gs: their fp32 masters and
+    gradients. Counts their steps and draws their noise. Returns the new fp32 weights and the noise
+    for each one's master: the caller stores the masters (O2: in the layers; O3: in the state)."""
+    sts = [opt.state[p] for p in ps]
+    ts = count_steps(sts)
+    noises = [opt.rounding_noise(i, t, g) for i, t, g in zip(numbers, ts, gs)]
+    if opt.foreach:
+        ws = update(opt, ws, gs, sts, group, ts, noises)
+    else:
+        ws = [opt.update(w.view(g.shape), g, st, group, n) for w, g, st, n in zip(ws, gs, sts, noises)]
+    return ws, [n["master"] for n in noises]
 
 
 def grads_finite(opt):
@@ -215,21 +243,17 @@ def step(opt):
             if q is None and (holds_fp8_grad(p) or p.grad is None):
                 continue
             if not opt.state[p]:
-                opt._init_state(p)
+                opt.init_state(p)
             if q is None:
                 plain.append(p)
             else:
                 o2.append(p)
                 grads.append(q)
-        if plain:
-            fp32_update(plain, [p.grad for p in plain], [opt.state[p] for p in plain], group)
+        update_plain(opt, group, plain)
         for i, j in step_chunks(o2):  # the FP8 gradients, dequantized (foreach), run by run
-            ps, sts = o2[i:j], [opt.state[p] for p in o2[i:j]]
+            ps, mods = o2[i:j], [opt.o2[p] for p in o2[i:j]]
             gs = dequantize_blocks_all([q.data for q in grads[i:j]], [q.scale for q in grads[i:j]])
             gs = [g.view(p.shape) for g, p in zip(gs, ps)]
-            ts = count_steps(sts)
-            noises = [opt.rounding_noise(number[p], t, g) for p, t, g in zip(ps, ts, gs)]
-            mods = [opt.o2[p] for p in ps]
             ws = dequantize_blocks_all([m.weight for m in mods], [m.weight_scale for m in mods])
-            ws = decoupled_update(opt.formats, sts, ws, gs, group, ts, noises)
-            set_weights(mods, ws, [n[0] for n in noises])
+            ws, noises = update_decoupled(opt, group, [number[p] for p in ps], ps, ws, gs)
+            set_weights(mods, ws, noises)

@@ -49,7 +49,6 @@ from .outdir import (acquire_lock, begin_set, check_writable, commit_set, discar
                      prune, release_lock, release_locks, room_for, scan, set_name, shard_file, unwritten)
 from .optim import clip_grad_norm
 from .stats import format_linear_table, linear_table
-from .zero import ZeroFp8AdamW
 
 # -----------------------------------------------------------------------------
 # What gradients and model-parallel payloads travel in
@@ -525,7 +524,8 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
                  "tokens_seen": iter_num * derived["tokens_per_iter"]},
     }
     files = {checkpoint_name(layout): state} if layout.writer else {}
-    if isinstance(optimizer, ZeroFp8AdamW):  # O3: every rank writes its own shard, and only that
+    sharded = getattr(optimizer, "sharded", False)
+    if sharded:  # O3: every rank writes its own shard, and only that
         files[shard_file(optimizer.rank)] = {"optimizer": optimizer.state_dict(), "iter_num": iter_num}
     write = (lambda path: torchstack.write_dcp(raw_model, optimizer, path, layout)) if dcp else None
     done = save_checkpoint_set(files, cfg, layout, iter_num, write, val_loss=val_loss, best_val_loss=best)
@@ -533,7 +533,7 @@ def save_unless_diverged(raw_model, optimizer, cfg, layout, iter_num, val_loss, 
         log(f"saved checkpoint to {done.path}" + (f" ({len(done.files) - 1} DCP files)" if dcp else f" ("
             f"{len(done.files)} files: one per tensor and pipeline rank)" if layout.model_parallel else "")
             + (f" (the model, and the optimizer in {optimizer.world} shards: a file per rank)"
-               if isinstance(optimizer, ZeroFp8AdamW) else ""))
+               if sharded else ""))
 
 
 def say(line):
@@ -609,7 +609,7 @@ def optimizer_state(optimizer):
     """What the model file holds of the optimizer. O3: only the names of the files that hold it,
     one per rank, each written by the rank whose shard it is (save_unless_diverged): no rank ever
     holds another rank's shard, neither when saving nor when resuming."""
-    if not isinstance(optimizer, ZeroFp8AdamW):
+    if not getattr(optimizer, "sharded", False):
         return optimizer.state_dict()
     return {"zero_shard_files": [shard_file(r) for r in range(optimizer.world)]}
 

@@ -314,21 +314,19 @@ class Fp8Stats:
         return [summary_line(it, records)] + self._check_alarms(it, records)
 
     def _moment_records(self, it, optimizer):
-        """O2/O3: the Adam moments as stored after the step (FP8 m; fp16 or FP8 sqrt(v))."""
-        o2 = getattr(optimizer, "o2", None)
-        if not o2 or not hasattr(optimizer, "formats"):
+        """O2/O3: the moments of the optimizer's table as stored after the step (Adam: FP8 m; fp16
+        or FP8 sqrt(v))."""
+        o2, moments = getattr(optimizer, "o2", None), getattr(optimizer, "moments", None)
+        if not o2 or not moments:
             return []
         out = []
         for p, mod in o2.items():
             st = optimizer.state.get(p)
-            if not st or "exp_avg_scale" not in st:
-                continue
-            f = optimizer.formats
-            for name, data, scale, fmt in (("m", st["exp_avg"], st["exp_avg_scale"], f.m),
-                                           ("v", st["exp_avg_sq"], st["exp_avg_sq_scale"], f.v)):
-                rec = {"iter": it, "layer": mod.fqn, "operand": name, "format": fmt.name}
-                rec.update(stored_stats(data, scale, fmt))
-                out.append(rec)
+            for name, mo in moments.items():
+                if st and mo.key + "_scale" in st:
+                    rec = {"iter": it, "layer": mod.fqn, "operand": name, "format": mo.fmt.name}
+                    rec.update(stored_stats(st[mo.key], st[mo.key + "_scale"], mo.fmt))
+                    out.append(rec)
         return out
 
     def _check_alarms(self, it, records):

@@ -86,6 +86,7 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 from . import parallel
 from .ckptfile import CheckpointError, WriteError, load_checkpoint, root_cause
 from .fp8 import Fp8Linear
+from .optim import ADAMW_MOMENTS
 
 DCP_DIR, META = "dcp", "ckpt.pt"
 
@@ -404,10 +405,12 @@ def read_dcp_set(found):
 
 def read_dcp_moments(found):
     """Adam's state of an engine=torch set as checkpoint.fp32_moments gives it for the hand-written
-    engine's: {parameter name: {step, exp_avg, exp_avg_sq}}, fp32, whole, in the single-device GPT's
-    shapes (DCP holds whole tensors whatever the TP and FSDP2 cut, so every layout's carry over)."""
+    engine's: {parameter name: {step, and each moment under its name in optim.ADAMW_MOMENTS}}
+    (torch.optim.AdamW's names), fp32, whole, in the single-device GPT's shapes (DCP holds whole
+    tensors whatever the TP and FSDP2 cut, so every layout's carry over)."""
     out = {}
     for key, v in _read_whole(found, "optimizer.state.").items():
         name, what = key.rsplit(".", 1)
         out.setdefault(name, {})[what] = v.float().cpu() if what == "step" else _rows(name, v)
-    return {k: mo for k, mo in out.items() if {"step", "exp_avg", "exp_avg_sq"} <= mo.keys()}
+    keys = {"step"} | {mo.key for mo in ADAMW_MOMENTS["fp16"].values()}
+    return {k: st for k, st in out.items() if keys <= st.keys()}

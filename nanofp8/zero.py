@@ -44,9 +44,8 @@ import torch.nn.functional as F
 from .dist import (COMM, Fp8Chunks, all_gather_fp8, any_nonfinite, gather_wgrads, held_grad_chunks,
                    held_shard_len, reduce_scatter_fp8)
 from .fp8 import BLOCK, E4M3, Fp8Tensor, compute_scale, dequantize, expand_tiles, measure_amax, quantize
-from .optim import Fp8AdamW, O2Linear, convert_to_o2, holds_fp8_grad, quantize_blocks, state_block, to_fp16_scaled
-from .optim_foreach import (count_steps, decoupled_update, dequantize_blocks_all, fp32_update, step_chunks,
-                            to_fp16_scaled_all)
+from .optim import Fp8AdamW, O2Linear, convert_to_o2, holds_fp8_grad, state_block, to_fp16_scaled
+from .optim_foreach import dequantize_blocks_all, step_chunks, to_fp16_scaled_all, update_decoupled, update_plain
 
 
 class O3Linear(O2Linear):
@@ -124,6 +123,7 @@ class ZeroFp8AdamW(Fp8AdamW):
     """
 
     _prepared = None  # (gradient shards, replicated gradients, clipping factor) of prepare_step
+    sharded = True  # (Fp8AdamW.sharded)
 
     def __init__(self, params, model, group=None, v_format="fp16", **kw):
         self.group, self.world = group, dist.get_world_size(group)
@@ -133,12 +133,12 @@ class ZeroFp8AdamW(Fp8AdamW):
         for p, m in self.o2.items():  # each rank builds its master shard from the fp32 weight
             c = held_shard_len(p, self.world)
             full = F.pad(m.__dict__.pop("init_master").to(p.device).reshape(-1), (0, self.world * c - p.numel()))
+            self.init_state(p, like=torch.zeros(c, device=p.device))
             st = self.state[p]
-            st["step"] = torch.zeros((), dtype=torch.float32)
             st["master"], st["master_scale"] = to_fp16_scaled(full[self.rank * c : (self.rank + 1) * c])
-            zeros = torch.zeros(c, device=p.device)
-            st["exp_avg"], st["exp_avg_scale"] = quantize_blocks(zeros, self.formats.m)
-            st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blocks(zeros, self.formats.v)
+
+    def state_keys(self, p):
+        return super().state_keys(p) | ({"master", "master_scale"} if p in self.o2 else set())
 
     def state_dict(self):
         sd = super().state_dict()
@@ -215,28 +215,20 @@ class ZeroFp8AdamW(Fp8AdamW):
         return 1.0 - any_nonfinite(flags, self.group)
 
     def _update(self, shards):
-        index = {p: i for i, p in enumerate(self.o2)}
-        # 2. AdamW on the local shards (fp32 math; fp16 master, FP8 m, fp16 v), the O2 update,
-        # foreach over all shards of a param group (and over its replicated parameters)
-        new = []
+        # 2. AdamW on the local shards: O2's update (Fp8AdamW.update, or its foreach twin), each
+        # shard's fp16 master kept in the state; the replicated parameters as O2 updates them
+        shard = dict(zip(self.o2, shards))
         number = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        new = []
         for group in self.param_groups:
             mine = [p for p in group["params"] if p in self.o2]
-            plain = [p for p in group["params"] if p not in self.o2 and p.grad is not None]
-            for p in plain:
-                if not self.state[p]:
-                    self._init_state(p)
-            if plain:
-                fp32_update(plain, [p.grad for p in plain], [self.state[p] for p in plain], group)
-            for i, j in step_chunks([shards[index[p]] for p in mine]):  # (runs that bound the temporaries)
-                part = mine[i:j]
-                sts = [self.state[p] for p in part]
-                ts = count_steps(sts)
-                gs = [shards[index[p]] for p in part]
-                noises = [self.rounding_noise(number[p], t, g) for p, t, g in zip(part, ts, gs)]
+            update_plain(self, group, [p for p in group["params"] if p not in self.o2 and p.grad is not None])
+            for i, j in step_chunks([shard[p] for p in mine]):  # (runs that bound the temporaries)
+                part, sts = mine[i:j], [self.state[p] for p in mine[i:j]]
+                gs = [shard[p] for p in part]
                 ws = dequantize_blocks_all([st["master"] for st in sts], [st["master_scale"] for st in sts])
-                ws = decoupled_update(self.formats, sts, ws, gs, group, ts, noises)
-                for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, [n[0] for n in noises])):
+                ws, noises = update_decoupled(self, group, [number[p] for p in part], part, ws, gs)
+                for st, (master, scale) in zip(sts, to_fp16_scaled_all(ws, noises)):
                     st["master"], st["master_scale"] = master, scale
                 new += list(zip(part, ws))
         # 3. all-gather the new weights in FP8, under one scale per weight

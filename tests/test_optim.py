@@ -11,8 +11,8 @@ import torch.nn as nn
 from nanofp8 import emulate
 from nanofp8.fp8 import E4M3, Fp8Tensor, Recipe, convert_to_fp8, dequantize, quantize, sqnr
 from nanofp8.memory import activation_bytes, fp8_grad_nbytes, training_state_bytes
-from nanofp8.optim import (STATE_BLOCK, Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2, fp8_grad, holds_fp8_grad,
-                           set_fp8_grad)
+from nanofp8.optim import (STATE_BLOCK, Fp8AdamW, Moment, O2Linear, clip_grad_norm, convert_to_o2, fp8_grad,
+                           holds_fp8_grad, set_fp8_grad)
 
 
 def mlp(seed=0):
@@ -189,6 +189,71 @@ def test_optimizer_state_with_one_scale_per_tensor_still_loads():
     assert sqnr(dequantize_blocks(st_a["exp_avg"], st_a["exp_avg_scale"]),
                 dequantize_blocks(st_b["exp_avg"], st_b["exp_avg_scale"])) > 25
     assert sqnr(a[0].hp_weight(), b[0].hp_weight()) > 50
+
+
+class OneMoment(Fp8AdamW):
+    """Another optimizer's table: one moment (as a sign-momentum optimizer, Lion, keeps), under
+    another name. Never stepped here: only its state and noise are looked at."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.moments = {"m": Moment("momentum", E4M3)}
+
+
+def test_a_state_of_another_optimizer_is_refused_in_one_line():
+    """load_state_dict compares what each parameter's saved state holds with what this optimizer's
+    table keeps there, before it loads anything: a state with other moments is refused in one line
+    that names this optimizer and what the state holds (not found out at the step)."""
+    x = torch.randn(32, 64)
+    a, opt_a = o2_twin(mlp())
+    _one_step(a, opt_a, x)
+    sd = opt_a.state_dict()
+    one = OneMoment(a.parameters(), a)
+    with pytest.raises(ValueError) as e:
+        one.load_state_dict(sd)
+    assert "\n" not in str(e.value) and "OneMoment" in str(e.value) and "exp_avg_sq" in str(e.value)
+    assert not one.state
+    # the other way: the one-moment state (its names and formats) into AdamW
+    foreign = copy.deepcopy(sd)
+    foreign["state"] = {i: {k.replace("exp_avg", "momentum"): v for k, v in st.items() if "exp_avg_sq" not in k}
+                        for i, st in foreign["state"].items()}
+    b, opt_b = o2_twin(mlp())
+    with pytest.raises(ValueError) as e:
+        opt_b.load_state_dict(foreign)
+    assert "\n" not in str(e.value) and "Fp8AdamW" in str(e.value) and "momentum" in str(e.value)
+    assert not opt_b.state
+    opt_b.load_state_dict(sd)  # its own state loads
+
+
+def test_the_rounding_noise_follows_the_table():
+    """One noise per stored low-precision tensor: the master, then each moment of the optimizer's
+    table in its order, from the one seeded stream: an optimizer with one moment draws the same
+    master and m noise as Fp8AdamW, and no third."""
+    model = convert_to_o2(convert_to_fp8(mlp(), Recipe()))
+    like = torch.empty(64, 256)
+    adam, one = (cls(model.parameters(), model).rounding_noise(3, 7, like) for cls in (Fp8AdamW, OneMoment))
+    assert list(adam) == ["master", "m", "v"] and list(one) == ["master", "m"]
+    assert torch.equal(adam["master"], one["master"]) and torch.equal(adam["m"], one["m"])
+    assert not torch.equal(adam["m"], adam["v"])
+
+
+def test_only_the_optimizers_own_file_names_its_moments():
+    """The table (optim.ADAMW_MOMENTS) is the one place that names Adam's moments: every other
+    file of the project (the package, its foreach twin, the scripts, bench.py) reads the names from
+    it. Searched for the names the table holds, in every Python file outside tests/ but the
+    table's own, so a new file is checked without being listed."""
+    import glob
+    import os
+
+    from nanofp8 import optim
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = {mo.key for table in optim.ADAMW_MOMENTS.values() for mo in table.values()}
+    files = [f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+             if not os.path.relpath(f, root).startswith("tests") and not os.path.samefile(f, optim.__file__)]
+    assert len(files) > 20
+    naming = [os.path.relpath(f, root) for f in files if any(n in open(f).read() for n in names)]
+    assert naming == []
 
 
 @pytest.mark.parametrize("grad_accum", ["fp16", "fp8"])

@@ -14,7 +14,7 @@ from conftest import REPO, TINY, spawn, torchrun
 from nanofp8 import optim_foreach
 from nanofp8.dist import Fp8DataParallel, comm_stats
 from nanofp8.zero import O3Linear, ZeroFp8AdamW, convert_to_o3
-from nanofp8.fp8 import Recipe, convert_to_fp8
+from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8
 from nanofp8.memory import training_state_bytes
 from nanofp8.optim import Fp8AdamW, convert_to_o2, holds_fp8_grad
 
@@ -148,6 +148,55 @@ def test_o3_matches_single_process_o2(world, reference, tmp_path):
     assert r["resumed"] == r["cont"] and r["resumed_same"]  # the sharded checkpoint resumes exactly
     by_op = r["stats"]["by_op"]
     assert "reduce_scatter_fp8" in by_op and "all_gather_fp8" in by_op
+
+
+def one_update_worker(rank, world, outdir):
+    """One O3 step with foreach=False under an update that records each call and returns zeros."""
+    from nanofp8.dist import held_shard_len
+
+    class Zeroing(ZeroFp8AdamW):
+        def update(self, w, g, st, group, noise=None):
+            calls.append((tuple(w.shape), noise is not None))
+            return torch.zeros_like(super().update(w, g, st, group, noise))
+
+    calls = []
+    model = convert_to_o3(convert_to_fp8(base_model(), Recipe(), module_filter=fp8_filter))
+    dp = Fp8DataParallel(model, params=[p for p in model.parameters() if not holds_fp8_grad(p)], overlap=False)
+    opt = Zeroing(model.parameters(), model, lr=LR, weight_decay=0.1, foreach=False)
+    x, y = data()
+    assert o3_step(model, dp, opt, x[0], y[0], rank, world)[1]
+    if rank == 0:
+        torch.save(dict(calls=calls, shards=[held_shard_len(p, world) for p in opt.o2],
+                        others=[tuple(p.shape) for p in model.parameters() if p not in opt.o2],
+                        zero=all(not t.float().any() for t in model.state_dict().values() if t.dtype == E4M3.dtype)),
+                   os.path.join(outdir, "calls.pt"))
+
+
+@pytest.mark.dist
+def test_o3_and_o2_run_one_update(tmp_path):
+    """O2 and O3 step through one per-parameter update, Fp8AdamW.update (foreach=False; its
+    foreach twin otherwise, held bit-equal by tests/test_optim.py): an update changed in that one
+    place changes both. O3 runs it on each rank's shard of every O3 weight (with the rounding
+    noise of the decoupled state) and on every replicated parameter (fp32 state), and gathers the
+    weights it returns."""
+    calls = []
+
+    class Zeroing(Fp8AdamW):
+        def update(self, w, g, st, group, noise=None):
+            calls.append((tuple(w.shape), noise is not None))
+            return torch.zeros_like(super().update(w, g, st, group, noise))
+
+    model = convert_to_o2(convert_to_fp8(base_model(), Recipe(), module_filter=fp8_filter))
+    opt = Zeroing(model.parameters(), model, lr=LR, foreach=False)
+    x, y = data()
+    nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    assert opt.step()
+    assert sorted(calls) == sorted((tuple(p.shape), p in opt.o2) for p in model.parameters())
+    assert all(not p.float().any() for p in model.parameters())
+    spawn(one_update_worker, 2, str(tmp_path))
+    r = torch.load(tmp_path / "calls.pt", weights_only=False)
+    assert sorted(r["calls"]) == sorted([((c,), True) for c in r["shards"]] + [(s, False) for s in r["others"]])
+    assert r["zero"]  # the gathered FP8 weights are what the update returned
 
 
 def test_o3_refuses_state_of_another_world_size():
