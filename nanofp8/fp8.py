@@ -510,13 +510,14 @@ class Fp8LinearFunction(torch.autograd.Function):
             # Keep only the operands of the backward GEMMs (FP8 ones with their inverse scales), along
             # their contraction dims: x^T (K, M) for wgrad, W^T (K, N) for dgrad. Row, 1x128: x^T cast
             # anew (x given cast: from its FP8 values). One the recipe keeps in high precision is kept
-            # in the dtype that its GEMM runs in: dy's, the output's.
+            # in the dtype that its GEMM runs in (dy's, the output's), as a copy laid out for that
+            # GEMM (compiled, a saved view of the input would alias it: dynamo refuses to save one).
             qx_t = qx.t() if "x_t" in r.transposes else \
                 mod.quantize_operand("x_t", (dequantize(qx, torch.float32) if x2 is None else x2).t())
             if mod.observer is not None:  # a statistics step (nanofp8/stats.py)
                 mod.observer.observe_forward(mod, x2, qx, qx_t, qw, qw_t)
-            keep = [(q.data, q.scale, q.inv_scale) if isinstance(q, Fp8Tensor) else (q.to(out_dtype), None, None)
-                    for q in (qx_t, qw_t)]
+            keep = [(q.data, q.scale, q.inv_scale) if isinstance(q, Fp8Tensor) else
+                    (q.to(out_dtype, copy=True, memory_format=torch.contiguous_format), None, None) for q in (qx_t, qw_t)]
             ctx.save_for_backward(*keep[0], *keep[1])
             ctx.meta = [(q.fmt, q.granularity, q.block, q.data.shape, q.dtype) if isinstance(q, Fp8Tensor) else None
                         for q in (qx_t, qw_t)]

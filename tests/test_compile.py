@@ -28,22 +28,23 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import Recipe, convert_to_fp8, sqnr
+from nanofp8.fp8 import RECIPES as RECIPE_NAMES, Recipe, convert_to_fp8, sqnr
 from nanofp8.o2_compile import push_amaxes
 
 # (scaling, granularity, bf16 autocast); each MLP runs its first layer on backend "torch" and its
 # second on "emulate", which tests both backends with half the compiles. train.py runs the model
 # under autocast: the default recipe is compiled that way too.
 RECIPES = [("current", "tensor", False), ("current", "row", False), ("current", "block", False),
-           ("delayed", "tensor", False), ("current", "tensor", True), ("current", "mxfp8", False)]
+           ("delayed", "tensor", False), ("current", "tensor", True), ("current", "mxfp8", False),
+           ("current", "rowwise_with_gw_hp", False)]
 
 
 def mlp(scaling, granularity):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(160, 144), nn.ReLU(), nn.Linear(144, 136))
     for layer, backend in (("0", "torch"), ("2", "emulate")):
-        recipe = (Recipe.from_name("mxfp8", backend=backend) if granularity == "mxfp8" else  # (E8M0 scales)
-                  Recipe(scaling=scaling, granularity=granularity, history_len=4, backend=backend))
+        recipe = (Recipe.from_name(granularity, backend=backend) if granularity in RECIPE_NAMES else  # (presets:
+                  Recipe(scaling=scaling, granularity=granularity, history_len=4, backend=backend))  # MX, hp wgrad)
         convert_to_fp8(model, recipe, module_filter=lambda fqn, lin: fqn == layer)
     return model
 
