@@ -11,8 +11,9 @@ out_dir is anything sample.py reads: a training run of any level (bf16, O1, O2, 
 model.safetensors with the block Linear weights as float8_e4m3fn plus one fp32 scale per output
 row (w = weight.float() * weight_scale), everything else fp32. About 1 byte per block weight:
 what an FP8 inference engine or a frozen RLHF reference model needs. --format=fp32 keeps every
-tensor fp32 (lossless, for further training). --format=hf writes the Hugging Face GPT-2 layout
-(arch=gpt2 only): transformers.GPT2LMHeadModel.from_pretrained(DIR) computes the same logits.
+tensor fp32 (lossless, for further training). --format=hf writes the Hugging Face layout of the
+model's arch, fp32: transformers' GPT2LMHeadModel (gpt2) or LlamaForCausalLM (llama)
+.from_pretrained(DIR) computes the same logits.
 
 Fine-tune from an export with train.py init_from=DIR (config/finetune_shakespeare.py).
 
@@ -27,7 +28,7 @@ import sys
 
 from nanofp8.checkpoint import read_any
 from nanofp8.configurator import ConfigError, check_choice, configure, defaults_of
-from nanofp8.interop import export_hf_gpt2, export_portable
+from nanofp8.interop import export_hf_gpt2, export_hf_llama, export_portable
 from nanofp8.ckptfile import CheckpointError, WriteError
 from nanofp8.outdir import LOCK, MANIFEST, SET_NAME, legacy_files
 
@@ -52,7 +53,8 @@ def main(argv=None):
     for note in info["notes"]:
         print(f"note: {note}")
     if cfg["format"] == "hf":
-        written = export_hf_gpt2(state, info["model_args"], cfg["to"])
+        hf_export = export_hf_llama if info["model_args"]["arch"] == "llama" else export_hf_gpt2
+        written = hf_export(state, info["model_args"], cfg["to"])
     else:
         train_cfg = info["config"]
         # What sample.py needs to find the tokenizer and validation data again.

@@ -13,6 +13,9 @@ What is checked, on tiny models:
     tensor;
   * Hugging Face GPT-2 in and out against transformers itself (a tiny random model made here, no
     download): logits agree to 1e-4 in fp32 both ways; init_from=<dir> fine-tunes it;
+  * Hugging Face LLaMA in and out against transformers' LlamaForCausalLM: logits within 1e-5
+    relative in fp32 both ways, nanofp8 -> HF -> nanofp8 bit for bit, init_from=<dir> fine-tunes
+    it, and a config our model does not compute is refused in one line naming the key;
   * frozen FP8 models: 1 byte per weight plus one fp32 scale per row, and the logits stay close.
 """
 
@@ -30,7 +33,8 @@ import train
 from nanofp8.checkpoint import (find_checkpoint, fp32_moments, freeze_fp8, load_for_inference, load_moments,
                                 read_checkpoint, with_shards)
 from nanofp8.fp8 import E4M3, quantize, sqnr
-from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable
+from nanofp8.interop import (export_hf_gpt2, export_hf_llama, export_portable, load_hf_gpt2, load_hf_llama,
+                             load_portable)
 from nanofp8.model import GPT, GPTConfig
 from nanofp8.ckptfile import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 from nanofp8.optim import dequantize_blocks
@@ -414,6 +418,110 @@ def test_finetune_hf_gpt2(hf_gpt2, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fine-tuning the weights of" in out and "vocab_size=96 from the checkpoint" in out
     assert [it for it, _ in hist["losses"]] == [0, 1]
+
+
+# ---------------------------------------------------------------- Hugging Face LLaMA
+
+
+def rel_err(ref, approx):
+    """|approx - ref| / |ref| over the whole tensor (Frobenius norms)."""
+    return ((approx.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A LlamaForCausalLM made by transformers itself (random init, no download), saved with
+    save_pretrained: RoPE base 500000 (LLaMA 3's), an untied head, an MLP width of its own."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=32, rms_norm_eps=1e-5,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    d = str(tmp_path_factory.mktemp("hf-llama"))
+    model.save_pretrained(d)
+    return transformers, model, d
+
+
+def test_hf_llama_in(hf_llama):
+    """transformers' own Llama imports (init_from=<dir> and sample.py read it the same way), and
+    computes the same logits here to fp32 rounding."""
+    _, hf, d = hf_llama
+    state, model_args = load_hf_llama(d)
+    assert model_args["rope_theta"] == 500000.0 and model_args["mlp_hidden"] == 160
+    ours = GPT(GPTConfig(**model_args)).eval()
+    load_model_state(ours, state)
+    x = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(x).logits
+    err = rel_err(ref, logits(ours, x))
+    print(f"HF Llama -> nanofp8: logits relative error {err:.1e}")
+    assert err < 1e-5
+    model, info = load_for_inference(d)
+    assert "Hugging Face LLaMA" in info["source"] and torch.equal(logits(model, x), logits(ours, x))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_llama_out_and_back(hf_llama, tmp_path, tied):
+    """nanofp8 -> LlamaForCausalLM: every tensor of the HF model is loaded (none missing, none left
+    over), logits within 1e-5 relative in fp32; and back to nanofp8 bit for bit."""
+    transformers, _, _ = hf_llama
+    ours = trained_like(arch="llama", tie_embeddings=tied, rope_theta=5000.0)
+    export_hf_llama(ours.state_dict(), ours.config.__dict__, str(tmp_path))
+    hf, loading = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(loading.values()), loading  # missing, unexpected, mismatched: none
+    x = torch.randint(0, 84, (3, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        err = rel_err(logits(ours, x), hf.eval()(x).logits)
+    print(f"nanofp8 -> HF Llama (tied={tied}): logits relative error {err:.1e}")
+    assert err < 1e-5
+    state, model_args = load_hf_llama(str(tmp_path))
+    arch = lambda c: (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, c.hidden, c.has_bias,  # noqa: E731
+                      c.tie_embeddings, c.rope_theta, c.norm_eps)
+    assert arch(GPTConfig(**model_args)) == arch(ours.config)
+    assert state.keys() == ours.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
+
+
+def test_hf_llama_cli_and_finetune(hf_llama, tmp_path, capsys):
+    """export.py --format=hf of a llama (here a portable export of one), and train.py init_from=<HF
+    Llama dir> fine-tunes it in FP8."""
+    _, _, d = hf_llama
+    model = trained_like(arch="llama")
+    export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "portable"), fp8=False)
+    export.main([f"--out_dir={tmp_path / 'portable'}", f"--to={tmp_path / 'hf'}", "--format=hf"])
+    assert json.load(open(tmp_path / "hf" / "config.json"))["architectures"] == ["LlamaForCausalLM"]
+    hist = train.main(TINY + ["precision=O1", "arch=llama", f"init_from={d}", f"out_dir={tmp_path / 'ft'}",
+                              "max_iters=2"])
+    out = capsys.readouterr().out
+    assert "fine-tuning the weights of" in out and "vocab_size=96 from the checkpoint" in out
+    assert [it for it, _ in hist["losses"]] == [0, 1]
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("num_key_value_heads", 2, "num_key_value_heads=2: grouped-query attention"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+     "rope_parameters={.*}: RoPE of type 'yarn' is not implemented"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling={.*}: RoPE of type 'linear'"),
+    ("attention_bias", True, "attention_bias=True: LLaMA's Linears have no biases"),
+    ("mlp_bias", True, "mlp_bias=True"),
+    ("hidden_act", "gelu", "hidden_act='gelu': the SwiGLU MLP here gates with silu only"),
+    ("head_dim", 32, "head_dim=32: a head here is hidden_size / num_attention_heads wide"),
+])
+def test_hf_llama_refused(hf_llama, tmp_path, key, value, says):
+    """A Llama config that our model does not compute is refused in one line naming the key."""
+    _, _, d = hf_llama
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    if key == "rope_scaling":  # an older transformers' file: rope_theta and rope_scaling
+        cfg.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
+    os.symlink(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=says) as e:
+        load_hf_llama(str(tmp_path))
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match=says):
+        load_for_inference(str(tmp_path))  # init_from and sample.py: the same refusal
 
 
 # ---------------------------------------------------------------- frozen FP8 models
