@@ -39,7 +39,7 @@ import re
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, quantize
+from nanofp8.fp8 import BLOCK, E4M3, quantize
 from nanofp8.model import GPT, GPTConfig
 from nanofp8.ckptfile import (CheckpointError, check_checksums, is_newer_format, make_dir, tensor_checksums,
                               write_file)
@@ -404,13 +404,49 @@ def load_hf_llama(path):
     return state, model_args
 
 
-def export_hf_llama(state, model_args, out_dir):
+# FP8 in the Hugging Face layout: how each granularity of nanofp8's weight scales is declared.
+# Both store the E4M3 bytes as "<Linear>.weight" and the *dequantization* factors beside them
+# (w = weight.float() * scale, expanded over a row or a tile), fp32; only the block Linears are
+# FP8, the LM head is listed as not converted (embeddings and norms are not Linears).
+HF_FP8 = {
+    # compressed-tensors' "float-quantized" (vLLM, SGLang, and transformers with compressed-tensors
+    # installed): one scale per output channel, (N, 1); activations cast per token at run time, as
+    # nanofp8's rowwise recipe casts them.
+    "row": ("weight_scale", lambda ignore: {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                        "dynamic": False, "group_size": None},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                  "dynamic": True, "group_size": None}}},
+        "ignore": ignore, "kv_cache_scheme": None}),
+    # transformers' own "fp8" (FineGrainedFP8, DeepSeek-V3's format, also read by vLLM and SGLang):
+    # one scale per 128x128 tile, "weight_scale_inv" (its name, yet a multiplier like the other);
+    # activations cast in 1x128 tiles at run time, as nanofp8's blockwise recipe casts them.
+    "block": ("weight_scale_inv", lambda ignore: {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
+        "modules_to_not_convert": ignore}),
+}
+
+
+def export_hf_llama(state, model_args, out_dir, fp8=None, margin=0):
     """Write an fp32 GPT state_dict (arch llama) in the Hugging Face LlamaForCausalLM layout:
     transformers' LlamaForCausalLM.from_pretrained(out_dir) then computes the same logits.
-    Returns the paths written."""
+
+    fp8="row" or "block" stores the block Linears in E4M3 as a serving stack loads them (HF_FP8),
+    with the bytes nanofp8's FP8 GEMMs read: each weight cast by fp8.quantize as a rowwise
+    (per-row scales) or blockwise (128x128 tiles) recipe with this `margin` casts it. A fused
+    matrix splits between its rows (a row's scale goes with it; a tile row of 128 with its tiles),
+    so a tile must not straddle q and k or gate and up: blockwise needs n_embd and the MLP width to
+    be multiples of 128. Returns the paths written."""
     c = GPTConfig(**model_args)
     if c.arch != "llama":
         raise ValueError(f"the Hugging Face LLaMA layout needs arch='llama', this model is {c.arch!r}")
+    if fp8 == "block" and (c.n_embd % BLOCK or c.hidden % BLOCK):
+        raise ValueError(f"blockwise FP8 in the HF layout needs n_embd ({c.n_embd}) and the MLP width "
+                         f"({c.hidden}) to be multiples of {BLOCK}: a {BLOCK}x{BLOCK} tile would straddle two "
+                         "of the matrices HF keeps apart (q/k/v, gate/up)")
     tensors = {}
     for ours, theirs in LLAMA_TOP:
         if not (ours == "lm_head" and c.tie_embeddings):
@@ -418,10 +454,20 @@ def export_hf_llama(state, model_args, out_dir):
     for i in range(c.n_layer):
         for ours, parts in LLAMA_BLOCK:
             w = _exportable(state, f"blocks.{i}.{ours}.weight")
-            for p, piece in zip(parts, w.chunk(len(parts))):
-                tensors[f"model.layers.{i}.{p}.weight"] = piece.contiguous()
+            names = [f"model.layers.{i}.{p}" for p in parts]
+            if fp8 is None or w.dim() == 1:  # (a norm's weight: never FP8)
+                tensors.update({f"{n}.weight": piece.contiguous() for n, piece in zip(names, w.chunk(len(parts)))})
+                continue
+            q = quantize(w, E4M3, fp8, block=(BLOCK, BLOCK), margin=margin)
+            scale = q.inv_scale.float()  # the dequantization factor: (N, 1) per row, (N/128, K/128) per tile
+            for n, data, s in zip(names, q.data.chunk(len(parts)), scale.chunk(len(parts))):
+                tensors[f"{n}.weight"] = data.contiguous()
+                tensors[f"{n}.{HF_FP8[fp8][0]}"] = s.contiguous()
+    config = llama_hf_config(c)
+    if fp8 is not None:
+        config["quantization_config"] = HF_FP8[fp8][1](["lm_head"])
     make_dir(out_dir)
-    return _write_export(out_dir, tensors, llama_hf_config(c))
+    return _write_export(out_dir, tensors, config)
 
 
 def llama_hf_config(c):
