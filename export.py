@@ -6,7 +6,7 @@ Export a model out of nanofp8: plain tensors, no pickle.
     python export.py --out_dir=out-llama-fp8 --to=llama-fp8 --format=hf-fp8   # vLLM, SGLang, transformers
 
 out_dir is anything sample.py reads: a training run of any level (bf16, O1, O2, O3) and any layout
-(tensor/pipeline parallel: one file per rank), an earlier export, or a Hugging Face GPT-2.
+(tensor/pipeline parallel: one file per rank), an earlier export, or a Hugging Face GPT-2 or LLaMA.
 
 --format=fp8 (the default) writes the portable format of nanofp8/interop.py: config.json and
 model.safetensors with the block Linear weights as float8_e4m3fn plus one fp32 scale per output
@@ -17,7 +17,7 @@ model's arch, fp32: transformers' GPT2LMHeadModel (gpt2) or LlamaForCausalLM (ll
 .from_pretrained(DIR) computes the same logits.
 
 --format=hf-fp8 (llama only) writes LlamaForCausalLM with the block Linears in E4M3, the bytes the
-run's FP8 GEMMs read, in the format a serving stack loads as FP8 (nanofp8/interop.py HF_FP8): a
+run's FP8 GEMMs read, in a format that transformers loads as FP8 (nanofp8/interop.py HF_FP8): a
 run trained with 128x128 weight tiles (fp8_recipe=blockwise) as transformers' "fp8" with
 weight_block_size [128, 128]; every other as compressed-tensors' "float-quantized", one scale per
 output channel. A run whose weights were not cast per row (tensorwise, delayed, mxfp8, bf16) gets

@@ -409,10 +409,10 @@ def load_hf_llama(path):
 # (w = weight.float() * scale, expanded over a row or a tile), fp32; only the block Linears are
 # FP8, the LM head is listed as not converted (embeddings and norms are not Linears).
 HF_FP8 = {
-    # compressed-tensors' "float-quantized" (vLLM, SGLang, and transformers with compressed-tensors
-    # installed): one scale per output channel, (N, 1); activations cast per token at run time, as
+    # compressed-tensors' "float-quantized" (transformers reads it with compressed-tensors installed;
+    # it is also the FP8 checkpoint format of vLLM's LLM Compressor): one scale per output channel, (N, 1); activations cast per token at run time, as
     # nanofp8's rowwise recipe casts them.
-    "row": ("weight_scale", lambda ignore: {
+    "row": ("weight_scale", {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {
             "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
@@ -420,13 +420,13 @@ HF_FP8 = {
                         "dynamic": False, "group_size": None},
             "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
                                   "dynamic": True, "group_size": None}}},
-        "ignore": ignore, "kv_cache_scheme": None}),
-    # transformers' own "fp8" (FineGrainedFP8, DeepSeek-V3's format, also read by vLLM and SGLang):
+        "ignore": ["lm_head"], "kv_cache_scheme": None}),
+    # transformers' own "fp8" (FineGrainedFP8, the layout of DeepSeek-V3's published weights):
     # one scale per 128x128 tile, "weight_scale_inv" (its name, yet a multiplier like the other);
     # activations cast in 1x128 tiles at run time, as nanofp8's blockwise recipe casts them.
-    "block": ("weight_scale_inv", lambda ignore: {
+    "block": ("weight_scale_inv", {
         "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
-        "modules_to_not_convert": ignore}),
+        "modules_to_not_convert": ["lm_head"]}),
 }
 
 
@@ -465,7 +465,7 @@ def export_hf_llama(state, model_args, out_dir, fp8=None, margin=0):
                 tensors[f"{n}.{HF_FP8[fp8][0]}"] = s.contiguous()
     config = llama_hf_config(c)
     if fp8 is not None:
-        config["quantization_config"] = HF_FP8[fp8][1](["lm_head"])
+        config["quantization_config"] = HF_FP8[fp8][1]
     make_dir(out_dir)
     return _write_export(out_dir, tensors, config)
 
