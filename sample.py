@@ -2,7 +2,7 @@
 Generate text from a model: a training run's out_dir (bf16, O1, O2, O3, tensor or pipeline
 parallel: nanofp8/checkpoint.py resolves O2's scaled fp16 masters, O3's sharded masters and the
 model-parallel shards into one single-device model), a portable export (export.py), or a
-Hugging Face GPT-2 directory.
+Hugging Face GPT-2 or LLaMA directory.
 
     python sample.py --out_dir=out-shakespeare-char-fp8
     python sample.py --out_dir=out-shakespeare-char-fp8 --start="ROMEO." --num_samples=2

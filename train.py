@@ -86,7 +86,7 @@ always_save_checkpoint = True  # else only when the validation loss improves
 keep_checkpoints = 2  # checkpoint sets kept in out_dir, the newest ones (nanofp8/outdir.py)
 overwrite_checkpoints = False  # may a run that does not resume replace out_dir's checkpoint?
 init_from = "scratch"  # "scratch" | "resume" (from out_dir, any level/layout) | a directory: an
-#                       export, a Hugging Face GPT-2 or another run's out_dir (nanofp8/checkpoint.py)
+#                       export, a Hugging Face GPT-2 or LLaMA, or another run's out_dir (nanofp8/checkpoint.py)
 # data
 dataset = "openwebtext"
 gradient_accumulation_steps = 40  # micro-batches per optimizer step, summed over all ranks

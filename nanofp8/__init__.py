@@ -26,7 +26,7 @@ torchstack.py  engine=torch: the GPT on FSDP2, DTensor tensor parallelism and DC
 stats.py     what each FP8 cast did (saturation, underflow, SQNR) and the alarms
 run.py       what differs between layouts in train.py's loop, resume, checkpoint sets on disk
 ckptfile.py  the checkpoint file; outdir.py: sets, manifests, the lock; checkpoint.py: conversion
-             between levels and layouts; interop.py: safetensors and Hugging Face GPT-2
+             between levels and layouts; interop.py: safetensors, Hugging Face GPT-2 and LLaMA
 data.py      token data and reproducible batches; configurator.py: configs and their validation
 
 The seams: the only engine names the library's core imports (tests/test_design.py holds them):

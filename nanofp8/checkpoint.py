@@ -1,8 +1,9 @@
 """
 Models that leave the training run: read any checkpoint train.py writes, resume it at another
 precision level or layout, and freeze it into an FP8 inference model. Exporting it as plain
-tensors and trading weights with Hugging Face GPT-2 live in nanofp8/interop.py; read_any() below
-reads all of these kinds of directories, for sample.py, export.py and train.py's init_from.
+tensors and trading weights with Hugging Face GPT-2 and LLaMA live in nanofp8/interop.py;
+read_any() below reads all of these kinds of directories, for sample.py, export.py and train.py's
+init_from.
 
 1. One model, whatever wrote it. train.py saves what each level trains on, and that is not the
    same tensor at every level:
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nanofp8.fp8 import BLOCK, E4M3, expand_tiles, quantize
-from nanofp8.interop import is_hf_gpt2, load_hf_gpt2, load_portable
+from nanofp8.interop import hf_model_type, load_hf_gpt2, load_hf_llama, load_portable
 from nanofp8.model import GPT, GPTConfig
 from nanofp8.ckptfile import CheckpointError, load_checkpoint
 from nanofp8.outdir import (MANIFEST, SET_NAME, SHARD_FILE, CheckpointSet, legacy_files, newest_set, nothing_found,
@@ -402,34 +403,42 @@ def resume_from(out_dir, cfg, world_size):
 
 
 # -----------------------------------------------------------------------------
-# Any directory: a training run, a portable export, a Hugging Face GPT-2
+# Any directory: a training run, a portable export, a Hugging Face GPT-2 or LLaMA
+
+
+HF_READERS = {"gpt2": ("GPT-2", load_hf_gpt2), "llama": ("LLaMA", load_hf_llama)}  # model_type -> reader
 
 
 def read_any(path):
     """Weights from a directory of any kind -> (fp32 state_dict of the GPT, info): a training run's
     out_dir (its newest complete checkpoint set, any level, any layout) or one set of it, a
-    portable export, or a Hugging Face GPT-2. info: model_args, config (the training run's
+    portable export, or a Hugging Face GPT-2 or LLaMA. info: model_args, config (the training run's
     settings, as far as known), iter_num, source, notes."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a directory (expected a training run's out_dir, an "
-                              "export, or a Hugging Face GPT-2)")
+                              "export, or a Hugging Face GPT-2 or LLaMA)")
     holds_checkpoint = (os.path.isfile(os.path.join(path, MANIFEST)) or legacy_files(path)
                         or any(SET_NAME.fullmatch(f) for f in os.listdir(path)))
     if os.path.isfile(os.path.join(path, "config.json")):
         if holds_checkpoint:
             raise CheckpointError(f"{path} holds both a training run's checkpoints and an export or a "
                                   f"Hugging Face model (config.json): move one of them to its own directory")
-        if is_hf_gpt2(path):
-            state, model_args = load_hf_gpt2(path)
+        kind = hf_model_type(path)
+        if kind in HF_READERS:
+            name, reader = HF_READERS[kind]
+            state, model_args = reader(path)
             return state, dict(model_args=model_args, config={}, iter_num=None, notes=[],
-                               source=f"{path} (Hugging Face GPT-2)")
+                               source=f"{path} (Hugging Face {name})")
+        if kind is not None:
+            raise CheckpointError(f"{path}/config.json: model_type {kind!r}; the Hugging Face models read "
+                                  f"here are {', '.join(map(repr, HF_READERS))}")
         state, meta = load_portable(path)
         return state, dict(model_args=GPTConfig(**meta["model_args"]).__dict__, config=meta.get("config", {}),
                            iter_num=meta.get("iter_num"), notes=[], source=f"{path} (portable export)")
     if not holds_checkpoint:
         raise CheckpointError(f"{path} holds no model ({nothing_found(path)}): expected a training run's "
-                              f"out_dir or one of its checkpoint sets, an export, or a Hugging Face GPT-2 "
-                              f"(config.json + model.safetensors)")
+                              f"out_dir or one of its checkpoint sets, an export, or a Hugging Face GPT-2 or "
+                              f"LLaMA (config.json + model.safetensors)")
     state, info = read_checkpoint(path)
     src = describe_layout(info["precision"], info["layout"]["tensor_parallel"],
                           info["layout"]["pipeline_parallel"], info["layout"]["zero_world"])
@@ -533,7 +542,7 @@ def initial_weights(cfg, world_size):
     """Where train.py's weights come from when they are not its own exact checkpoint:
 
         init_from="resume", a checkpoint of another level or layout: converted (resume_from)
-        init_from=<dir>: a portable export or a Hugging Face GPT-2, fine-tuned from iteration 0
+        init_from=<dir>: a portable export or a Hugging Face GPT-2 or LLaMA, fine-tuned from iteration 0
 
     Returns None for init_from="scratch" and for an exact resume (train.py loads the checkpoint
     itself), else a dict: model (fp32 state_dict to load into the plain GPT before the precision

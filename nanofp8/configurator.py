@@ -168,7 +168,7 @@ def check_train_config(cfg):
     if cfg["init_from"] not in ("scratch", "resume"):
         if not os.path.isdir(cfg["init_from"]):
             raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a directory with "
-                              f"exported or Hugging Face GPT-2 weights, got {cfg['init_from']!r}")
+                              f"exported or Hugging Face GPT-2 or LLaMA weights, got {cfg['init_from']!r}")
         src, dst = os.path.realpath(cfg["init_from"]), os.path.realpath(cfg["out_dir"])
         if src == dst or src.startswith(dst + os.sep) or dst.startswith(src + os.sep):
             raise ConfigError(f"init_from={cfg['init_from']} and out_dir={cfg['out_dir']} overlap, and a run "

@@ -1,5 +1,6 @@
 """
-Models in files other tools read: a portable FP8 export and GPT-2 in the Hugging Face layout.
+Models in files other tools read: a portable FP8 export, and GPT-2 and LLaMA in the Hugging Face
+layout.
 nanofp8/checkpoint.py turns any training checkpoint into the fp32 state_dict these functions take.
 
 1. A portable export (export_portable / load_portable): a directory with config.json and
@@ -21,6 +22,14 @@ nanofp8/checkpoint.py turns any training checkpoint into the fp32 state_dict the
    weight as (in, out), the transpose of nn.Linear's (out, in), so the four block matrices are
    transposed on the way in and out. Our GPT-2 dialect is GPT-2: the same tanh GELU, pre-norm
    LayerNorms, fused q/k/v and tied head, so logits agree to fp32 rounding (tests/test_export.py).
+
+3. LLaMA in the Hugging Face layout (load_hf_llama / export_hf_llama): transformers'
+   LlamaForCausalLM. Its Linears are nn.Linear, (out, in) like ours; what differs is that ours
+   fuse GEMMs that share an input: c_attn's rows are [q | k | v] and c_fc's are [gate | up], which
+   HF keeps as separate matrices (LLAMA_BLOCK below). Both rotate the channel pairs (i, i + d/2) of
+   each head ("rotate half"), with the same frequencies, so no row is permuted. A config nanofp8
+   does not compute (grouped-query attention, scaled RoPE, biases, another activation) is refused,
+   never loaded as something else.
 """
 
 import json
@@ -30,7 +39,7 @@ import re
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, quantize
+from nanofp8.fp8 import BLOCK, E4M3, quantize
 from nanofp8.model import GPT, GPTConfig
 from nanofp8.ckptfile import (CheckpointError, check_checksums, is_newer_format, make_dir, tensor_checksums,
                               write_file)
@@ -206,17 +215,6 @@ def _ours_to_hf(key):
     return "transformer." + key
 
 
-def is_hf_gpt2(path):
-    """Whether path is a directory in the Hugging Face layout (config.json of model_type gpt2)."""
-    cfg = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg):
-        return False
-    try:
-        return _read_json(cfg).get("model_type") == "gpt2"
-    except CheckpointError:
-        return False
-
-
 def load_hf_gpt2(path):
     """A GPT-2 in the Hugging Face layout (config.json + model.safetensors, as transformers'
     save_pretrained writes it or as downloaded) -> (fp32 state_dict of our GPT, model_args)."""
@@ -263,7 +261,7 @@ def _check_against_model(state, model_args, path):
     missing = sorted(k for k in want if state.get(k) is None)
     unexpected = sorted(set(state) - set(want))
     if missing or unexpected:
-        raise CheckpointError(f"{path} does not hold a GPT-2 of its config.json: missing "
+        raise CheckpointError(f"{path} does not hold a {model_args['arch']} of its config.json: missing "
                               f"{missing[:5]}, unexpected {unexpected[:5]}")
     for k, v in want.items():
         if tuple(state[k].shape) != tuple(v.shape):
@@ -309,3 +307,188 @@ def export_hf_gpt2(state, model_args, out_dir):
               "attn_pdrop": c.dropout, "tie_word_embeddings": c.tie_embeddings,
               "scale_attn_weights": True, "bos_token_id": eos, "eos_token_id": eos}
     return _write_export(out_dir, tensors, config)
+
+
+# -----------------------------------------------------------------------------
+# 3. LLaMA in the Hugging Face layout
+
+# Each block's tensors: ours -> HF's, a fused matrix split row-wise into equal parts, in this order.
+LLAMA_BLOCK = [("attn.c_attn", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+               ("attn.c_proj", ("self_attn.o_proj",)),
+               ("mlp.c_fc", ("mlp.gate_proj", "mlp.up_proj")),
+               ("mlp.c_proj", ("mlp.down_proj",)),
+               ("norm_1", ("input_layernorm",)),
+               ("norm_2", ("post_attention_layernorm",))]
+LLAMA_TOP = [("tok_emb", "model.embed_tokens"), ("norm_f", "model.norm"), ("lm_head", "lm_head")]
+
+
+def hf_model_type(path):
+    """The model_type of a Hugging Face directory's config.json ("gpt2", "llama", ...), or None
+    where path has no config.json or one without model_type (a nanofp8 export)."""
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return None
+    try:
+        return _read_json(cfg).get("model_type")
+    except CheckpointError:
+        return None
+
+
+def is_hf_gpt2(path):
+    """Whether path is a directory in the Hugging Face layout (config.json of model_type gpt2)."""
+    return hf_model_type(path) == "gpt2"
+
+
+def _llama_model_args(c, path):
+    """model_args of our llama from an HF LlamaConfig dict; a CheckpointError, one line naming the
+    key, for what our model does not compute."""
+    def refuse(key, why):
+        raise CheckpointError(f"{path}/config.json: {key}={c.get(key)!r}: {why}")
+
+    heads = c.get("num_attention_heads")
+    if c.get("num_key_value_heads", heads) != heads:
+        refuse("num_key_value_heads", f"grouped-query attention (num_attention_heads={heads}) is not implemented")
+    if c.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "the SwiGLU MLP here gates with silu only")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            refuse(key, "LLaMA's Linears have no biases here")
+    if heads and c.get("head_dim") not in (None, c.get("hidden_size", 0) // heads):
+        refuse("head_dim", "a head here is hidden_size / num_attention_heads wide")
+    # transformers 5 writes rope_parameters; older files rope_theta and rope_scaling (null: none)
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        refuse("rope_parameters" if "rope_parameters" in c else "rope_scaling",
+               f"RoPE of type {kind!r} is not implemented here (only unscaled RoPE)")
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        refuse("partial_rotary_factor", "RoPE here rotates every channel of a head")
+    try:
+        return GPTConfig(arch="llama", block_size=c["max_position_embeddings"], vocab_size=c["vocab_size"],
+                         n_layer=c["num_hidden_layers"], n_head=heads, n_embd=c["hidden_size"], bias=False,
+                         tie_embeddings=c.get("tie_word_embeddings", False), mlp_hidden=c["intermediate_size"],
+                         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+                         norm_eps=c.get("rms_norm_eps", 1e-6)).__dict__
+    except KeyError as e:
+        raise CheckpointError(f"{path}/config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}/config.json: {e}") from None
+
+
+def load_hf_llama(path):
+    """A LLaMA in the Hugging Face layout (LlamaForCausalLM: config.json + model.safetensors, as
+    save_pretrained writes it) -> (fp32 state_dict of our GPT, model_args)."""
+    c = _read_json(os.path.join(path, "config.json"))
+    if c.get("model_type") != "llama":
+        raise CheckpointError(f"{path}/config.json: model_type {c.get('model_type')!r}, expected 'llama'")
+    if c.get("quantization_config"):
+        raise CheckpointError(f"{path}/config.json: quantization_config="
+                              f"{c['quantization_config'].get('quant_method')!r}: a quantized LLaMA is not "
+                              "read back here (export.py --format=hf writes the one that is)")
+    model_args = _llama_model_args(c, path)
+    hf = _read_safetensors(os.path.join(path, "model.safetensors"))
+    state = {}
+    for ours, theirs in LLAMA_TOP:
+        if f"{theirs}.weight" in hf:
+            state[f"{ours}.weight"] = hf.pop(f"{theirs}.weight").float()
+    for i in range(model_args["n_layer"]):
+        for ours, parts in LLAMA_BLOCK:
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            if all(n in hf for n in names):
+                state[f"blocks.{i}.{ours}.weight"] = torch.cat([hf.pop(n).float() for n in names])
+    if model_args["tie_embeddings"]:
+        state["lm_head.weight"] = state.get("tok_emb.weight")
+    if hf:  # what no rule took: a tensor of a model other than its config.json says
+        raise CheckpointError(f"{path} does not hold a LLaMA of its config.json: unexpected {sorted(hf)[:5]}")
+    _check_against_model(state, model_args, path)
+    return state, model_args
+
+
+# FP8 in the Hugging Face layout: how each granularity of nanofp8's weight scales is declared.
+# Both store the E4M3 bytes as "<Linear>.weight" and the *dequantization* factors beside them
+# (w = weight.float() * scale, expanded over a row or a tile), fp32; only the block Linears are
+# FP8, the LM head is listed as not converted (embeddings and norms are not Linears).
+HF_FP8 = {
+    # compressed-tensors' "float-quantized" (transformers reads it with compressed-tensors installed;
+    # it is also the FP8 checkpoint format of vLLM's LLM Compressor): one scale per output channel, (N, 1); activations cast per token at run time, as
+    # nanofp8's rowwise recipe casts them.
+    "row": ("weight_scale", {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                        "dynamic": False, "group_size": None},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                  "dynamic": True, "group_size": None}}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None}),
+    # transformers' own "fp8" (FineGrainedFP8, the layout of DeepSeek-V3's published weights):
+    # one scale per 128x128 tile, "weight_scale_inv" (its name, yet a multiplier like the other);
+    # activations cast in 1x128 tiles at run time, as nanofp8's blockwise recipe casts them.
+    "block": ("weight_scale_inv", {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
+        "modules_to_not_convert": ["lm_head"]}),
+}
+
+
+def export_hf_llama(state, model_args, out_dir, fp8=None, margin=0):
+    """Write an fp32 GPT state_dict (arch llama) in the Hugging Face LlamaForCausalLM layout:
+    transformers' LlamaForCausalLM.from_pretrained(out_dir) then computes the same logits.
+
+    fp8="row" or "block" stores the block Linears in E4M3 as a serving stack loads them (HF_FP8),
+    with the bytes nanofp8's FP8 GEMMs read: each weight cast by fp8.quantize as a rowwise
+    (per-row scales) or blockwise (128x128 tiles) recipe with this `margin` casts it. A fused
+    matrix splits between its rows (a row's scale goes with it; a tile row of 128 with its tiles),
+    so a tile must not straddle q and k or gate and up: blockwise needs n_embd and the MLP width to
+    be multiples of 128. Returns the paths written."""
+    c = GPTConfig(**model_args)
+    if c.arch != "llama":
+        raise ValueError(f"the Hugging Face LLaMA layout needs arch='llama', this model is {c.arch!r}")
+    if fp8 == "block" and (c.n_embd % BLOCK or c.hidden % BLOCK):
+        raise ValueError(f"blockwise FP8 in the HF layout needs n_embd ({c.n_embd}) and the MLP width "
+                         f"({c.hidden}) to be multiples of {BLOCK}: a {BLOCK}x{BLOCK} tile would straddle two "
+                         "of the matrices HF keeps apart (q/k/v, gate/up)")
+    tensors = {}
+    for ours, theirs in LLAMA_TOP:
+        if not (ours == "lm_head" and c.tie_embeddings):
+            tensors[f"{theirs}.weight"] = _exportable(state, f"{ours}.weight")
+    for i in range(c.n_layer):
+        for ours, parts in LLAMA_BLOCK:
+            w = _exportable(state, f"blocks.{i}.{ours}.weight")
+            names = [f"model.layers.{i}.{p}" for p in parts]
+            if fp8 is None or w.dim() == 1:  # (a norm's weight: never FP8)
+                tensors.update({f"{n}.weight": piece.contiguous() for n, piece in zip(names, w.chunk(len(parts)))})
+                continue
+            q = quantize(w, E4M3, fp8, block=(BLOCK, BLOCK), margin=margin)
+            scale = q.inv_scale.float()  # the dequantization factor: (N, 1) per row, (N/128, K/128) per tile
+            for n, data, s in zip(names, q.data.chunk(len(parts)), scale.chunk(len(parts))):
+                tensors[f"{n}.weight"] = data.contiguous()
+                tensors[f"{n}.{HF_FP8[fp8][0]}"] = s.contiguous()
+    config = llama_hf_config(c)
+    if fp8 is not None:
+        config["quantization_config"] = HF_FP8[fp8][1]
+    make_dir(out_dir)
+    return _write_export(out_dir, tensors, config)
+
+
+def llama_hf_config(c):
+    """config.json of LlamaForCausalLM for our GPTConfig c (arch llama)."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
+            "hidden_size": c.n_embd, "intermediate_size": c.hidden, "num_hidden_layers": c.n_layer,
+            "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head,  # no grouped-query attention
+            "head_dim": c.n_embd // c.n_head, "hidden_act": "silu", "max_position_embeddings": c.block_size,
+            "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+            # transformers 5 reads rope_parameters, older versions rope_theta and rope_scaling
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "rope_scaling": None,
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": c.dropout,
+            "tie_word_embeddings": c.tie_embeddings, "torch_dtype": "float32",
+            "bos_token_id": None, "eos_token_id": None}
+
+
+def _exportable(state, key):
+    """state[key] as a contiguous fp32 CPU tensor; a CheckpointError if it is missing or not finite."""
+    if state.get(key) is None:
+        raise CheckpointError(f"cannot export: the state has no {key}")
+    v = state[key]
+    if not torch.isfinite(v).all():
+        raise CheckpointError(f"{key} holds NaN or inf values: not exported")
+    return v.detach().float().cpu().contiguous()

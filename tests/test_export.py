@@ -13,9 +13,16 @@ What is checked, on tiny models:
     tensor;
   * Hugging Face GPT-2 in and out against transformers itself (a tiny random model made here, no
     download): logits agree to 1e-4 in fp32 both ways; init_from=<dir> fine-tunes it;
+  * Hugging Face LLaMA in and out against transformers' LlamaForCausalLM: logits within 1e-5
+    relative in fp32 both ways, nanofp8 -> HF -> nanofp8 bit for bit, init_from=<dir> fine-tunes
+    it, and a config our model does not compute is refused in one line naming the key;
+  * FP8 LLaMA exports that transformers loads as FP8: compressed-tensors' float-quantized (row
+    scales) and transformers' fp8 (128x128 tiles), holding the bytes the FP8 GEMMs read in
+    training; their logits match nanofp8's own FP8 models within bounds derived in the tests;
   * frozen FP8 models: 1 byte per weight plus one fp32 scale per row, and the logits stay close.
 """
 
+import copy
 import json
 import os
 import struct
@@ -30,8 +37,10 @@ import train
 from nanofp8.checkpoint import (find_checkpoint, fp32_moments, freeze_fp8, load_for_inference, load_moments,
                                 read_checkpoint, with_shards)
 from nanofp8.fp8 import E4M3, quantize, sqnr
-from nanofp8.interop import export_hf_gpt2, export_portable, load_hf_gpt2, load_portable
-from nanofp8.model import GPT, GPTConfig
+from nanofp8.interop import (export_hf_gpt2, export_hf_llama, export_portable, load_hf_gpt2, load_hf_llama,
+                             load_portable)
+from nanofp8.configurator import ConfigError
+from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 from nanofp8.optim import dequantize_blocks
 
@@ -414,6 +423,234 @@ def test_finetune_hf_gpt2(hf_gpt2, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fine-tuning the weights of" in out and "vocab_size=96 from the checkpoint" in out
     assert [it for it, _ in hist["losses"]] == [0, 1]
+
+
+# ---------------------------------------------------------------- Hugging Face LLaMA
+
+
+def rel_err(ref, approx):
+    """|approx - ref| / |ref| over the whole tensor (Frobenius norms)."""
+    return ((approx.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A LlamaForCausalLM made by transformers itself (random init, no download), saved with
+    save_pretrained: RoPE base 500000 (LLaMA 3's), an untied head, an MLP width of its own."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=32, rms_norm_eps=1e-5,
+                                   rope_theta=500000.0,  # (transformers 4; 5 moves it into rope_parameters)
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    d = str(tmp_path_factory.mktemp("hf-llama"))
+    model.save_pretrained(d)
+    return transformers, model, d
+
+
+def test_hf_llama_in(hf_llama):
+    """transformers' own Llama imports (init_from=<dir> and sample.py read it the same way), and
+    computes the same logits here to fp32 rounding."""
+    _, hf, d = hf_llama
+    state, model_args = load_hf_llama(d)
+    assert model_args["rope_theta"] == 500000.0 and model_args["mlp_hidden"] == 160
+    ours = GPT(GPTConfig(**model_args)).eval()
+    load_model_state(ours, state)
+    x = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(x).logits
+    err = rel_err(ref, logits(ours, x))
+    print(f"HF Llama -> nanofp8: logits relative error {err:.1e}")
+    assert err < 1e-5
+    model, info = load_for_inference(d)
+    assert "Hugging Face LLaMA" in info["source"] and torch.equal(logits(model, x), logits(ours, x))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_llama_out_and_back(hf_llama, tmp_path, tied):
+    """nanofp8 -> LlamaForCausalLM: every tensor of the HF model is loaded (none missing, none left
+    over), logits within 1e-5 relative in fp32; and back to nanofp8 bit for bit."""
+    transformers, _, _ = hf_llama
+    ours = trained_like(arch="llama", tie_embeddings=tied, rope_theta=5000.0)
+    export_hf_llama(ours.state_dict(), ours.config.__dict__, str(tmp_path))
+    hf, loading = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(loading.values()), loading  # missing, unexpected, mismatched: none
+    x = torch.randint(0, 84, (3, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        err = rel_err(logits(ours, x), hf.eval()(x).logits)
+    print(f"nanofp8 -> HF Llama (tied={tied}): logits relative error {err:.1e}")
+    assert err < 1e-5
+    state, model_args = load_hf_llama(str(tmp_path))
+    arch = lambda c: (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, c.hidden, c.has_bias,  # noqa: E731
+                      c.tie_embeddings, c.rope_theta, c.norm_eps)
+    assert arch(GPTConfig(**model_args)) == arch(ours.config)
+    assert state.keys() == ours.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
+
+
+def test_hf_llama_cli_and_finetune(hf_llama, tmp_path, capsys):
+    """export.py --format=hf of a llama (here a portable export of one), and train.py init_from=<HF
+    Llama dir> fine-tunes it in FP8."""
+    _, _, d = hf_llama
+    model = trained_like(arch="llama")
+    export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "portable"), fp8=False)
+    export.main([f"--out_dir={tmp_path / 'portable'}", f"--to={tmp_path / 'hf'}", "--format=hf"])
+    assert json.load(open(tmp_path / "hf" / "config.json"))["architectures"] == ["LlamaForCausalLM"]
+    hist = train.main(TINY + ["precision=O1", "arch=llama", f"init_from={d}", f"out_dir={tmp_path / 'ft'}",
+                              "max_iters=2"])
+    out = capsys.readouterr().out
+    assert "fine-tuning the weights of" in out and "vocab_size=96 from the checkpoint" in out
+    assert [it for it, _ in hist["losses"]] == [0, 1]
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("num_key_value_heads", 2, "num_key_value_heads=2: grouped-query attention"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+     "rope_parameters={.*}: RoPE of type 'yarn' is not implemented"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling={.*}: RoPE of type 'linear'"),
+    ("attention_bias", True, "attention_bias=True: LLaMA's Linears have no biases"),
+    ("mlp_bias", True, "mlp_bias=True"),
+    ("hidden_act", "gelu", "hidden_act='gelu': the SwiGLU MLP here gates with silu only"),
+    ("head_dim", 32, "head_dim=32: a head here is hidden_size / num_attention_heads wide"),
+])
+def test_hf_llama_refused(hf_llama, tmp_path, key, value, says):
+    """A Llama config that our model does not compute is refused in one line naming the key."""
+    _, _, d = hf_llama
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    if key == "rope_scaling":  # an older transformers' file: rope_theta and rope_scaling
+        cfg.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
+    os.symlink(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=says) as e:
+        load_hf_llama(str(tmp_path))
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match=says):
+        load_for_inference(str(tmp_path))  # init_from and sample.py: the same refusal
+
+
+# ---------------------------------------------------------------- FP8 in the Hugging Face layout
+
+
+def fp8_llama():
+    """A llama whose fused matrices split on 128-row tile edges (n_embd 128, MLP width 512)."""
+    return trained_like(arch="llama", n_embd=128, n_head=2, tie_embeddings=False)
+
+
+def trained_bytes(model, recipe):
+    """{our block Linear: its FP8 weight cast (data, dequantization scale)} as the recipe's GEMMs
+    read it in training."""
+    from nanofp8.fp8 import Recipe
+
+    apply_fp8(model, Recipe.from_name(recipe, backend="emulate"))
+    return {n: (lambda q: (q.data, q.inv_scale))(m.cast_weight()[0]) for n, m in model.named_modules()
+            if n.startswith("blocks.") and hasattr(m, "cast_weight")}
+
+
+def check_fp8_file(d, model, recipe, scale_name):
+    """The export holds the recipe's trained E4M3 bytes and fp32 dequantization scales, split as
+    LLAMA_BLOCK splits the fused matrices."""
+    from safetensors.torch import load_file
+
+    from nanofp8.interop import LLAMA_BLOCK
+
+    t = load_file(os.path.join(d, "model.safetensors"))
+    for name, (data, scale) in trained_bytes(copy.deepcopy(model), recipe).items():
+        i, ours = name.split(".", 2)[1:]
+        parts = dict(LLAMA_BLOCK)[ours]
+        got = [t[f"model.layers.{i}.{p}.weight"] for p in parts]
+        assert all(g.dtype == torch.float8_e4m3fn for g in got)
+        assert torch.equal(torch.cat(got).view(torch.uint8), data.view(torch.uint8)), name
+        scales = [t[f"model.layers.{i}.{p}.{scale_name}"] for p in parts]
+        assert all(s.dtype == torch.float32 for s in scales) and torch.equal(torch.cat(scales), scale), name
+    assert all(v.dtype == torch.float32 for k, v in t.items() if not k.startswith("model.layers.")
+               or k.endswith("layernorm.weight"))  # embeddings, norms, LM head (if untied)
+
+
+def test_hf_fp8_rowwise_compressed_tensors(hf_llama, tmp_path):
+    """--format=hf-fp8 of a rowwise run: compressed-tensors' float-quantized, which transformers
+    loads with the weights still float8_e4m3fn, and runs as nanofp8's rowwise FP8 model runs: the
+    same weight bytes and scales, activations cast to E4M3 per token at run time.
+
+    Bound: 60 dB. The two compute with the same FP8 weights and the same per-token activation casts,
+    so they differ by fp32 rounding (order of sums: ~2^-24 relative, ~140 dB), and by what that
+    rounding does to an activation sitting on an E4M3 rounding edge: its byte flips, moving it one
+    E4M3 step (2^-3 of its binade). A fraction p of flipped values is a noise power of about p * 2^-6
+    of the signal, SQNR 18 - 10 log10(p) dB: 60 dB allows fewer than 1 value in ~10^4 flipped.
+    Measured: ~130 dB (no flip)."""
+    transformers, _, _ = hf_llama
+    model = fp8_llama()
+    export_hf_llama(model.state_dict(), model.config.__dict__, str(tmp_path), fp8="row")
+    check_fp8_file(str(tmp_path), model, "rowwise", "weight_scale")
+    q = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    assert (q["quant_method"], q["format"], q["ignore"]) == ("compressed-tensors", "float-quantized", ["lm_head"])
+    group = q["config_groups"]["group_0"]
+    assert {k: group["weights"][k] for k in ("num_bits", "type", "strategy", "symmetric", "dynamic")} == \
+        {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn  # kept FP8 on load
+    assert hf.model.layers[0].self_attn.q_proj.weight_scale.shape == (128, 1)
+    assert hf.lm_head.weight.dtype == torch.float32
+    ours = copy.deepcopy(model)
+    trained_bytes(ours, "rowwise")  # (converts ours to the rowwise FP8 model)
+    x = torch.randint(0, 84, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        db = sqnr(logits(ours, x), hf(x).logits)
+    print(f"compressed-tensors FP8 (transformers) vs nanofp8 rowwise FP8: logits SQNR {db:.1f} dB")
+    assert db > 60
+
+
+def test_hf_fp8_blockwise_finegrained(hf_llama, tmp_path):
+    """--format=hf-fp8 of a blockwise run: transformers' fp8 (FineGrainedFP8) with 128x128 tiles and
+    weight_scale_inv. On a CPU transformers dequantizes these weights on load (its FP8 GEMMs need a
+    GPU) and runs them without activation casts: what freeze_fp8(model, "block") computes.
+
+    Bound: 100 dB, the 1e-5 relative error of the fp32 exports (test_hf_llama_out_and_back): the
+    same E4M3 bytes times the same fp32 tile scales give the same fp32 weights, and no cast sits in
+    between, so only fp32 rounding remains. Measured: ~125 dB."""
+    transformers, _, _ = hf_llama
+    model = fp8_llama()
+    export_hf_llama(model.state_dict(), model.config.__dict__, str(tmp_path), fp8="block")
+    check_fp8_file(str(tmp_path), model, "blockwise", "weight_scale_inv")
+    q = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    assert (q["quant_method"], q["weight_block_size"], q["modules_to_not_convert"]) == ("fp8", [128, 128], ["lm_head"])
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    # read as fp8 tiles and dequantized on load (on a GPU they stay float8_e4m3fn in its FP8Linear)
+    assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    frozen, _ = freeze_fp8(copy.deepcopy(model), "block")
+    x = torch.randint(0, 84, (2, 32), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        db = sqnr(logits(frozen, x), hf(x).logits)
+    print(f"fine-grained FP8 (transformers, dequantized on CPU) vs nanofp8 frozen block FP8: logits SQNR {db:.1f} dB")
+    assert db > 100
+    with pytest.raises(ValueError, match="multiples of 128"):  # a 128x128 tile would straddle q and k
+        export_hf_llama(trained_like(arch="llama").state_dict(), GPTConfig(**ARGS, arch="llama").__dict__,
+                        str(tmp_path / "x"), fp8="block")
+
+
+def test_hf_fp8_cli(tmp_path, capsys):
+    """export.py --format=hf-fp8: a rowwise O1 run's own bytes with no note; an export that records
+    no recipe gets row scales cast now, and says so; GPT-2 is refused in one line with the reason."""
+    run = str(tmp_path / "run")
+    train.main(TINY + ["precision=O1", "arch=llama", "n_embd=64", "fp8_recipe=rowwise", f"out_dir={run}"])
+    capsys.readouterr()
+    export.main([f"--out_dir={run}", f"--to={tmp_path / 'hf'}", "--format=hf-fp8"])
+    assert "note:" not in capsys.readouterr().out
+    ours, _ = load_for_inference(run)
+    check_fp8_file(str(tmp_path / "hf"), ours, "rowwise", "weight_scale")
+    model = trained_like(arch="llama")
+    export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "portable"), fp8=False)
+    export.main([f"--out_dir={tmp_path / 'portable'}", f"--to={tmp_path / 'hf2'}", "--format=hf-fp8"])
+    assert "note: the run's weights were not cast as an HF FP8 format stores them (no FP8 recipe recorded)" \
+        in capsys.readouterr().out
+    gpt2 = trained_like()
+    export_portable(gpt2.state_dict(), gpt2.config.__dict__, str(tmp_path / "gpt2"), fp8=False)
+    with pytest.raises(ConfigError, match=r"--format=hf-fp8 needs arch=llama: GPT-2's Conv1D stores each matrix "
+                                          r"transposed, \(in, out\), so a scale per row of W would be per column") as e:
+        export.main([f"--out_dir={tmp_path / 'gpt2'}", f"--to={tmp_path / 'hf3'}", "--format=hf-fp8"])
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------- frozen FP8 models

@@ -581,7 +581,8 @@ def test_empty_dir_or_only_temp_files(tmp_path, capsys):
     code, err = script("sample.py", [f"--out_dir={tmp_path / 'empty'}"], capsys)
     assert code == 2 and one_line(err) == (
         f"error: {tmp_path / 'empty'} holds no model ({tmp_path / 'empty'} is empty): expected a training run's "
-        f"out_dir or one of its checkpoint sets, an export, or a Hugging Face GPT-2 (config.json + model.safetensors)")
+        f"out_dir or one of its checkpoint sets, an export, or a Hugging Face GPT-2 or LLaMA (config.json + "
+        "model.safetensors)")
     (tmp_path / "empty" / "ckpt.pt.tmp.4242").write_bytes(b"half")
     with pytest.raises(CheckpointError, match=r"holds only unfinished writes \(ckpt.pt.tmp.4242\): the run stopped "
                                               "during its first save"):
