@@ -410,6 +410,36 @@ def test_token_files_in_uint32_above_65536_tokens_and_uint16_without_the_key(tmp
         data_module.check_dataset("cut")
 
 
+def test_checkpoints_keep_rope_scaling_and_old_ones_without_it_load(tmp_path, capsys):
+    """model_args holds rope_scaling: a resume builds the checkpoint's RoPE whatever the command
+    line says, and a checkpoint from before the field (no rope_scaling in model_args or config)
+    resumes and loads for inference as plain RoPE."""
+    from nanofp8.checkpoint import load_for_inference
+
+    scaling = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    llama = TINY + ["arch=llama", "eval_interval=2"]
+    out = tmp_path / "scaled"
+    train.main(llama + ["max_iters=2", f"out_dir={out}", f"rope_scaling={scaling}"])
+    assert load_checkpoint(newest_checkpoint(out))["model_args"]["rope_scaling"] == scaling
+    train.main(llama + ["max_iters=4", f"out_dir={out}", "init_from=resume"])
+    assert "rope_scaling=" in capsys.readouterr().out  # the checkpoint's, over the default None
+    ckpt = load_checkpoint(newest_checkpoint(out))
+    assert ckpt["iter_num"] == 4 and ckpt["model_args"]["rope_scaling"] == scaling
+    model, _ = load_for_inference(str(out), "cpu")
+    assert model.config.rope_scaling == scaling
+
+    def before_the_field(ckpt):
+        del ckpt["model_args"]["rope_scaling"], ckpt["config"]["rope_scaling"]
+
+    old = copy_run(out, tmp_path / "old", before_the_field)
+    train.main(llama + ["max_iters=6", f"out_dir={old}", "init_from=resume"])
+    assert load_checkpoint(newest_checkpoint(old))["model_args"]["rope_scaling"] is None
+    copy_run(out, tmp_path / "old2", before_the_field)
+    model, _ = load_for_inference(str(tmp_path / "old2"), "cpu")
+    assert model.config.rope_scaling is None
+
+
 # ---------------------------------------------------------------- 11, 12: checkpoint files
 
 
