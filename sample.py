@@ -26,12 +26,11 @@ import math
 import os
 import sys
 
-import numpy as np
 import torch
 
 from nanofp8.checkpoint import freeze_fp8, load_for_inference, weight_bytes
 from nanofp8.configurator import ConfigError, check_choice, check_device, configure, defaults_of, read_dataset_meta
-from nanofp8.data import EVAL_STREAMS, batch_generator, data_dir, get_batch
+from nanofp8.data import EVAL_STREAMS, Tokens, batch_generator, data_dir, get_batch, token_dtype
 from nanofp8.ckptfile import CheckpointError
 from nanofp8.fp8 import GRANULARITIES
 
@@ -140,7 +139,7 @@ def main(argv=None):
 
     if fp8_weights:
         val_path = os.path.join(data_dir(train_cfg.get("dataset", "?")), "val.bin")
-        val_data = np.memmap(val_path, dtype=np.uint16, mode="r") if os.path.exists(val_path) else None
+        val_data = Tokens(val_path, token_dtype(train_cfg.get("dataset", "?"))) if os.path.exists(val_path) else None
         args = (train_cfg.get("batch_size", 8), model.config.block_size, fp8_eval_iters, autocast, dev)
         ref = val_loss(model, val_data, *args) if val_data is not None else None
         total_before = weight_bytes(model)

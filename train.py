@@ -102,6 +102,7 @@ bias = True
 tie_embeddings = True
 mlp_hidden = 0  # 0 = the architecture's default width
 rope_theta = 10000.0
+rope_scaling = None  # llama: Llama 3.1's long-context RoPE, the Hugging Face dict (nanofp8/model.py: GPTConfig)
 norm_eps = 1e-5
 vocab_size = 50304  # GPT-2 BPE (50257, padded); a dataset's meta.json sets it unless given larger
 # AdamW

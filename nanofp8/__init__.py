@@ -63,3 +63,5 @@ train.py's optimizer_step calls the last three (the first two through run.sync_g
 run.clip). Every consumer of the FP8 gradient asks the parameter (optim.fp8_grad); no module
 holds it.
 """
+
+__version__ = "0.1.0"  # pyproject.toml reads it (the distribution's version)

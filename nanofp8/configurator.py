@@ -437,11 +437,18 @@ def check_accumulation(cfg, dp_size):
 # Dataset metadata: the one setting a dataset supplies (its vocabulary)
 #
 # data/<name>/prepare.py writes meta.json: {"vocab_size": int, "itos": [the token of id 0, of id
-# 1, ...]} (itos only for character-level data; GPT-2 BPE datasets have no meta file). JSON, and
+# 1, ...], "dtype": "uint16" or "uint32"} (itos only for character-level data; GPT-2 BPE datasets
+# have no meta file). dtype is the integer type of the token files: uint16 holds the ids of a
+# vocabulary of up to 65,536 tokens, a larger one needs uint32 (a uint16 file would wrap its ids
+# around, silently, into other tokens). Files from before the key read as uint16. JSON, and
 # not a pickle, because a pickle runs code when it is loaded and a dataset directory is something
 # people download. Directories prepared by older versions hold meta.pkl instead; it is still read,
 # but only through _PlainDataUnpickler, which refuses every pickle that names a Python object
 # (os.system, a class, a function): what is left can build only dicts, lists, strings and numbers.
+
+
+# The token file types: {name in meta.json: how many token ids it holds}.
+TOKEN_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -451,9 +458,10 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 
 def read_dataset_meta(data_dir):
-    """{'vocab_size': int, 'itos': list of str or None} from data_dir/meta.json (or an old
-    meta.pkl, read safely); None when the dataset has neither (GPT-2 BPE). A damaged or foreign
-    file is a ConfigError naming it."""
+    """{'vocab_size': int, 'itos': list of str or None, 'dtype': 'uint16' or 'uint32'} from
+    data_dir/meta.json (or an old meta.pkl, read safely); None when the dataset has neither (GPT-2
+    BPE). dtype is "uint16" where the file has none. A damaged or foreign file, or a dtype too small
+    for the vocabulary, is a ConfigError naming it."""
     json_path, pkl_path = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
     if os.path.exists(json_path):
         path = json_path
@@ -483,4 +491,11 @@ def read_dataset_meta(data_dir):
                                  and all(isinstance(c, str) for c in itos)):
         raise ConfigError(f"dataset metadata {path}: 'itos' must list one string per token id "
                           f"(vocab_size={vocab})")
-    return {"vocab_size": vocab, "itos": itos}
+    dtype = meta.get("dtype", "uint16")
+    if dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"dataset metadata {path}: 'dtype' is {dtype!r}; the token files are one of "
+                          f"{list(TOKEN_DTYPES)}")
+    if vocab > TOKEN_DTYPES[dtype]:
+        raise ConfigError(f"dataset metadata {path}: vocab_size={vocab} does not fit {dtype} token files "
+                          f"(ids up to {TOKEN_DTYPES[dtype] - 1:,}); prepare the dataset again with uint32")
+    return {"vocab_size": vocab, "itos": itos, "dtype": dtype}

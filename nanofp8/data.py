@@ -1,5 +1,6 @@
 """
-Token data for train.py and sample.py: data/<name>/{train,val}.bin, uint16 token ids, memory-mapped.
+Token data for train.py and sample.py: data/<name>/{train,val}.bin, token ids memory-mapped, uint16
+or, where meta.json says "dtype": "uint32", uint32 (a vocabulary above 65,536 tokens).
 
 Reproducibility: a batch is drawn with a generator seeded from (seed, stream, iteration, index,
 rank), never from a global RNG. The data "position" of a run is then simply its iteration number,
@@ -14,7 +15,7 @@ import sys
 import numpy as np
 import torch
 
-from .configurator import ConfigError
+from .configurator import ConfigError, read_dataset_meta
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREPARED_ON_DEMAND = ("shakespeare_char",)  # small enough to prepare inside train.py
@@ -43,18 +44,19 @@ def check_dataset(dataset):
     """ConfigError unless the dataset is prepared or can be prepared here. Returns whether it
     must be prepared first. Every rank calls it before the process group exists, so a typo in
     `dataset` stops all of them at once instead of leaving the others waiting for rank 0.
-    Prepared means: train.bin and val.bin, whole uint16 token ids (an even number of bytes), and
+    Prepared means: train.bin and val.bin, whole token ids of the dataset's type (token_dtype), and
     meta.json where the dataset's prepare.py writes one (WITH_META)."""
     folder = data_dir(dataset)
     wanted = [f"{s}.bin" for s in SPLITS] + (["meta.json"] if dataset in WITH_META else [])
     missing = [f for f in wanted if not os.path.exists(os.path.join(folder, f))]
     script = os.path.join(folder, "prepare.py")
     if not missing:
+        dtype = token_dtype(dataset)
         for split in SPLITS:
             path = os.path.join(folder, f"{split}.bin")
             size = os.path.getsize(path)
-            if size % 2 or size == 0:
-                what = "is empty" if size == 0 else f"has {size:,} bytes, not a whole number of uint16 token ids"
+            if size % dtype.itemsize or size == 0:
+                what = "is empty" if size == 0 else f"has {size:,} bytes, not a whole number of {dtype} token ids"
                 raise ConfigError(f"{_shown(path)} {what} (cut short or not written by prepare.py): prepare the "
                                   f"dataset again with python {_shown(script)}")
         return False
@@ -83,12 +85,19 @@ def ensure_dataset(dataset):
     check_dataset(dataset)  # what it wrote must be whole
 
 
-class Tokens:
-    """One split's token ids, uint16, memory-mapped (never read whole), and the vocabulary they must
-    fit (set by check_tokens): get_batch refuses a window holding an id beyond it."""
+def token_dtype(dataset):
+    """The numpy type of the dataset's token files: meta.json's "dtype" (read_dataset_meta checks
+    that the vocabulary fits it), uint16 for a dataset without meta.json or without the key."""
+    meta = read_dataset_meta(data_dir(dataset))
+    return np.dtype(meta["dtype"] if meta else "uint16")
 
-    def __init__(self, path):
-        self.path, self.ids, self.vocab_size = path, np.memmap(path, dtype=np.uint16, mode="r"), None
+
+class Tokens:
+    """One split's token ids (uint16 or uint32), memory-mapped (never read whole), and the vocabulary
+    they must fit (set by check_tokens): get_batch refuses a window holding an id beyond it."""
+
+    def __init__(self, path, dtype=np.uint16):
+        self.path, self.ids, self.vocab_size = path, np.memmap(path, dtype=dtype, mode="r"), None
 
     def __len__(self):
         return len(self.ids)
@@ -104,7 +113,8 @@ def open_splits(dataset, block_size, layout):
     if layout.master:
         ensure_dataset(dataset)
     layout.barrier()
-    data = {s: Tokens(os.path.join(data_dir(dataset), f"{s}.bin")) for s in SPLITS}
+    dtype = token_dtype(dataset)
+    data = {s: Tokens(os.path.join(data_dir(dataset), f"{s}.bin"), dtype) for s in SPLITS}
     for split, tokens in data.items():
         if len(tokens) < block_size + 1:
             raise ConfigError(f"block_size={block_size} is too long for {tokens.path}: it holds {len(tokens):,} "

@@ -52,6 +52,10 @@ class GPTConfig:
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix
     mlp_hidden: int = 0  # 0 = the dialect's default: 4*n_embd (gpt2), ~8/3*n_embd (llama)
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
+    # llama: None, or Llama 3.1's long-context rescaling of the rotary frequencies, the Hugging Face
+    # dict as config.json has it: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} (see rope_inv_freq)
+    rope_scaling: dict | None = None
     norm_eps: float = 1e-5
 
     def __post_init__(self):
@@ -70,6 +74,8 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
             raise ValueError("RoPE rotates pairs of channels: the head dim must be even")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling, self.arch)
 
     @property
     def hidden(self):
@@ -122,15 +128,56 @@ def make_norm(config):
     return RMSNorm(config.n_embd, config.norm_eps)
 
 
-def rope_tables(head_dim, length, theta):
+ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_TYPES = ("llama3",)  # the rope_type values rope_scaling may name
+
+
+def check_rope_scaling(scaling, arch):
+    """ValueError unless `scaling` is a rope_scaling dict rope_inv_freq computes (GPTConfig)."""
+    if arch != "llama":
+        raise ValueError(f"rope_scaling rescales RoPE, which arch={arch!r} does not have: leave it None")
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported; the supported types are {ROPE_TYPES}")
+    if sorted(scaling) != sorted(ROPE_SCALING_KEYS):
+        raise ValueError(f"rope_scaling of rope_type 'llama3' has the keys {list(ROPE_SCALING_KEYS)}, got "
+                         f"{list(scaling)}")
+    if not (scaling["factor"] >= 1 and 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]
+            and scaling["original_max_position_embeddings"] >= 1):
+        raise ValueError(f"rope_scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+                         f"original_max_position_embeddings >= 1, got {scaling}")
+
+
+def rope_inv_freq(head_dim, theta, scaling=None):
+    """The rotation speed of each channel pair, in radians per position, (head_dim/2,), fp64.
+
+    Pair i turns by theta^(-2i/head_dim) per position: fast for the first pairs, slow for the last.
+    With rope_scaling (Llama 3.1, rope_type "llama3") a pair's wavelength 2*pi/speed, in positions,
+    decides. A pair whose wavelength is below original_max_position_embeddings / high_freq_factor
+    keeps its speed: it measures short distances, which a longer context does not change. A pair
+    whose wavelength is above original_max_position_embeddings / low_freq_factor turns `factor`
+    times slower, so that over a context `factor` times longer its angles stay in the range it was
+    trained on. Between the two, the speed is a linear blend of both, weighted by how far
+    original_max_position_embeddings / wavelength lies from low_freq_factor towards
+    high_freq_factor. (Hugging Face transformers computes the same, in fp32:
+    tests/test_model.py holds the two within an fp32 ulp.)"""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return inv_freq
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq
+    # 0 for the slow pairs (slowed down by factor), 1 for the fast ones (kept), a blend between
+    keep = ((scaling["original_max_position_embeddings"] / wavelength - low) / (high - low)).clamp(0, 1)
+    return (1 - keep) * inv_freq / scaling["factor"] + keep * inv_freq
+
+
+def rope_tables(head_dim, length, theta, scaling=None):
     """cos and sin of the rotation angles, (length, head_dim/2), fp32.
 
-    Channel pair i of the vector at position p is rotated by angle p * theta^(-2i/head_dim):
-    fast rotations for the first pairs, slow ones for the last. The dot product of a rotated
-    query and a rotated key then depends only on their distance, which is how RoPE encodes
-    relative position without any learned parameter."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+    Channel pair i of the vector at position p is rotated by angle p * rope_inv_freq(...)[i]. The
+    dot product of a rotated query and a rotated key then depends only on their distance, which is
+    how RoPE encodes relative position without any learned parameter."""
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), rope_inv_freq(head_dim, theta, scaling))
     return angles.cos().float(), angles.sin().float()
 
 
@@ -238,7 +285,8 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         if config.arch == "llama":
             # Not persistent: recomputed from the config, so never stored in checkpoints.
-            cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+            cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta,
+                                   config.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)

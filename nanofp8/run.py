@@ -695,6 +695,8 @@ def restore_rng(rng, layout):
 # Where a run starts: from scratch, from this run's checkpoint, or from converted weights
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+# What a checkpoint written before a field of GPTConfig existed means by its absence: the default.
+MODEL_DEFAULTS = {f.name: f.default for f in fields(GPTConfig)}
 
 def resume_point(cfg, layout, vocab_size, log):
     """(the checkpoint of an exact resume, converted weights, model_args). Converted: another
@@ -732,7 +734,7 @@ def resume_point(cfg, layout, vocab_size, log):
             ckpt["optimizer"] = load_shard(found, shards[layout.rank], ckpt["iter_num"], layout.device)
     model_args = {k: cfg[k] for k in MODEL_KEYS} | {"vocab_size": vocab_size}
     for k in MODEL_KEYS if (ckpt or converted) else ():
-        saved = (ckpt or converted)["model_args"][k]
+        saved = (ckpt or converted)["model_args"].get(k, MODEL_DEFAULTS[k])
         if model_args[k] != saved:
             log(f"note: {k}={saved} from the checkpoint overrides {model_args[k]!r}")
         model_args[k] = saved

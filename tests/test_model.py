@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import Recipe
-from nanofp8.model import GPT, GPTConfig, LayerNorm, RMSNorm, apply_fp8, apply_rope, rope_tables
+from nanofp8.model import GPT, GPTConfig, LayerNorm, RMSNorm, apply_fp8, apply_rope, rope_inv_freq, rope_tables
 from nanofp8.ckptfile import CheckpointError, load_model_state
 
 
@@ -62,6 +62,80 @@ def test_rope_depends_only_on_distance():
     d2 = rot(q, 40) @ rot(k, 37)
     assert d1.item() == pytest.approx(d2.item(), rel=1e-4, abs=1e-5)
     assert rot(q, 0).allclose(q)  # position 0 is not rotated
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}  # Llama 3.1's config.json
+
+
+def _ulps(a, b):
+    """How many fp32 steps apart a and b (positive fp32 tensors) are, elementwise."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+
+
+@pytest.mark.parametrize("head_dim, theta, scaling", [
+    (128, 500000.0, LLAMA31),
+    (128, 500000.0, {**LLAMA31, "factor": 32.0}),  # Llama 3.2's
+    (16, 10000.0, {**LLAMA31, "factor": 4.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 64}),
+])
+def test_llama3_rope_scaling_equals_transformers(head_dim, theta, scaling):
+    """rope_scaling of rope_type "llama3": the inverse frequencies of transformers'
+    ROPE_INIT_FUNCTIONS["llama3"]. Each case has pairs of all three kinds: kept, slowed down by
+    `factor`, and blended. The kept and slowed ones are within an fp32 ulp (transformers computes
+    the unscaled frequencies in fp32, this file in fp64); the blended ones within 8 ulps, transformers'
+    fp32 blend rounding a few times (relative 5e-7)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=2,
+                                  intermediate_size=64, num_hidden_layers=1, vocab_size=32,
+                                  max_position_embeddings=scaling["original_max_position_embeddings"] * 2,
+                                  rope_parameters={**scaling, "rope_theta": theta})
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    ours, plain = rope_inv_freq(head_dim, theta, scaling).float(), rope_inv_freq(head_dim, theta).float()
+    assert theirs.dtype == torch.float32 and theirs.shape == ours.shape
+    kept, slowed = ours == plain, ours == plain / scaling["factor"]
+    blended = ~kept & ~slowed
+    assert kept.any() and slowed.any() and blended.any()
+    assert _ulps(ours, theirs)[~blended].max() <= 1
+    assert _ulps(ours, theirs)[blended].max() <= 8
+
+    # the model rotates by them
+    m = GPT(tiny(arch="llama", n_head=2, n_embd=2 * head_dim, rope_theta=theta, rope_scaling=scaling))
+    cos, sin = rope_tables(head_dim, 32, theta, scaling)
+    assert torch.equal(m.rope_cos, cos) and torch.equal(m.rope_sin, sin)
+
+
+def test_rope_scaling_none_changes_nothing():
+    """rope_scaling=None: the tables of plain RoPE, theta^(-2i/head_dim) in fp64, and so the same
+    logits, bit for bit, as a model given those tables directly."""
+    head_dim, theta = 16, 10000.0
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(32, dtype=torch.float64), inv_freq)
+    torch.manual_seed(0)
+    m = GPT(tiny(arch="llama", rope_scaling=None))
+    assert torch.equal(rope_inv_freq(head_dim, theta), inv_freq)
+    assert torch.equal(m.rope_cos, angles.cos().float()) and torch.equal(m.rope_sin, angles.sin().float())
+    x = torch.randint(0, 96, (2, 32))
+    logits, _ = m(x, x)
+    m.rope_cos, m.rope_sin = angles.cos().float(), angles.sin().float()
+    assert torch.equal(m(x, x)[0], logits)
+    assert GPTConfig().rope_scaling is None
+
+
+def test_rope_scaling_refuses_what_it_does_not_compute():
+    """Another rope_type, a missing or unknown key, a dict without RoPE to scale: a ValueError
+    naming what is wrong."""
+    with pytest.raises(ValueError, match=r"rope_type 'yarn' is not supported; the supported types are \('llama3',\)"):
+        tiny(arch="llama", rope_scaling={**LLAMA31, "rope_type": "yarn"})
+    with pytest.raises(ValueError, match="rope_type None is not supported"):
+        tiny(arch="llama", rope_scaling={"type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="has the keys"):
+        tiny(arch="llama", rope_scaling={k: v for k, v in LLAMA31.items() if k != "factor"})
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        tiny(arch="llama", rope_scaling={**LLAMA31, "low_freq_factor": 4.0})
+    with pytest.raises(ValueError, match="arch='gpt2' does not have"):
+        tiny(rope_scaling=LLAMA31)
 
 
 def test_generate():

@@ -15,13 +15,16 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
+import numpy as np
 import pytest
 import torch
 
 import sample
 import train
 from conftest import REPO, TINY, newest_checkpoint, run
+from nanofp8 import data as data_module
 from nanofp8.configurator import RECIPE_KEYS, ConfigError, read_dataset_meta
 from nanofp8.ckptfile import CheckpointError, load_checkpoint, save_checkpoint
 from nanofp8.fp8 import RECIPES
@@ -332,10 +335,10 @@ def test_dataset_meta_is_json_and_old_pickles_are_read_safely(tmp_path):
     assert os.path.exists(os.path.join(SHAKESPEARE, "meta.json"))
     assert not os.path.exists(os.path.join(SHAKESPEARE, "meta.pkl"))
 
-    # An old meta.pkl of plain dicts still loads, in the new layout.
+    # An old meta.pkl of plain dicts still loads, in the new layout (its token files uint16).
     old = {"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps(old))
-    assert read_dataset_meta(str(tmp_path)) == {"vocab_size": 3, "itos": ["a", "b", "c"]}
+    assert read_dataset_meta(str(tmp_path)) == {"vocab_size": 3, "itos": ["a", "b", "c"], "dtype": "uint16"}
 
     # A planted one does not run its code.
     planted = tmp_path / "planted"
@@ -359,6 +362,82 @@ def test_dataset_meta_is_json_and_old_pickles_are_read_safely(tmp_path):
     (tmp_path / "meta.json").write_text('{"vocab_size": 3, "itos": ["a", "b"]}')
     with pytest.raises(ConfigError, match="'itos' must list one string per token id"):
         read_dataset_meta(str(tmp_path))
+
+
+def _write_dataset(root, name, ids, meta):
+    folder = root / "data" / name
+    folder.mkdir(parents=True)
+    for split in ("train", "val"):
+        ids.tofile(folder / f"{split}.bin")
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _batch_of_whole_file(dataset, ids, vocab_size):
+    """open_splits, check_tokens and get_batch on a split of block_size + 1 tokens, whose one
+    window is the whole file: (inputs, targets) as lists."""
+    layout = types.SimpleNamespace(master=True, barrier=lambda: None)
+    data = data_module.open_splits(dataset, len(ids) - 1, layout)
+    data_module.check_tokens(data, vocab_size)
+    x, y = data_module.get_batch(data["train"], 1, len(ids) - 1, torch.Generator().manual_seed(0), "cpu")
+    return x[0].tolist(), y[0].tolist()
+
+
+def test_token_files_in_uint32_above_65536_tokens_and_uint16_without_the_key(tmp_path, monkeypatch):
+    """A vocabulary of 70,000 tokens: uint32 files (meta.json "dtype": "uint32"), whose batches are
+    the ids written; the same vocabulary declared uint16 is refused (its ids would wrap); a
+    meta.json without "dtype" (files from before it) reads uint16."""
+    monkeypatch.setattr(data_module, "REPO", str(tmp_path))
+    big = np.array([0, 65535, 65536, 69999, 12, 65537, 3, 69998, 1], dtype=np.uint32)
+    _write_dataset(tmp_path, "big", big, {"vocab_size": 70000, "dtype": "uint32"})
+    x, y = _batch_of_whole_file("big", big, 70000)
+    assert x == big[:-1].tolist() and y == big[1:].tolist()
+
+    (tmp_path / "data" / "big" / "meta.json").write_text(json.dumps({"vocab_size": 70000, "dtype": "uint16"}))
+    with pytest.raises(ConfigError, match="vocab_size=70000 does not fit uint16"):
+        data_module.open_splits("big", len(big) - 1, types.SimpleNamespace(master=True, barrier=lambda: None))
+    (tmp_path / "data" / "big" / "meta.json").write_text(json.dumps({"vocab_size": 70000, "dtype": "int8"}))
+    with pytest.raises(ConfigError, match="'dtype' is 'int8'"):
+        read_dataset_meta(str(tmp_path / "data" / "big"))
+
+    small = np.array([5, 0, 65535, 7, 1, 2], dtype=np.uint16)
+    _write_dataset(tmp_path, "old", small, {"vocab_size": 65536})
+    x, y = _batch_of_whole_file("old", small, 65536)
+    assert x == small[:-1].tolist() and y == small[1:].tolist()
+
+    # A uint32 file of a whole number of uint16 ids but not of uint32 ones: cut short.
+    _write_dataset(tmp_path, "cut", np.arange(3, dtype=np.uint16), {"vocab_size": 70000, "dtype": "uint32"})
+    with pytest.raises(ConfigError, match="not a whole number of uint32 token ids"):
+        data_module.check_dataset("cut")
+
+
+def test_checkpoints_keep_rope_scaling_and_old_ones_without_it_load(tmp_path, capsys):
+    """model_args holds rope_scaling: a resume builds the checkpoint's RoPE whatever the command
+    line says, and a checkpoint from before the field (no rope_scaling in model_args or config)
+    resumes and loads for inference as plain RoPE."""
+    from nanofp8.checkpoint import load_for_inference
+
+    scaling = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    llama = TINY + ["arch=llama", "eval_interval=2"]
+    out = tmp_path / "scaled"
+    train.main(llama + ["max_iters=2", f"out_dir={out}", f"rope_scaling={scaling}"])
+    assert load_checkpoint(newest_checkpoint(out))["model_args"]["rope_scaling"] == scaling
+    train.main(llama + ["max_iters=4", f"out_dir={out}", "init_from=resume"])
+    assert "rope_scaling=" in capsys.readouterr().out  # the checkpoint's, over the default None
+    ckpt = load_checkpoint(newest_checkpoint(out))
+    assert ckpt["iter_num"] == 4 and ckpt["model_args"]["rope_scaling"] == scaling
+    model, _ = load_for_inference(str(out), "cpu")
+    assert model.config.rope_scaling == scaling
+
+    def before_the_field(ckpt):
+        del ckpt["model_args"]["rope_scaling"], ckpt["config"]["rope_scaling"]
+
+    old = copy_run(out, tmp_path / "old", before_the_field)
+    train.main(llama + ["max_iters=6", f"out_dir={old}", "init_from=resume"])
+    assert load_checkpoint(newest_checkpoint(old))["model_args"]["rope_scaling"] is None
+    copy_run(out, tmp_path / "old2", before_the_field)
+    model, _ = load_for_inference(str(tmp_path / "old2"), "cpu")
+    assert model.config.rope_scaling is None
 
 
 # ---------------------------------------------------------------- 11, 12: checkpoint files

@@ -49,6 +49,9 @@ def main():
     except Exception as e:
         fail(f"could not load the GPT-2 tokenizer (offline? tiktoken fetches its tables on first "
              f"use): {type(e).__name__}: {e}")
+    if enc.n_vocab > 1 << 16:  # never: GPT-2 has 50,257. A larger vocabulary would wrap in uint16
+        fail(f"the tokenizer has {enc.n_vocab:,} ids, more than uint16 holds: its token files need uint32 "
+             f"and a meta.json that says so (as data/shakespeare_char/prepare.py writes)")
     try:
         dataset = load_dataset(HF_DATASET, num_proc=NUM_PROC)
     except Exception as e:

