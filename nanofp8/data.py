@@ -17,7 +17,8 @@ import torch
 
 from .configurator import ConfigError, read_dataset_meta
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, when run from one
+DATA_ENV = "NANOFP8_DATA"  # a folder of datasets elsewhere: data/<dataset>/ lives at $NANOFP8_DATA/<dataset>/
 PREPARED_ON_DEMAND = ("shakespeare_char",)  # small enough to prepare inside train.py
 # Datasets whose prepare.py writes meta.json (their vocabulary), last: without it the
 # preparation did not finish, and without the vocabulary a model would get GPT-2's.
@@ -31,8 +32,19 @@ class DataError(ConfigError):
     during training (the run's own checks at start sample the files)."""
 
 
+def data_root():
+    """The folder that holds one folder per dataset. $NANOFP8_DATA where set; else the checkout's
+    data/ (the package beside it: a clone, or an editable install); else data/ under the current
+    directory, as nanoGPT reads it: after `pip install .` the package sits in site-packages, where
+    there is no data/, and a user runs train.py from the checkout that has one."""
+    if os.environ.get(DATA_ENV):
+        return os.path.abspath(os.environ[DATA_ENV])
+    checkout = os.path.join(REPO, "data")
+    return checkout if os.path.isdir(checkout) else os.path.abspath("data")
+
+
 def data_dir(dataset):
-    return os.path.join(REPO, "data", dataset)
+    return os.path.join(data_root(), dataset)
 
 
 def _shown(path):
@@ -64,10 +76,12 @@ def check_dataset(dataset):
         if os.path.isdir(folder) and len(missing) < len(wanted):  # a dataset of one's own, half there
             raise ConfigError(f"dataset '{dataset}' is incomplete: {_shown(os.path.join(folder, missing[0]))} "
                               f"is missing (the dataset needs {', '.join(wanted)})")
-        known = sorted(d for d in os.listdir(os.path.join(REPO, "data"))
-                       if os.path.exists(os.path.join(REPO, "data", d, "prepare.py")))
-        raise ConfigError(f"config key 'dataset': unknown dataset {dataset!r} (no {_shown(script)}); "
-                          f"the datasets are {known}")
+        root = data_root()
+        known = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                       if os.path.exists(os.path.join(root, d, "prepare.py")))
+        where = f"the datasets are {known}" if known else (f"{_shown(root)} holds no dataset: run from the nanofp8 "
+                                                          f"checkout, or set {DATA_ENV} to its data/ folder")
+        raise ConfigError(f"config key 'dataset': unknown dataset {dataset!r} (no {_shown(script)}); {where}")
     if dataset not in PREPARED_ON_DEMAND:
         raise ConfigError(f"dataset '{dataset}' is not prepared ({_shown(os.path.join(folder, missing[0]))} is "
                           f"missing). Prepare it first with:\n    python {_shown(script)}")

@@ -27,9 +27,11 @@ nanofp8/checkpoint.py turns any training checkpoint into the fp32 state_dict the
    LlamaForCausalLM. Its Linears are nn.Linear, (out, in) like ours; what differs is that ours
    fuse GEMMs that share an input: c_attn's rows are [q | k | v] and c_fc's are [gate | up], which
    HF keeps as separate matrices (LLAMA_BLOCK below). Both rotate the channel pairs (i, i + d/2) of
-   each head ("rotate half"), with the same frequencies, so no row is permuted. A config nanofp8
-   does not compute (grouped-query attention, scaled RoPE, biases, another activation) is refused,
-   never loaded as something else.
+   each head ("rotate half"), with the same frequencies (Llama 3.1's rescaled ones too:
+   GPTConfig.rope_scaling), so no row is permuted. A config nanofp8 does not compute (grouped-query
+   attention, RoPE scaled otherwise, biases, another activation) is refused, never loaded as
+   something else. Both readers take the weights in any file layout save_pretrained writes
+   (read_hf_weights).
 """
 
 import json
@@ -40,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from nanofp8.fp8 import BLOCK, E4M3, quantize
-from nanofp8.model import GPT, GPTConfig
+from nanofp8.model import GPT, ROPE_SCALING_KEYS, ROPE_TYPES, GPTConfig
 from nanofp8.ckptfile import (CheckpointError, check_checksums, is_newer_format, make_dir, tensor_checksums,
                               write_file)
 
@@ -147,6 +149,55 @@ def _read_safetensors(path):
     return tensors
 
 
+# The files a Hugging Face model directory keeps its weights in, as save_pretrained writes them: one
+# model.safetensors, or shards listed by model.safetensors.index.json (a model above
+# max_shard_size, 5 GB by default: any Llama from 3B up as published). Older directories hold
+# pytorch_model.bin (or its shards): a pickle, which torch.load reads with weights_only=True, the
+# unpickler that builds tensors and plain containers only and refuses any other object, so a file
+# cannot run code on load.
+HF_WEIGHT_FILES = [("model.safetensors.index.json", "model.safetensors"),
+                   ("pytorch_model.bin.index.json", "pytorch_model.bin")]
+
+
+def _read_weight_file(path):
+    if path.endswith(".safetensors"):
+        return _read_safetensors(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, or a pickle holding more than tensors
+        raise CheckpointError(f"cannot read {path} as plain tensors: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} does not hold a state_dict (a dict of tensors)")
+    return state
+
+
+def read_hf_weights(path):
+    """Every tensor of a Hugging Face model directory, by name, from whichever of HF_WEIGHT_FILES
+    it has (safetensors first); an index's shards are read whole and checked against it: each
+    tensor in the shard the index names, none missing."""
+    for index_name, single in HF_WEIGHT_FILES:
+        if os.path.isfile(os.path.join(path, single)):
+            return _read_weight_file(os.path.join(path, single))
+        index_path = os.path.join(path, index_name)
+        if not os.path.isfile(index_path):
+            continue
+        where = _read_json(index_path).get("weight_map")
+        if not isinstance(where, dict) or not where:
+            raise CheckpointError(f"{index_path} has no weight_map: it does not say which file holds which tensor")
+        tensors = {}
+        for shard in sorted(set(where.values())):
+            got = _read_weight_file(os.path.join(path, shard))
+            strays = sorted(k for k in got if where.get(k) != shard)
+            if strays:
+                raise CheckpointError(f"{path}/{shard} holds {strays[:3]}, which {index_name} does not place there")
+            tensors.update(got)
+        missing = sorted(set(where) - set(tensors))
+        if missing:
+            raise CheckpointError(f"{path}: {index_name} lists {len(missing)} tensors no shard holds, e.g. {missing[:3]}")
+        return tensors
+    raise CheckpointError(f"no weights in {path}: none of {', '.join(f for pair in HF_WEIGHT_FILES for f in pair)}")
+
+
 def load_portable(path):
     """Read an export_portable directory back. Returns (fp32 state_dict of the GPT, config.json as a
     dict). Every tensor is checked against the model config.json describes: a missing or unexpected
@@ -237,11 +288,7 @@ def load_hf_gpt2(path):
         raise CheckpointError(f"{path}/config.json has no {e.args[0]!r}") from None
     except ValueError as e:
         raise CheckpointError(f"{path}/config.json: {e}") from None
-    st_path = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(st_path) and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        raise CheckpointError(f"{path} has only pytorch_model.bin, a pickle: convert it to "
-                              "model.safetensors (transformers' save_pretrained writes one)")
-    hf = _read_safetensors(st_path)
+    hf = read_hf_weights(path)
     state = {}
     for k, v in hf.items():
         if re.search(r"\.attn\.(masked_)?bias$", k):
@@ -355,12 +402,19 @@ def _llama_model_args(c, path):
             refuse(key, "LLaMA's Linears have no biases here")
     if heads and c.get("head_dim") not in (None, c.get("hidden_size", 0) // heads):
         refuse("head_dim", "a head here is hidden_size / num_attention_heads wide")
-    # transformers 5 writes rope_parameters; older files rope_theta and rope_scaling (null: none)
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    # transformers 5 writes rope_parameters (rope_theta inside); older files rope_theta and
+    # rope_scaling (null: none), whose type key was once "type"
+    rope_key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+    rope = c.get(rope_key) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        refuse("rope_parameters" if "rope_parameters" in c else "rope_scaling",
-               f"RoPE of type {kind!r} is not implemented here (only unscaled RoPE)")
+    if kind not in ("default", *ROPE_TYPES):
+        refuse(rope_key, f"RoPE of type {kind!r} is not implemented here (only unscaled RoPE and {ROPE_TYPES})")
+    scaling = None
+    if kind != "default":  # Llama 3.1's: GPTConfig.rope_scaling holds the same numbers (model.rope_inv_freq)
+        missing = [k for k in ROPE_SCALING_KEYS[1:] if k not in rope]
+        if missing:
+            refuse(rope_key, f"RoPE of type {kind!r} needs {missing}")
+        scaling = {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALING_KEYS[1:]}}
     if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         refuse("partial_rotary_factor", "RoPE here rotates every channel of a head")
     try:
@@ -368,6 +422,7 @@ def _llama_model_args(c, path):
                          n_layer=c["num_hidden_layers"], n_head=heads, n_embd=c["hidden_size"], bias=False,
                          tie_embeddings=c.get("tie_word_embeddings", False), mlp_hidden=c["intermediate_size"],
                          rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+                         rope_scaling=scaling,
                          norm_eps=c.get("rms_norm_eps", 1e-6)).__dict__
     except KeyError as e:
         raise CheckpointError(f"{path}/config.json has no {e.args[0]!r}") from None
@@ -386,7 +441,7 @@ def load_hf_llama(path):
                               f"{c['quantization_config'].get('quant_method')!r}: a quantized LLaMA is not "
                               "read back here (export.py --format=hf writes the one that is)")
     model_args = _llama_model_args(c, path)
-    hf = _read_safetensors(os.path.join(path, "model.safetensors"))
+    hf = read_hf_weights(path)
     state = {}
     for ours, theirs in LLAMA_TOP:
         if f"{theirs}.weight" in hf:
@@ -478,7 +533,8 @@ def llama_hf_config(c):
             "head_dim": c.n_embd // c.n_head, "hidden_act": "silu", "max_position_embeddings": c.block_size,
             "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
             # transformers 5 reads rope_parameters, older versions rope_theta and rope_scaling
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})},
+            "rope_scaling": c.rope_scaling,
             "attention_bias": False, "mlp_bias": False, "attention_dropout": c.dropout,
             "tie_word_embeddings": c.tie_embeddings, "torch_dtype": "float32",
             "bos_token_id": None, "eos_token_id": None}

@@ -38,6 +38,7 @@ from nanofp8.checkpoint import (find_checkpoint, fp32_moments, freeze_fp8, load_
                                 read_checkpoint, with_shards)
 from nanofp8.fp8 import E4M3, quantize, sqnr
 from nanofp8.interop import (export_hf_gpt2, export_hf_llama, export_portable, load_hf_gpt2, load_hf_llama,
+                             read_hf_weights,
                              load_portable)
 from nanofp8.configurator import ConfigError
 from nanofp8.model import GPT, GPTConfig, apply_fp8
@@ -505,11 +506,112 @@ def test_hf_llama_cli_and_finetune(hf_llama, tmp_path, capsys):
     assert [it for it, _ in hist["losses"]] == [0, 1]
 
 
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def test_hf_llama3_rope_scaling_both_ways(hf_llama, tmp_path):
+    """Llama 3.1's rescaled RoPE, as transformers 5 writes it (rope_parameters) and as older files do
+    (rope_theta + rope_scaling, type under "type"): imported into GPTConfig.rope_scaling, logits as
+    transformers' own; exported, transformers reads the same scaling back. The scaling is large
+    here (an original context of 16 positions in 128): an importer that dropped it misses by more
+    than 100x the bound."""
+    transformers, _, _ = hf_llama
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5,
+                                   rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0},
+                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(str(tmp_path / "new"))
+    old = json.load(open(tmp_path / "new" / "config.json"))  # the same model, an older transformers' config
+    old.pop("rope_parameters")
+    old.update(rope_theta=500000.0, rope_scaling={**LLAMA3_ROPE, "type": LLAMA3_ROPE["rope_type"]})
+    old["rope_scaling"].pop("rope_type")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    os.symlink(tmp_path / "new" / "model.safetensors", tmp_path / "old" / "model.safetensors")
+    x = torch.randint(0, 96, (2, 128), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(x).logits
+    for d in ("new", "old"):
+        state, model_args = load_hf_llama(str(tmp_path / d))
+        assert model_args["rope_scaling"] == LLAMA3_ROPE and model_args["rope_theta"] == 500000.0
+        ours = GPT(GPTConfig(**model_args)).eval()
+        load_model_state(ours, state)
+        err = rel_err(ref, logits(ours, x))
+        print(f"HF Llama 3.1 RoPE ({d} config) -> nanofp8: logits relative error {err:.1e}")
+        assert err < 1e-5
+    unscaled = GPT(GPTConfig(**{**model_args, "rope_scaling": None})).eval()
+    load_model_state(unscaled, state)
+    assert rel_err(ref, logits(unscaled, x)) > 1e-3  # (observed 5.6e-3: a random model's attention is nearly flat)
+    export_hf_llama(ours.state_dict(), ours.config.__dict__, str(tmp_path / "out"))
+    back, loading = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not any(loading.values()), loading
+    with torch.no_grad():
+        err = rel_err(logits(ours, x), back.eval()(x).logits)
+    print(f"nanofp8 -> HF with Llama 3.1 RoPE: logits relative error {err:.1e}")
+    assert err < 1e-5
+    assert load_hf_llama(str(tmp_path / "out"))[1]["rope_scaling"] == LLAMA3_ROPE
+
+
+class NotATensor:
+    """An object a weights_only unpickler refuses (a class it does not know)."""
+
+
+def test_hf_weights_in_shards_and_pickles(hf_llama, tmp_path):
+    """What save_pretrained writes for a larger model, model.safetensors.index.json and its shards,
+    and older directories' pytorch_model.bin (one file or shards), read as model.safetensors is; an
+    index that does not match its shards, or a pickle holding more than tensors, refused in one line."""
+    import safetensors.torch
+    _, hf, d = hf_llama
+    want = read_hf_weights(d)
+    hf.save_pretrained(str(tmp_path / "st"), max_shard_size="40KB")
+    assert not os.path.exists(tmp_path / "st" / "model.safetensors")
+    index = json.load(open(tmp_path / "st" / "model.safetensors.index.json"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    (tmp_path / "bin").mkdir()
+    torch.save(want, tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "binshards").mkdir()
+    where = {}
+    for i, shard in enumerate(shards):
+        part = safetensors.torch.load_file(str(tmp_path / "st" / shard))
+        torch.save(part, tmp_path / "binshards" / f"pytorch_model-{i}.bin")
+        where.update({k: f"pytorch_model-{i}.bin" for k in part})
+    (tmp_path / "binshards" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": where}))
+    for kind in ("st", "bin", "binshards"):
+        got = read_hf_weights(str(tmp_path / kind))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items()), kind
+        (tmp_path / kind / "config.json").write_text(open(os.path.join(d, "config.json")).read())
+        state, _ = load_hf_llama(str(tmp_path / kind))  # and the readers of train.py, sample.py, export.py
+        assert load_for_inference(str(tmp_path / kind))[1]["source"]
+    os.remove(tmp_path / "st" / shards[-1])
+    with pytest.raises(CheckpointError, match=f"no {shards[-1]} in"):
+        read_hf_weights(str(tmp_path / "st"))
+    name = sorted(where)[0]
+    (tmp_path / "binshards" / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {**where, name: "pytorch_model-1.bin", "extra.weight": where[name]}}))
+    with pytest.raises(CheckpointError, match="does not place there"):
+        read_hf_weights(str(tmp_path / "binshards"))
+    torch.save({"w": torch.ones(1), "x": NotATensor()}, tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="cannot read .*pytorch_model.bin as plain tensors") as e:
+        read_hf_weights(str(tmp_path / "bin"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="no weights in .*model.safetensors.index.json"):
+        read_hf_weights(str(tmp_path / "empty-dir-does-not-matter"))
+
+
 @pytest.mark.parametrize("key,value,says", [
     ("num_key_value_heads", 2, "num_key_value_heads=2: grouped-query attention"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
      "rope_parameters={.*}: RoPE of type 'yarn' is not implemented"),
     ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling={.*}: RoPE of type 'linear'"),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0},
+     r"RoPE of type 'llama3' needs \['low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'\]"),
+    ("rope_parameters", {**LLAMA3_ROPE, "rope_theta": 1e4, "low_freq_factor": 4.0},
+     "rope_scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor"),
     ("attention_bias", True, "attention_bias=True: LLaMA's Linears have no biases"),
     ("mlp_bias", True, "mlp_bias=True"),
     ("hidden_act", "gelu", "hidden_act='gelu': the SwiGLU MLP here gates with silu only"),

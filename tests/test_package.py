@@ -69,12 +69,20 @@ def test_pip_install_then_import_from_elsewhere(tmp_path, editable):
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    (src / "data").mkdir()  # the checkout's datasets (an editable install reads them)
     probe = ("import importlib.util, nanofp8, nanofp8.model, nanofp8.data, nanofp8.device\n"
-             "print(nanofp8.__version__, nanofp8.__file__, importlib.util.find_spec('kernels') is None)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+             "print(nanofp8.__version__, nanofp8.__file__, importlib.util.find_spec('kernels') is None, "
+             "nanofp8.data.data_dir('shakespeare_char'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NANOFP8_DATA")}
     out = subprocess.run([python, "-c", probe], cwd=elsewhere, env=env, check=True, capture_output=True, text=True)
-    version, where, no_kernels = out.stdout.split()
+    version, where, no_kernels, data = out.stdout.split()
     assert version == nanofp8.__version__
     home = src if editable else tmp_path / "venv"
     assert os.path.realpath(where).startswith(os.path.realpath(home)), where
     assert no_kernels == "True"
+    # the data: the checkout's beside an editable install; an installed package has none beside it
+    # (site-packages/data would be a folder of the environment), so it reads ./data as nanoGPT does
+    assert data == str((src if editable else elsewhere) / "data" / "shakespeare_char")
+    out = subprocess.run([python, "-c", probe], cwd=elsewhere, env={**env, "NANOFP8_DATA": str(tmp_path / "mine")},
+                         check=True, capture_output=True, text=True)
+    assert out.stdout.split()[3] == str(tmp_path / "mine" / "shakespeare_char")
