@@ -39,7 +39,7 @@ from .checkpoint import find_checkpoint, initial_weights, load_moments, load_sha
 from .configurator import RECIPE_KEYS, ConfigError
 from .data import DataError
 from .dist import Fp8DataParallel
-from .fp8 import E4M3, E5M2
+from .fp8 import E4M3, E5M2, Recipe
 from .layout import GroupError, is_collective_failure, leave_process, report_collective_failure, stop
 from .model import GPTConfig
 from .o2_compile import cast_for_step
@@ -574,17 +574,29 @@ def check_resume_config(saved, cfg, path, converted=False):
                                   f"start a new run (init_from=scratch, another out_dir)")
     if converted or cfg["precision"] == "bf16":  # (a conversion starts the FP8 scaling state anew)
         return
-    # the recipe as it ran: its name (none: tensorwise's keys), its keys, and which GEMMs it casts
+    # the recipe as it ran: its name (none: tensorwise's keys), its keys, and which GEMMs it casts.
+    # Two names for the same casts pass: a preset, and its keys given one by one.
+    same_casts = _recipe_of(saved) == _recipe_of(cfg)
     for key in ("fp8_recipe", *RECIPE_KEYS, "fp8_lm_head", "fp8_attention"):
         was, now = saved.get(key), cfg[key]
         if key == "fp8_recipe":
             was, now = was or "tensorwise", now or "tensorwise"
+            if same_casts:
+                continue
         if key in saved and was != now:
             what = "run other GEMMs in FP8 than" if key in ("fp8_lm_head", "fp8_attention") else \
                 "cast the FP8 operands by another recipe than"
             raise CheckpointError(f"{path} was written with {key}={was}; resuming with {key}={now} would {what} "
                                   f"the one the run trained with, silently. Pass {key}={was}, or start a new run "
                                   f"(init_from={os.path.dirname(path)}, another out_dir)")
+
+
+def _recipe_of(cfg):
+    """The Recipe a run's config casts by, the backend aside: its preset (fp8_recipe, else
+    tensorwise) with the fp8_* keys over it (a key that a config saved before it existed lacks: the
+    preset's value), as train.build_recipe builds it."""
+    keys = {field: cfg[key] for key, field in RECIPE_KEYS.items() if key in cfg}
+    return Recipe.from_name(cfg.get("fp8_recipe") or "tensorwise", **keys)
 
 
 def check_resume_layout(ckpt, cfg, path, layout):

@@ -137,6 +137,24 @@ def test_resume_refuses_another_recipe_in_one_line(change):
     check_resume_config(saved, train.load_config(TINY + ["precision=O1", "fp8_backend=emulate"]), "out/ckpt.pt")
 
 
+def test_resume_takes_a_preset_by_name_or_by_its_keys():
+    """A recipe is what it casts: a run started with fp8_recipe=rowwise resumes with rowwise's keys
+    given one by one and no name, and the other way round (the names differ, the casts do not); a
+    preset that differs only in what its keys cannot say (rowwise_with_gw_hp keeps dW's operands in
+    high precision) is still refused, naming fp8_recipe."""
+    from nanofp8.run import check_resume_config
+
+    by_name = dict(train.load_config(TINY + ["precision=O1", "fp8_recipe=rowwise"]))
+    by_keys = train.load_config(TINY + ["precision=O1", "fp8_granularity=row", "fp8_formats=e4m3"])
+    check_resume_config(by_name, by_keys, "out/ckpt.pt")
+    check_resume_config(dict(by_keys), train.load_config(TINY + ["precision=O1", "fp8_recipe=rowwise"]), "out/ckpt.pt")
+    hp = train.load_config(TINY + ["precision=O1", "fp8_recipe=rowwise_with_gw_hp"])
+    for saved in (by_name, dict(by_keys)):
+        with pytest.raises(CheckpointError, match="fp8_recipe=rowwise_with_gw_hp would cast the FP8 operands by "
+                                                  "another recipe"):
+            check_resume_config(saved, hp, "out/ckpt.pt")
+
+
 def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
     """The checkpoint's config is what was asked for; the device, the dataset's vocabulary and the
     rest of what the run derived are saved apart (model_args, derived)."""
