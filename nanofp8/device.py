@@ -171,10 +171,18 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
+# What gemm takes torch._scaled_mm on a CPU to run: per-tensor scales only (torch 2.11's CPU kernel;
+# row-scaled operands go to the emulation: dequantized to fp32, then multiplied). schedule.py, which
+# counts the kernels a GPU would run from a CPU graph, lets row scales through while it counts
+# (where this torch's CPU kernel takes them, as 2.13's does): the graph then holds a GPU's GEMM
+# call, not the emulation's fp32 copies of both operands.
+CPU_SCALED_MM = ScaledMMSupport("cpu", fp8=True, rowwise=False, cublaslt_rowwise=False, block=False)
+
+
 def scaled_mm_support(device):
     """Feature detection for torch._scaled_mm on `device` (a torch.device)."""
     if device.type != "cuda":
-        return ScaledMMSupport("cpu", fp8=True, rowwise=False, cublaslt_rowwise=False, block=False)
+        return CPU_SCALED_MM
     major, minor = _capability(device.index)
     has_fp8 = (major, minor) >= (8, 9)
     return ScaledMMSupport("cuda", fp8=has_fp8, rowwise=has_fp8,

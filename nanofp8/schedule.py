@@ -29,7 +29,7 @@ backward gets its inputs. It reads torch internals (torch._inductor), checked on
 2.13: a change there is a failure of `bench.py kernels`, not of training.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -112,11 +112,24 @@ def graph_cost(fn, *args, then=None):
     return out, graphs
 
 
+def cpu_runs_row_scales():
+    """Does this torch's CPU torch._scaled_mm take row scales ((M, 1) x (1, N), fp32)? 2.13's does."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def block_cost(level, n_embd=768, n_head=12, batch=8, seq=1024):
     """Kernels and bytes of one GPT-2 block at a precision level (bench.py's LEVELS), forward and
     backward, compiled as train.py compiles the model (bf16 autocast; FP8 on backend "torch",
-    torch._scaled_mm, as on a GPU; attention in bf16, as on a GPU). Returns a dict."""
+    torch._scaled_mm, as on a GPU, row scales too where this CPU's kernel takes them; attention in
+    bf16, as on a GPU). Returns a dict; "row_scaled_gemms": whether row-scaled GEMMs were counted
+    as a GPU's calls (else as the CPU emulation's dequantize-and-multiply)."""
     import bench
+    from nanofp8 import device
     from nanofp8 import model as model_py
     from nanofp8.model import GPTConfig
 
@@ -130,14 +143,17 @@ def block_cost(level, n_embd=768, n_head=12, batch=8, seq=1024):
             return block(x)
 
     keep, model_py.FP32_ATTENTION_ON_CPU = model_py.FP32_ATTENTION_ON_CPU, False
+    cpu_rules, rowwise_counted = device.CPU_SCALED_MM, cpu_runs_row_scales()
     try:
         # a step first, eager and small: delayed scaling's graphs count as after a run's first step,
         # when every role has a history (the first step's graph measures each tensor before its cast)
         forward(torch.randn(1, 16, n_embd)).float().sum().backward()
         block.zero_grad(set_to_none=True)
+        if rowwise_counted:  # the graphs call a row-scaled GEMM as a GPU does (device.CPU_SCALED_MM)
+            device.CPU_SCALED_MM = replace(cpu_rules, rowwise=True, cublaslt_rowwise=True)
         _, graphs = graph_cost(forward, x, then=lambda y: y.float().sum().backward())
     finally:
-        model_py.FP32_ATTENTION_ON_CPU = keep
+        model_py.FP32_ATTENTION_ON_CPU, device.CPU_SCALED_MM = keep, cpu_rules
     tokens = batch * seq
     kernels = [k for g in graphs for k in g.kernels]
     kept = sum(g.out_bytes for g in graphs if not g.backward) - x.numel() * x.element_size()  # (less the output)
@@ -145,7 +161,8 @@ def block_cost(level, n_embd=768, n_head=12, batch=8, seq=1024):
             "kernels": len(kernels), "KB_per_token": sum(b for b, _ in kernels) / tokens / 1024,
             "saved_KB_per_token": kept / tokens / 1024,
             "gemms": sum(len(g.gemms) for g in graphs),
-            "kernel_list": [(g.backward, b / tokens / 1024, ops) for g in graphs for b, ops in g.kernels]}
+            "kernel_list": [(g.backward, b / tokens / 1024, ops) for g in graphs for b, ops in g.kernels],
+            "row_scaled_gemms": rowwise_counted, "graph_list": graphs}
 
 
 class _Launches(TorchDispatchMode):

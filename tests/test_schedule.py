@@ -60,6 +60,23 @@ def test_delayed_scaling_reads_each_tensor_once(o1_block):
     assert delayed["kernels"] <= o1["kernels"] + 16, delayed["kernel_list"]  # (8 casts: 2 more each, at most)
 
 
+@pytest.mark.slow  # ~10 s
+def test_a_row_scaled_block_is_counted_with_a_gpus_gemm_calls():
+    """Row-scaled GEMMs are counted as a GPU runs them, one torch._scaled_mm each (torch 2.13's CPU
+    kernel takes row scales: the graphs' eager twins run), not as the CPU emulation computes them:
+    both operands dequantized to fp32 copies, an fp32 matmul, its output cast again. Counted that
+    way, rowwise looked 2.5x bf16's bytes (42 kernels, 366 KB per token at 2 x 1024 tokens); as a
+    GPU runs it: 28 kernels, 239 KB."""
+    assert schedule.cpu_runs_row_scales()  # (CI's torch, 2.13; 2.11's CPU kernel refused row scales)
+    row = schedule.block_cost("O1-rowwise", batch=1, seq=512)
+    print(f"O1-rowwise: {row['kernels']} kernels, {row['KB_per_token']:.1f} KB/token, GEMMs {row['gemms']}")
+    assert row["row_scaled_gemms"] and row["graphs"] == 2
+    names = [name for g in row["graph_list"] for name in g.gemms]
+    assert names.count("_scaled_mm") == 12, names  # 4 Linears x (forward, dgrad, wgrad), none emulated
+    assert not [name for name in names if name in ("mm", "addmm", "bmm")], names
+    assert not any(ops == ["mul", "prims", "reciprocal"] for _, _, ops in row["kernel_list"]), row["kernel_list"]
+
+
 def _o1_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))  # (ReLU: inductor's GELU is not eager's to the bit)
