@@ -827,11 +827,13 @@ def peak_flops_for(cfg, device_type):
 
 class Clock:
     """Step time, throughput and MFU (against peak_flops_for), averaged over the steps since the
-    last log line."""
+    last log line; on a GPU also the peak memory allocated so far (what decides the batch that
+    fits, and what FP8 is meant to lower)."""
 
     def __init__(self, cfg, layout, tokens_per_iter, flops_per_token):
         self.tokens, self.flops, self.world = tokens_per_iter, flops_per_token, layout.world
         self.peak = peak_flops_for(cfg, layout.device_type)
+        self.cuda = layout.device_type == "cuda"
         self.t_last, self.step_time, self.steps = time.time(), 0.0, 0
 
     def restart(self):
@@ -849,6 +851,8 @@ class Clock:
             # MFU per GPU: the world's tokens are shared by its GPUs; the whole model's FLOPs per
             # token (a pipeline stage's parameters are not the model's)
             line += f", mfu {100 * self.flops * tok_per_s / self.world / self.peak:.2f}%"
+        if self.cuda:
+            line += f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
         return line
 
 

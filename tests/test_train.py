@@ -166,6 +166,22 @@ def test_checkpoint_saves_config_and_derived_values_apart(tmp_path):
     assert ckpt["model_args"]["vocab_size"] == meta["vocab_size"] != train.DEFAULTS["vocab_size"]
 
 
+def test_a_gpus_log_line_gives_its_peak_memory(monkeypatch):
+    """On a GPU each iteration's log line ends with the peak memory allocated (what bench.py
+    throughput and scripts/gpu_engine_torch.py read); a CPU's line has none to give."""
+    from types import SimpleNamespace
+
+    from nanofp8.run import Clock
+
+    cfg = {**train.load_config(TINY), "peak_flops": 1e12}  # (else a GPU's name is asked)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**29)
+    for device_type, tail in (("cuda", ", peak 1.50 GiB"), ("cpu", " tok/s")):
+        clock = Clock(cfg, SimpleNamespace(world=1, device_type=device_type), 1024, 1e6)
+        clock.tick()
+        line = clock.report(1)
+        assert line.endswith(tail) and line.count("GiB") == (device_type == "cuda"), line
+
+
 def test_each_log_line_reaches_the_pipe_whole(tmp_path, monkeypatch):
     """stdout to a pipe or a file is block-buffered: unflushed, a buffer boundary can fall inside a
     line, and under torchrun another rank's write then splits it, so that a log reader loses the
