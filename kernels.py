@@ -39,6 +39,25 @@ BLOCK_K = 128, multiplying fp8 tiles on the tensor cores into an fp32 accumulato
   product and is applied once, in the epilogue. A block scale changes every 128 elements of K,
   so each 128-wide partial product is scaled as it is added to the fp32 accumulator: the
   "promote to fp32 every 128 of K" of DeepSeek-V3 comes for free.
+* Launch plan. `gemm_plan(M, N, K, SMs)` picks the tile from the shape: the biggest tile whose
+  work items keep >= 80% of the SMs busy over all rounds of the persistent loop (GPT-2's
+  8192 x 768 projection gets 128x128: 384 tiles, 2.9 rounds of 132 SMs; 128x256 would make 192,
+  1.45 rounds, 27% of the SM time idle). Where no tile fills the GPU (a 768 x 768 weight gradient
+  summed over K = 8192 tokens: 36 tiles of 128x128) it splits K (below). A plan holds at most two
+  configs of one tile size; the first call of a new shape times both (about 25 ms each after
+  compiling) and keeps the faster.
+* Split-K. With split_k = S each tile's K-blocks are cut into S runs, each summed by its own
+  work item into an fp32 workspace; `_split_k_reduce_kernel` adds the S sums in order and runs
+  the epilogue. Only the fp32 summation order changes: each output is still a sum of the same
+  per-128 slice sums (each product of fp8 values exact in fp32), now grouped in S runs. Where all
+  partial sums are exact (small integers, power-of-two scales) the result is bit-identical; in
+  general both it and the unsplit sum lie within gamma(127 + n_k - 1) * sum|a_k b_k| of the
+  exact product (gamma(j) = j u / (1 - j u), u = 2^-24, n_k = ceil(K/128); tests/test_kernels.py
+  checks this in the interpreter, whose slice sums are fp32). On Hopper with fast_accum=True
+  the tensor core accumulates a whole run in its reduced precision, so split-K shortens those
+  runs and adds them in fp32: no less accurate than unsplit, and not bit-equal to it. The split
+  is part of the plan, a function of the shape and SM count only, never timed: every rank and
+  every step sums in the same order. The pointer path never splits.
 
 The quantizers
 --------------
@@ -71,7 +90,7 @@ with nanofp8.fp8.quantize.
 
 import os
 import sys
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -240,7 +259,8 @@ def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, R, C, n_col_tiles,
 # scaling tile width anyway. Shared memory per block = stages x (BLOCK_M + BLOCK_N) x 128 B of
 # operand tiles + the BLOCK_M x BLOCK_N output tile the TMA store is staged from (2 or 4 bytes
 # per value) + barriers; an H100 block gets at most 232,448 B. So an fp32 output (the wgrad
-# GEMM) gets 2 stages at 128x256 (230,416 B), not 3 (279,576 B).
+# GEMM, and every split-K GEMM, whose partial sums are fp32) gets 2 stages at 128x256
+# (230,416 B), not 3 (279,576 B).
 # Registers (255 per thread at most): promotion keeps a second fp32 accumulator live next to the
 # wgmma one, and block scaling also keeps each stage's scales, so 128x256 spills with either,
 # 256x128 with block scales (216-264 B), and 128x128 when both operands have 1x128 scales
@@ -253,9 +273,10 @@ _TILES_POINTER = [(64, 64, 5, 4)]
 
 
 def hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128=False):
-    """The (BLOCK_M, BLOCK_N, num_stages, num_warps) configs the autotuner tries on Hopper for
-    one GEMM variant: output element size (2 or 4), TMA or pointer path, accumulation mode,
-    and for block scales whether both operands have 1x128 scales (wgrad) or one is 128x128."""
+    """The (BLOCK_M, BLOCK_N, num_stages, num_warps) configs that compile without spills on
+    Hopper for one GEMM variant: output element size (2 or 4; 4 for split-K), TMA or pointer
+    path, accumulation mode, and for block scales whether both operands have 1x128 scales
+    (wgrad) or one is 128x128."""
     if not use_tma:
         return _TILES_POINTER
     tiles = _TILES_FP32 if out_bytes == 4 else _TILES_16BIT
@@ -266,29 +287,49 @@ def hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128=Fals
     return tiles
 
 
-def _gemm_configs():
-    if INTERPRET or not torch.cuda.is_available():
-        # the interpreter cannot time configs: one is enough (and small tiles keep it quick)
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": KBLOCK, "GROUP_M": 8})]
-    return hopper_gemm_configs()
+class GemmConfig(NamedTuple):
+    """One launch of the FP8 GEMM: output tile, pipeline depth, warps, and how many slices K is
+    cut into (split_k > 1: each slice is summed by its own program into an fp32 workspace)."""
+    block_m: int
+    block_n: int
+    stages: int
+    warps: int
+    split_k: int = 1
 
 
-def hopper_gemm_configs():
-    """Every config of any variant; _prune_gemm_configs keeps the call's own."""
-    every = sorted(set(_TILES_16BIT + _TILES_FP32 + _TILES_POINTER))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": KBLOCK, "GROUP_M": 8},
-                          num_stages=s, num_warps=w) for bm, bn, s, w in every]
+# The launch heuristic. A persistent kernel runs min(SMs, work items) programs; when the work
+# items (output tiles x K slices) do not divide evenly the last round leaves SMs idle, so the
+# fraction of SM time doing work is  items / (SMs x ceil(items / SMs)). Big tiles do the most
+# work per byte loaded, so the heuristic takes the biggest tiles that keep this fraction at
+# FILL or above. When no tile does, the grid is too small for the GPU (few rows and columns,
+# as in a weight-gradient GEMM, where K is the token count): then K is split in S slices of at
+# least MIN_K_TILES steps of 128 each, with the smallest S that fills the SMs.
+FILL = 0.8
+MIN_K_TILES = 4  # K steps per slice: fewer leave the software pipeline (3-4 stages) no steady state
 
 
-def _prune_gemm_configs(configs, named_args, **kwargs):
-    """Keep the configs of this call's variant (the autotuner key includes the dtypes)."""
-    if len(configs) == 1:  # the interpreter's single config
-        return configs
-    both_1x128 = kwargs["A_SCALE_ROWS"] == 1 and kwargs["B_SCALE_ROWS"] == 1
-    want = set(hopper_gemm_tiles(named_args["c_ptr"].element_size(), kwargs["USE_TMA"],
-                                 kwargs["FAST_ACCUM"], kwargs["BLOCKWISE"], both_1x128))
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
-                                   c.num_warps) in want]
+def sm_fill(items, num_sms):
+    """Fraction of SM time spent on work when a persistent kernel runs `items` equal work items."""
+    return items / (num_sms * triton.cdiv(items, num_sms))
+
+
+def gemm_plan(M, N, K, num_sms, out_bytes=2, use_tma=True, fast_accum=False, blockwise=False,
+              both_1x128=False):
+    """The configs fp8_gemm may run for this shape and variant on a GPU with num_sms SMs, best
+    guess first: one or two tiles of one size (128x256 and 256x128 where both compile), all with
+    one split_k. A pure function of its arguments, so every rank and every step of a run splits
+    K the same way; only the choice between the two tiles is timed."""
+    k_tiles = triton.cdiv(K, KBLOCK)
+    for split in range(1, (max(1, k_tiles // MIN_K_TILES) if use_tma else 1) + 1):
+        tiles = hopper_gemm_tiles(4 if split > 1 else out_bytes, use_tma, fast_accum, blockwise, both_1x128)
+        full = [t for t in tiles
+                if sm_fill(triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) * split, num_sms) >= FILL]
+        if full:
+            area = max(bm * bn for bm, bn, _, _ in full)
+            return [GemmConfig(*t, split) for t in full if t[0] * t[1] == area]
+    # nothing fills the SMs (tiny K, or tiny M x N): the tile that keeps most of them busy
+    tiles = hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128)
+    return [GemmConfig(*max(tiles, key=lambda t: sm_fill(triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]), num_sms)))]
 
 
 @triton.jit
@@ -323,43 +364,74 @@ def _k_block_scales(ptr, safe_offs, start, ki, stride_r, stride_k, ROWS: tl.cons
         return tl.load(ptr + (safe_offs // ROWS) * stride_r + ki * stride_k)
 
 
-@triton.autotune(configs=_gemm_configs(),
-                 key=["M", "N", "K", "BLOCKWISE", "FAST_ACCUM", "USE_TMA", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": _prune_gemm_configs})
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+def _gemm_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, safe_m, safe_n, stride_sam, stride_sbn,
+                   A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, BLOCKWISE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """What follows the sum over K: scales that are constant along K, bias, bf16 rounding."""
+    if not BLOCKWISE:
+        sa = tl.load(a_scale_ptr + (safe_m // A_SCALE_ROWS) * stride_sam)
+        sb = tl.load(b_scale_ptr + (safe_n // B_SCALE_ROWS) * stride_sbn)
+        acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = _round_to_bf16_grid(acc)
+    return acc
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, MP,
                      stride_sam, stride_sak, stride_sbn, stride_sbk,
                      A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
                      BLOCKWISE: tl.constexpr, FAST_ACCUM: tl.constexpr, USE_TMA: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, NUM_SMS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """c (M, N) = (a * sa) @ (b * sb)^T (+ bias). a: (M, K) fp8, b: (N, K) fp8, contiguous.
     Scale of a at row m, K-block kb: a_scale[(m // A_SCALE_ROWS) * stride_sam + kb * stride_sak]
     (stride 0 = constant along that axis: per-tensor scales have both strides 0). BLOCKWISE:
-    scales vary along K, so they are applied to every BLOCK_K (= 128) partial product."""
+    scales vary along K, so they are applied to every BLOCK_K (= 128) partial product.
+    SPLIT_K > 1: work item (tile, s) sums the s-th of SPLIT_K equal runs of K-blocks and stores
+    its fp32 sum, before the epilogue, at rows s * MP + m of ws (SPLIT_K * MP, N), MP = M
+    rounded up to BLOCK_M; _split_k_reduce_kernel then adds them up and runs the epilogue."""
+    # (split-K runs on TMA only: on the pointer path its slices spill registers on sm_90)
+    tl.static_assert(USE_TMA or SPLIT_K == 1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
+    k_per_split = tl.cdiv(k_tiles, SPLIT_K)
     if USE_TMA:  # descriptors are built once per program and reused for all of its tiles
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N])
+        if SPLIT_K == 1:
+            c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
+        else:  # rows past M of slice s land in its padding, never in slice s + 1
+            c_desc = tl.make_tensor_descriptor(ws_ptr, shape=[SPLIT_K * MP, N], strides=[N, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
     offs_k = tl.arange(0, BLOCK_K)
-    # persistent loop: this program takes tiles pid, pid + NUM_SMS, ... (flatten=True lets the
-    # software pipeliner treat the tile and K loops as one, prefetching across tile boundaries)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    # persistent loop: this program takes work items pid, pid + NUM_SMS, ... (flatten=True lets
+    # the software pipeliner treat the tile and K loops as one, prefetching across tiles). The
+    # K slice is the outer index, so programs running together share a K range (L2 reuse).
+    for work in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_SMS, flatten=True):
+        split = work // num_tiles
+        pid_m, pid_n = _tile_coords(work % num_tiles, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # rows past the edge read row 0 (in bounds, so no row mask) and are never stored
         safe_m = tl.where(offs_m < M, offs_m, 0)
         safe_n = tl.where(offs_n < N, offs_n, 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
+        if SPLIT_K == 1:
+            k_lo, k_hi = 0, k_tiles
+        else:
+            k_lo = split * k_per_split
+            k_hi = min(k_lo + k_per_split, k_tiles)
+        for ki in range(k_lo, k_hi):
             k0 = ki * BLOCK_K
             if USE_TMA:  # out-of-bounds parts of the box arrive as zeros
                 a = a_desc.load([pid_m * BLOCK_M, k0])
@@ -379,21 +451,36 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M,
                 acc = tl.dot(a, b.T, acc)
             else:  # promote the tensor-core partial sum into fp32 every BLOCK_K of K
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
-        # epilogue: scales that are constant along K, bias, output cast, store
-        if not BLOCKWISE:
-            sa = tl.load(a_scale_ptr + (safe_m // A_SCALE_ROWS) * stride_sam)
-            sb = tl.load(b_scale_ptr + (safe_n // B_SCALE_ROWS) * stride_sbn)
-            acc = acc * sa[:, None] * sb[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-        if ROUND_BF16:
-            acc = _round_to_bf16_grid(acc)
-        c = acc.to(c_ptr.dtype.element_ty)
-        if USE_TMA:  # the store is clipped to the tensor's bounds by the hardware
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c)
-        else:
-            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-            tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c, mask=c_mask)
+        if SPLIT_K == 1:  # epilogue: scales constant along K, bias, output cast, store
+            c = _gemm_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, safe_m, safe_n, stride_sam,
+                               stride_sbn, A_SCALE_ROWS, B_SCALE_ROWS, BLOCKWISE, HAS_BIAS,
+                               ROUND_BF16).to(c_ptr.dtype.element_ty)
+            if USE_TMA:  # the store is clipped to the tensor's bounds by the hardware
+                c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c)
+            else:
+                c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+                tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c, mask=c_mask)
+        else:  # this slice's fp32 sum, for _split_k_reduce_kernel
+            c_desc.store([split * MP + pid_m * BLOCK_M, pid_n * BLOCK_N], acc)
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, MP,
+                           stride_sam, stride_sbn, A_SCALE_ROWS: tl.constexpr,
+                           B_SCALE_ROWS: tl.constexpr, BLOCKWISE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT_K: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """c = epilogue(ws[0] + ws[1] + ... + ws[SPLIT_K - 1]), added in that order in fp32."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    acc = tl.load(ws_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + (s * MP + offs_m)[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    acc = _gemm_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, tl.where(offs_m < M, offs_m, 0),
+                         tl.where(offs_n < N, offs_n, 0), stride_sam, stride_sbn, A_SCALE_ROWS,
+                         B_SCALE_ROWS, BLOCKWISE, HAS_BIAS, ROUND_BF16)
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # -----------------------------------------------------------------------------
@@ -445,7 +532,7 @@ def _scale_layout(s, rows, K, name):
 
 
 def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None, *,
-             fast_accum=False, use_tma=None):
+             fast_accum=False, use_tma=None, config=None):
     """out (M, N) = (a * a_inv_scale) @ (b * b_inv_scale)^T (+ bias), accumulated in fp32.
 
     a: (M, K) and b: (N, K) fp8 (E4M3 or E5M2, any pair), row-major. Inverse scales (the
@@ -454,7 +541,10 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
     vary along K are applied to each 128-wide slice of K before it joins the fp32 sum.
     fast_accum: let Hopper accumulate whole tiles in its reduced precision (faster).
     use_tma: None picks TMA descriptors on Hopper when rows are 16-byte aligned; False forces
-    the pointer path; True requires TMA (ValueError if the shapes cannot use it)."""
+    the pointer path; True requires TMA (ValueError if the shapes cannot use it).
+    config: a GemmConfig to run instead of gemm_plan's choice (tests, benchmarks). With
+    split_k = S > 1 each output's K-blocks are summed in S runs whose fp32 sums are then added
+    in order: a different fp32 summation order from S = 1 (see "Split-K" above)."""
     for name, t in (("a", a), ("b", b)):
         if not torch.is_tensor(t) or t.dtype not in FP8_FORMATS or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor, got "
@@ -472,11 +562,12 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
                          "are not supported (int32 offsets)")
     _check_device(a, b, *([bias] if bias is not None else []))
     if torch.compiler.is_compiling():  # one opaque op in the graph (why: above fp8_gemm_op)
-        return fp8_gemm_op(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, bool(fast_accum), use_tma)
-    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma)
+        return fp8_gemm_op(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, bool(fast_accum), use_tma,
+                           None if config is None else list(config))
+    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config)
 
 
-def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma):
+def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config=None):
     (M, K), N = a.shape, b.shape[0]
     a, b = a.contiguous(), b.contiguous()
     sa, a_rows, sam, sak, a_per_k = _scale_layout(a_inv_scale, M, K, "a_inv_scale")
@@ -497,30 +588,69 @@ def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum
     if use_tma and cuda:
         triton.set_allocator(tma_scratch)
     num_sms = _num_sms(a.device)
-    grid = lambda META: (min(num_sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
-    _fp8_gemm_kernel[grid](
-        a, b, c, sa, sb, bias.contiguous() if bias is not None else sa, M, N, K,
-        sam, sak, sbn, sbk, A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows,
-        BLOCKWISE=a_per_k or b_per_k, FAST_ACCUM=bool(fast_accum), USE_TMA=use_tma,
-        HAS_BIAS=bias is not None, ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16,
-        NUM_SMS=num_sms)
+    blockwise = a_per_k or b_per_k
+    args = dict(A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
+                ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    bias_arg = bias.contiguous() if bias is not None else sa
+
+    def launch(cfg):
+        mp = triton.cdiv(M, cfg.block_m) * cfg.block_m
+        # fp32 partial sums of the K slices (rows s * mp + m); split_k == 1 writes c directly
+        ws = torch.empty((cfg.split_k * mp, N), device=a.device, dtype=torch.float32) if cfg.split_k > 1 else c
+        items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * cfg.split_k
+        _fp8_gemm_kernel[(min(num_sms, items),)](
+            a, b, c, ws, sa, sb, bias_arg, M, N, K, mp, sam, sak, sbn, sbk, **args,
+            FAST_ACCUM=bool(fast_accum), USE_TMA=use_tma, NUM_SMS=num_sms, SPLIT_K=cfg.split_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=KBLOCK, GROUP_M=8,
+            num_stages=cfg.stages, num_warps=cfg.warps)
+        if cfg.split_k > 1:
+            _split_k_reduce_kernel[(triton.cdiv(M, 64), triton.cdiv(N, 64))](
+                ws, c, sa, sb, bias_arg, M, N, mp, sam, sbn, **args, SPLIT_K=cfg.split_k,
+                BLOCK_M=64, BLOCK_N=64)
+
+    if config is not None and GemmConfig(*config).split_k > 1 and not use_tma:
+        raise ValueError(f"config {tuple(config)}: split_k > 1 needs the TMA path (K % 16 == 0, "
+                         "16-byte aligned rows, use_tma not False); use split_k=1")
+    if config is None:
+        candidates = gemm_plan(M, N, K, num_sms, c.element_size(), use_tma, bool(fast_accum), blockwise,
+                               a_rows == 1 and b_rows == 1)
+        key = (M, N, K, a.dtype, b.dtype, out_dtype, use_tma, bool(fast_accum), blockwise, a_rows, b_rows,
+               bias is not None, str(a.device))
+        config = _choose_config(key, candidates, launch) if cuda else candidates[0]
+    launch(GemmConfig(*config))
     return c
 
 
+# The configs fp8_gemm chose, per shape and variant (the first call of each times its candidates).
+_CHOSEN_CONFIGS = {}
+
+
+def _choose_config(key, candidates, launch):
+    """The fastest of gemm_plan's candidates (at most two, of one tile size and one split_k),
+    timed once per key on the GPU. The first call of a new shape pays each candidate's compile
+    (seconds, then cached on disk by Triton) and about 25 ms of timing each."""
+    if len(candidates) == 1:
+        return candidates[0]
+    if key not in _CHOSEN_CONFIGS:
+        from triton.testing import do_bench
+        times = [do_bench(lambda: launch(cfg), warmup=5, rep=20) for cfg in candidates]
+        _CHOSEN_CONFIGS[key] = candidates[times.index(min(times))]
+    return _CHOSEN_CONFIGS[key]
+
+
 # Under torch.compile the GEMM is one custom op: dynamo sees its output's shape (the fake below)
-# and never traces the launch. torch 2.11's dynamo cannot trace an autotuned kernel with a
-# config-pruning function ("Can't construct an AttrSource without a valid base source",
-# pytorch#178179), and breaks the graph at every triton.set_allocator. The op runs the launch at
-# run time, in whichever thread runs the graph, so the allocator is set there too.
+# and never traces the launch. torch 2.11's dynamo breaks the graph at every triton.set_allocator
+# and cannot trace the timing of the first call. The op runs the launch at run time, in whichever
+# thread runs the graph, so the allocator is set there too.
 @torch.library.custom_op("nanofp8::fp8_gemm", mutates_args=())
 def fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor, b_inv_scale: torch.Tensor,
                 out_dtype: torch.dtype, bias: Optional[torch.Tensor], fast_accum: bool,
-                use_tma: Optional[bool]) -> torch.Tensor:
-    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma)
+                use_tma: Optional[bool], config: Optional[List[int]] = None) -> torch.Tensor:
+    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config)
 
 
 @fp8_gemm_op.register_fake
-def _(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma):
+def _(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config=None):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
