@@ -133,7 +133,7 @@ def _compile(job, cap=90):
     regs = re.search(r"Used (\d+) registers", log)
     return dict(name=name, shared=k.metadata.shared, spills=int(spill.group(1)) + int(spill.group(2)),
                 regs=int(regs.group(1)), wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
-                neg=bool(re.search(r"\bneg\.f32", ptx)),
+                neg=bool(re.search(r"\bneg\.f32", ptx)), ftz=".ftz" in ptx,
                 mma=sorted(set(re.findall(r"(?:tcgen05\.mma|wgmma\.mma_async)[\w.:]*", ptx))),
                 seconds=time.time() - t0)
 
