@@ -1036,7 +1036,12 @@ GEMM_SHAPES = ([(f"square {s}", (s, s, s)) for s in (1024, 2048, 4096, 8192)]  #
                + [(f"GPT-2 XL {n}", (8192, N, K)) for n, (K, N) in
                   {"qkv": (1600, 4800), "proj": (1600, 1600), "fc": (1600, 6400), "fc-proj": (6400, 1600)}.items()]
                + [(f"LLaMA-7B {n}", (8192, N, K)) for n, (K, N) in
-                  {"qkv": (4096, 12288), "o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}.items()])
+                  {"qkv": (4096, 12288), "o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}.items()]
+               # weight gradients: dW (out, in) summed over K = 8192 tokens (few tiles: split-K)
+               + [(f"GPT-2 124M {n} wgrad", (M, N, 8192)) for n, (M, N) in {"proj": (768, 768), "fc": (3072, 768)}.items()])
+# The benchmark's summary: each Triton GEMM over its cuBLAS counterpart (MX: over bf16's matmul)
+RATIOS = [("triton", "_scaled_mm"), ("triton fast", "_scaled_mm fast"), ("triton block", "_scaled_mm block"),
+          ("triton mx", "bf16 matmul")]
 
 
 def sqnr(ref, x):
@@ -1193,26 +1198,37 @@ def _self_check_mx(x, w, bias):
         return True
     (a, sa), (b, sb) = mx_operand(x), mx_operand(w)
     ref = reference_gemm_mx(a, sa, b, sb, bias)
-    out = gemm_mx(a, sa, b, sb, torch.float32, bias)
-    rel = ((out - ref).abs().max() / ref.abs().max()).item()
-    # the interpreter and Hopper (bf16 upcast, fp32 wgmma sums) differ from the reference in fp32
-    # summation order only; sm_100's block-scaled MMA has not been measured: same bound as fp8_gemm
-    print(f"gemm_mx e4m3 (1x32 E8M0 scales) M,N,K={x.shape[0]},{w.shape[0]},{x.shape[1]}: max rel err "
-          f"{rel:.2e}, SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
-          f"{sqnr(x @ w.t() + bias, out):.1f} dB")
-    return rel < (1e-5 if cpu else 1e-3)
+    ok = True
+    # the GPU's own method; in the interpreter both (the bf16 one is Hopper's)
+    for method in ("dot_scaled", "bf16") if cpu else (mx_method(x.device),):
+        out = gemm_mx(a, sa, b, sb, torch.float32, bias, method=method)
+        rel = ((out - ref).abs().max() / ref.abs().max()).item()
+        # the interpreter and Hopper (bf16 tiles exact here, fp32 wgmma sums) differ from the reference
+        # in fp32 summation order only; sm_100's block-scaled MMA has not been measured: fp8_gemm's bound
+        print(f"gemm_mx {method} e4m3 (1x32 E8M0 scales) M,N,K={x.shape[0]},{w.shape[0]},{x.shape[1]}: "
+              f"max rel err {rel:.2e}, SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
+              f"{sqnr(x @ w.t() + bias, out):.1f} dB")
+        ok &= rel < (1e-5 if cpu else 1e-3)
+    return ok
 
 
 def _benchmark(json_path=None):
+    """TFLOPS of every GEMM on GEMM_SHAPES, and the RATIOS per shape. Its GPU time is bounded:
+    18 shapes x 9 GEMMs x one do_bench each (~0.15 s) is about 25 s; compiling is about 25
+    kernels (fp8_gemm: at most two tiles a shape from gemm_plan, over 5 tiles and 3 variants, plus
+    the split-K reduction; gemm_mx: 3 tiles), a few seconds each: about 2-3 minutes in all."""
     import datetime
     import json
-    from triton.testing import do_bench
+    import time
+    from triton.testing import do_bench, do_bench_cudagraph
+    t0 = time.time()
     e4m3, bf16, dev = torch.float8_e4m3fn, torch.bfloat16, "cuda"
-    names = ["triton", "triton fast", "triton block", "triton mx", "_scaled_mm", "_scaled_mm fast",
+    names = ["triton", "triton graph", "triton fast", "triton block", "triton mx", "_scaled_mm", "_scaled_mm fast",
              "_scaled_mm block", "bf16 matmul"]
     print(f"\nGEMM TFLOPS (2*M*N*K / time) on {torch.cuda.get_device_name()}, bf16 output; "
           "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales, "
-          "'mx' = gemm_mx, MXFP8 1x32 E8M0 scales (on Hopper: upcast to bf16)")
+          f"'mx' = gemm_mx, MXFP8 1x32 E8M0 scales (method {mx_method(torch.device(dev))!r}); "
+          "'graph' = 'triton' replayed in a CUDA graph: the GPU's time without the host's")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, compute capability "
           f"{torch.cuda.get_device_capability()}; 'n/a' where torch._scaled_mm refuses a GEMM")
     print(f"{'shape':22s} {'M':>5s} {'N':>6s} {'K':>6s} " + " ".join(f"{n:>15s}" for n in names))
@@ -1225,6 +1241,7 @@ def _benchmark(json_path=None):
         ia, ib, tia, tib = sa.reciprocal(), sb.reciprocal(), tsa.reciprocal(), tsb.reciprocal()
         (ma, msa), (mb, msb) = mx_operand(x), mx_operand(w)
         fns = [lambda: fp8_gemm(qa, qb, ia, ib, bf16),
+               lambda: fp8_gemm(qa, qb, ia, ib, bf16),  # (timed in a CUDA graph, below)
                lambda: fp8_gemm(qa, qb, ia, ib, bf16, fast_accum=True),
                lambda: fp8_gemm(ta, tb, tia, tib, bf16),
                lambda: gemm_mx(ma, msa, mb, msb, bf16),
@@ -1238,13 +1255,18 @@ def _benchmark(json_path=None):
         row = {"shape": label, "M": M, "N": N, "K": K}
         for name, fn in zip(names, fns):
             try:
-                row[name] = round(2 * M * N * K / do_bench(fn) * 1e-9, 1)
+                ms = do_bench_cudagraph(fn) if name == "triton graph" else do_bench(fn)
+                row[name] = round(2 * M * N * K / ms * 1e-9, 1)
             except Exception as e:  # report the failure, never a number we did not measure
                 print(f"  {name} failed on {label}: {str(e).splitlines()[0][:120]}")
                 row[name] = None
+        for num, den in RATIOS:
+            row[f"{num} / {den}"] = round(row[num] / row[den], 3) if row[num] and row[den] else None
         results["gemm"].append(row)
         print(f"{label:22s} {M:5d} {N:6d} {K:6d} " + " ".join(
             f"{'n/a' if row[n] is None else row[n]:>15}" for n in names))
+        print(f"{'':22s} ratios: " + ", ".join(f"{n} {'n/a' if row[n] is None else f'{row[n]:.2f}'}"
+                                              for n in (f"{a} / {b}" for a, b in RATIOS)))
         del x, w, qa, qb, ta, tb, ma, mb
     print("\nquantization GB/s ((bytes read once + bytes written) / time), x = 8192 x 4096 bf16")
     x = torch.randn(8192, 4096, device=dev, dtype=bf16)
@@ -1258,6 +1280,8 @@ def _benchmark(json_path=None):
         gbs = round(nbytes / do_bench(fn) * 1e-6, 1)
         results["quantize"].append({"kernel": name, "shape": list(x.shape), "GB/s": gbs})
         print(f"  {name:20s} {gbs:8.1f}")
+    results["seconds"] = round(time.time() - t0, 1)  # compiling included (see the docstring)
+    print(f"benchmark: {results['seconds']} s")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
