@@ -118,6 +118,12 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)  # |v| <= FLT_MAX  <=>  v is finit
 NAN_BYTE = tl.constexpr(0x7F)  # torch's positive NaN in both E4M3FN and E5M2
 
 
+def cdiv(x, y):
+    """ceil(x / y) for ints >= 0. (triton.cdiv is a constexpr function: from Python each call costs
+    microseconds of host time, and a small GEMM's launch is host-bound.)"""
+    return -(-x // y)
+
+
 # -----------------------------------------------------------------------------
 # Shared building blocks: scale from amax, and the saturating, correctly rounded cast
 
@@ -310,7 +316,7 @@ MIN_K_TILES = 4  # K steps per slice: fewer leave the software pipeline (3-4 sta
 
 def sm_fill(items, num_sms):
     """Fraction of SM time spent on work when a persistent kernel runs `items` equal work items."""
-    return items / (num_sms * triton.cdiv(items, num_sms))
+    return items / (num_sms * cdiv(items, num_sms))
 
 
 def gemm_plan(M, N, K, num_sms, out_bytes=2, use_tma=True, fast_accum=False, blockwise=False,
@@ -319,17 +325,17 @@ def gemm_plan(M, N, K, num_sms, out_bytes=2, use_tma=True, fast_accum=False, blo
     guess first: one or two tiles of one size (128x256 and 256x128 where both compile), all with
     one split_k. A pure function of its arguments, so every rank and every step of a run splits
     K the same way; only the choice between the two tiles is timed."""
-    k_tiles = triton.cdiv(K, KBLOCK)
+    k_tiles = cdiv(K, KBLOCK)
     for split in range(1, (max(1, k_tiles // MIN_K_TILES) if use_tma else 1) + 1):
         tiles = hopper_gemm_tiles(4 if split > 1 else out_bytes, use_tma, fast_accum, blockwise, both_1x128)
         full = [t for t in tiles
-                if sm_fill(triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) * split, num_sms) >= FILL]
+                if sm_fill(cdiv(M, t[0]) * cdiv(N, t[1]) * split, num_sms) >= FILL]
         if full:
             area = max(bm * bn for bm, bn, _, _ in full)
             return [GemmConfig(*t, split) for t in full if t[0] * t[1] == area]
     # nothing fills the SMs (tiny K, or tiny M x N): the tile that keeps most of them busy
     tiles = hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128)
-    return [GemmConfig(*max(tiles, key=lambda t: sm_fill(triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]), num_sms)))]
+    return [GemmConfig(*max(tiles, key=lambda t: sm_fill(cdiv(M, t[0]) * cdiv(N, t[1]), num_sms)))]
 
 
 @triton.jit
@@ -515,7 +521,7 @@ def _num_sms(device):
 def _scale_layout(s, rows, K, name):
     """How an inverse-scale tensor maps onto its operand (rows, K):
     (tensor, rows per scale, row stride, K-block stride, varies along K)."""
-    kb = triton.cdiv(K, KBLOCK)
+    kb = cdiv(K, KBLOCK)
     if not torch.is_tensor(s) or not s.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {s!r}")
     s = s.float().contiguous()
@@ -524,11 +530,11 @@ def _scale_layout(s, rows, K, name):
     if s.dim() == 2 and tuple(s.shape) == (rows, 1):  # row-wise
         return s, 1, 1, 0, False
     for rows_per_scale in (1, KBLOCK):  # 1x128 tiles, 128x128 blocks
-        if s.dim() == 2 and tuple(s.shape) == (triton.cdiv(rows, rows_per_scale), kb):
+        if s.dim() == 2 and tuple(s.shape) == (cdiv(rows, rows_per_scale), kb):
             return s, rows_per_scale, kb, 1, kb > 1
     raise ValueError(f"{name} has shape {tuple(s.shape)}; for an operand of shape ({rows}, {K}) "
                      f"expected () (tensor), ({rows}, 1) (row), ({rows}, {kb}) (1x128 tiles) "
-                     f"or ({triton.cdiv(rows, KBLOCK)}, {kb}) (128x128 blocks)")
+                     f"or ({cdiv(rows, KBLOCK)}, {kb}) (128x128 blocks)")
 
 
 def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None, *,
@@ -594,17 +600,17 @@ def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum
     bias_arg = bias.contiguous() if bias is not None else sa
 
     def launch(cfg):
-        mp = triton.cdiv(M, cfg.block_m) * cfg.block_m
+        mp = cdiv(M, cfg.block_m) * cfg.block_m
         # fp32 partial sums of the K slices (rows s * mp + m); split_k == 1 writes c directly
         ws = torch.empty((cfg.split_k * mp, N), device=a.device, dtype=torch.float32) if cfg.split_k > 1 else c
-        items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * cfg.split_k
+        items = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * cfg.split_k
         _fp8_gemm_kernel[(min(num_sms, items),)](
             a, b, c, ws, sa, sb, bias_arg, M, N, K, mp, sam, sak, sbn, sbk, **args,
             FAST_ACCUM=bool(fast_accum), USE_TMA=use_tma, NUM_SMS=num_sms, SPLIT_K=cfg.split_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=KBLOCK, GROUP_M=8,
             num_stages=cfg.stages, num_warps=cfg.warps)
         if cfg.split_k > 1:
-            _split_k_reduce_kernel[(triton.cdiv(M, 64), triton.cdiv(N, 64))](
+            _split_k_reduce_kernel[(cdiv(M, 64), cdiv(N, 64))](
                 ws, c, sa, sb, bias_arg, M, N, mp, sam, sbn, **args, SPLIT_K=cfg.split_k,
                 BLOCK_M=64, BLOCK_N=64)
 
@@ -612,30 +618,30 @@ def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum
         raise ValueError(f"config {tuple(config)}: split_k > 1 needs the TMA path (K % 16 == 0, "
                          "16-byte aligned rows, use_tma not False); use split_k=1")
     if config is None:
-        candidates = gemm_plan(M, N, K, num_sms, c.element_size(), use_tma, bool(fast_accum), blockwise,
-                               a_rows == 1 and b_rows == 1)
         key = (M, N, K, a.dtype, b.dtype, out_dtype, use_tma, bool(fast_accum), blockwise, a_rows, b_rows,
                bias is not None, str(a.device))
-        config = _choose_config(key, candidates, launch) if cuda else candidates[0]
+        config = _CHOSEN_CONFIGS.get(key) or _choose_config(key, launch, cuda, gemm_plan(
+            M, N, K, num_sms, c.element_size(), use_tma, bool(fast_accum), blockwise, a_rows == 1 and b_rows == 1))
     launch(GemmConfig(*config))
     return c
 
 
-# The configs fp8_gemm chose, per shape and variant (the first call of each times its candidates).
+# The config fp8_gemm runs, per shape and variant: planned (and timed) at its first call only, as
+# planning costs more host time than a small GEMM's kernel.
 _CHOSEN_CONFIGS = {}
 
 
-def _choose_config(key, candidates, launch):
-    """The fastest of gemm_plan's candidates (at most two, of one tile size and one split_k),
-    timed once per key on the GPU. The first call of a new shape pays each candidate's compile
-    (seconds, then cached on disk by Triton) and about 25 ms of timing each."""
-    if len(candidates) == 1:
-        return candidates[0]
-    if key not in _CHOSEN_CONFIGS:
+def _choose_config(key, launch, timed, candidates):
+    """The fastest of gemm_plan's candidates (at most two, of one tile size and one split_k), timed
+    on the GPU (timed=True). The first call of a new shape pays each candidate's compile (seconds,
+    then cached on disk by Triton) and about 25 ms of timing each."""
+    best = candidates[0]
+    if timed and len(candidates) > 1:
         from triton.testing import do_bench
         times = [do_bench(lambda: launch(cfg), warmup=5, rep=20) for cfg in candidates]
-        _CHOSEN_CONFIGS[key] = candidates[times.index(min(times))]
-    return _CHOSEN_CONFIGS[key]
+        best = candidates[times.index(min(times))]
+    _CHOSEN_CONFIGS[key] = best
+    return best
 
 
 # Under torch.compile the GEMM is one custom op: dynamo sees its output's shape (the fake below)
@@ -684,14 +690,14 @@ def _quantize_tensor(x2, fmt_dtype, margin, power_of_two, transpose):
     n = R * C
     block = 1024 if INTERPRET else 4096
     # number of partial maxima = pass-1 programs (few in the interpreter, so that its loop runs)
-    P = min(triton.cdiv(n, block), 64 if INTERPRET else 1024)
+    P = min(cdiv(n, block), 64 if INTERPRET else 1024)
     partial = torch.empty(P, device=x2.device, dtype=torch.float32)
     _amax_partial_kernel[(P,)](x2, partial, n, BLOCK=block)
     data = torch.empty((R, C), device=x2.device, dtype=fmt_dtype)
     data_t = torch.empty((C, R), device=x2.device, dtype=fmt_dtype) if transpose else data
     scale = torch.empty((), device=x2.device, dtype=torch.float32)
     br, bc = (64, 64) if transpose else (16, 256)
-    tiles = triton.cdiv(R, br) * triton.cdiv(C, bc)
+    tiles = cdiv(R, br) * cdiv(C, bc)
     programs = min(tiles, 8 * _num_sms(x2.device))  # few enough that reducing P is cheap
     _cast_tensor_kernel[(programs,)](
         x2, data, data_t, partial, scale, R, C, P, **_fmt_args(fmt_dtype, margin, power_of_two),
@@ -716,13 +722,13 @@ def quantize(x, fmt_dtype, granularity="tensor", block=(1, KBLOCK), margin=0, po
         scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
         bc = min(triton.next_power_of_2(C), 1024)
         br = max(1, min(4096 // bc, 64))
-        _quantize_rows_kernel[(triton.cdiv(R, br),)](x2, data, scale, R, C, **fmt,
+        _quantize_rows_kernel[(cdiv(R, br),)](x2, data, scale, R, C, **fmt,
                                                     BLOCK_R=br, BLOCK_C=bc)
         return data, scale
     tr, tc = block
-    scale = torch.empty((triton.cdiv(R, tr), triton.cdiv(C, tc)), device=x.device, dtype=torch.float32)
+    scale = torch.empty((cdiv(R, tr), cdiv(C, tc)), device=x.device, dtype=torch.float32)
     rows_per_prog = tr if tr > 1 else max(1, min(4096 // tc, 32))
-    _quantize_tiles_kernel[(triton.cdiv(R, rows_per_prog), triton.cdiv(C, tc))](
+    _quantize_tiles_kernel[(cdiv(R, rows_per_prog), cdiv(C, tc))](
         x2, data, scale, R, C, scale.shape[1], **fmt, TILE_R=tr, TILE_C=tc, BLOCK_R=rows_per_prog,
         num_warps=tile_warps(rows_per_prog * tc))
     return data, scale
@@ -957,7 +963,7 @@ def gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16, bias=Non
                          f"{tuple(b_data.shape)} (b_data must be (N, K), i.e. B^T)")
     (M, K), N = a_data.shape, b_data.shape[0]
     for name, s, rows in (("a_scale", a_scale, M), ("b_scale", b_scale, N)):
-        want = (rows, triton.cdiv(K, MX_BLOCK))
+        want = (rows, cdiv(K, MX_BLOCK))
         if not torch.is_tensor(s) or s.dtype != torch.float8_e8m0fnu or tuple(s.shape) != want:
             raise ValueError(f"{name} must be a float8_e8m0fnu tensor of shape {want} (one decode "
                              f"scale 2^k per {MX_BLOCK} values along K), got "
@@ -1004,7 +1010,7 @@ def _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias, method):
     c = torch.empty((M, N), device=a.device, dtype=out_dtype)
     if a.device.type == "cuda":
         triton.set_allocator(tma_scratch)  # the TMA descriptors' scratch (per thread: see fp8_gemm)
-    grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)
+    grid = lambda META: (cdiv(M, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"]),)
     bias_arg = bias.contiguous() if bias is not None else sa
     round_bf16 = INTERPRET and out_dtype == torch.bfloat16
     if method == "bf16":

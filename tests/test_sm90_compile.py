@@ -2,7 +2,7 @@
 
 triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) runs the whole compiler offline,
 down to ptxas (bundled with triton). For every GEMM variant (output dtype x accumulation mode x
-TMA or pointer path) and every tile config that kernels.py's autotuner may pick for it, and for
+TMA or pointer path) and every tile config that kernels.gemm_plan may pick for it, and for
 every quantizer, this checks what would otherwise first be seen on the GPU:
 
 * it compiles (split-K GEMMs and their reduction included); the GEMMs use Hopper's wgmma
@@ -33,7 +33,7 @@ triton = pytest.importorskip("triton")
 
 
 def _gemm_variants():
-    """(name, signature dtypes, constexprs, warps, stages) for every GEMM the autotuner may run."""
+    """(name, signature dtypes, constexprs, warps, stages) for every GEMM fp8_gemm may run."""
     import kernels
 
     out = []
