@@ -1512,10 +1512,15 @@ def report_gpu(folder, kinds=("kernels_", "throughput_")):
     for name in (n for n in names if n.startswith("kernels_") and n.endswith(".json")):
         d = json.load(open(os.path.join(folder, name)))
         cols = [c for c in d["gemm"][0] if c not in ("M", "N", "K")]
+        # TFLOPS as integers; the ratios (columns "triton / _scaled_mm", ...) to two decimals
+        fmt = {c: (lambda v: "n/a" if v is None else f"{v:.2f}") if " / " in c else
+               (lambda v: "n/a" if v is None else f"{v:.0f}") for c in cols[1:]}
+        took = f"; the benchmark took {d['seconds']:.0f} s, compiling included" if "seconds" in d else ""
         out += [f"### GEMM TFLOPS on an {d['device']} (`python kernels.py`, [`results/gpu/{name}`](results/gpu/{name}))",
                 f"torch {d['torch']}, triton {d['triton']}, {d['date'][:10]}; bf16 output; 'fast' = Hopper's fast "
-                "accumulation; 'block' = 1x128 by 128x128 scales (torch's through the v2 API, padded scales).", "",
-                _md_table(d["gemm"], cols, {c: lambda v: "n/a" if v is None else f"{v:.0f}" for c in cols[1:]}), ""]
+                "accumulation; 'block' = 1x128 by 128x128 scales (torch's through the v2 API, padded scales); "
+                f"'graph' = replayed in a CUDA graph (no host time); 'a / b' = a's TFLOPS over b's{took}.", "",
+                _md_table(d["gemm"], cols, fmt), ""]
     for name in (n for n in names if n.startswith("throughput_") and n.endswith(".json")):
         d = json.load(open(os.path.join(folder, name)))
         env = d.get("env", d)  # (bench.py throughput --json keeps it apart; the transcribed files do not)

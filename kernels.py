@@ -39,6 +39,25 @@ BLOCK_K = 128, multiplying fp8 tiles on the tensor cores into an fp32 accumulato
   product and is applied once, in the epilogue. A block scale changes every 128 elements of K,
   so each 128-wide partial product is scaled as it is added to the fp32 accumulator: the
   "promote to fp32 every 128 of K" of DeepSeek-V3 comes for free.
+* Launch plan. `gemm_plan(M, N, K, SMs)` picks the tile from the shape: the biggest tile whose
+  work items keep >= 80% of the SMs busy over all rounds of the persistent loop (GPT-2's
+  8192 x 768 projection gets 128x128: 384 tiles, 2.9 rounds of 132 SMs; 128x256 would make 192,
+  1.45 rounds, 27% of the SM time idle). Where no tile fills the GPU (a 768 x 768 weight gradient
+  summed over K = 8192 tokens: 36 tiles of 128x128) it splits K (below). A plan holds at most two
+  configs of one tile size; the first call of a new shape times both (about 25 ms each after
+  compiling) and keeps the faster.
+* Split-K. With split_k = S each tile's K-blocks are cut into S runs, each summed by its own
+  work item into an fp32 workspace; `_split_k_reduce_kernel` adds the S sums in order and runs
+  the epilogue. Only the fp32 summation order changes: each output is still a sum of the same
+  per-128 slice sums (each product of fp8 values exact in fp32), now grouped in S runs. Where all
+  partial sums are exact (small integers, power-of-two scales) the result is bit-identical; in
+  general both it and the unsplit sum lie within gamma(127 + n_k - 1) * sum|a_k b_k| of the
+  exact product (gamma(j) = j u / (1 - j u), u = 2^-24, n_k = ceil(K/128); tests/test_kernels.py
+  checks this in the interpreter, whose slice sums are fp32). On Hopper with fast_accum=True
+  the tensor core accumulates a whole run in its reduced precision, so split-K shortens those
+  runs and adds them in fp32: no less accurate than unsplit, and not bit-equal to it. The split
+  is part of the plan, a function of the shape and SM count only, never timed: every rank and
+  every step sums in the same order. The pointer path never splits.
 
 The quantizers
 --------------
@@ -71,7 +90,7 @@ with nanofp8.fp8.quantize.
 
 import os
 import sys
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +116,12 @@ KBLOCK = 128  # K step of the GEMM = width of a scaling tile (DeepSeek-V3): nano
 AMAX_EPS = tl.constexpr(1e-12)  # amax floor: an all-zero tensor gets a large finite scale (ditto)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # |v| <= FLT_MAX  <=>  v is finite (NaN fails)
 NAN_BYTE = tl.constexpr(0x7F)  # torch's positive NaN in both E4M3FN and E5M2
+
+
+def cdiv(x, y):
+    """ceil(x / y) for ints >= 0. (triton.cdiv is a constexpr function: from Python each call costs
+    microseconds of host time, and a small GEMM's launch is host-bound.)"""
+    return -(-x // y)
 
 
 # -----------------------------------------------------------------------------
@@ -240,7 +265,8 @@ def _quantize_tiles_kernel(x_ptr, q_ptr, scale_ptr, R, C, n_col_tiles,
 # scaling tile width anyway. Shared memory per block = stages x (BLOCK_M + BLOCK_N) x 128 B of
 # operand tiles + the BLOCK_M x BLOCK_N output tile the TMA store is staged from (2 or 4 bytes
 # per value) + barriers; an H100 block gets at most 232,448 B. So an fp32 output (the wgrad
-# GEMM) gets 2 stages at 128x256 (230,416 B), not 3 (279,576 B).
+# GEMM, and every split-K GEMM, whose partial sums are fp32) gets 2 stages at 128x256
+# (230,416 B), not 3 (279,576 B).
 # Registers (255 per thread at most): promotion keeps a second fp32 accumulator live next to the
 # wgmma one, and block scaling also keeps each stage's scales, so 128x256 spills with either,
 # 256x128 with block scales (216-264 B), and 128x128 when both operands have 1x128 scales
@@ -253,9 +279,10 @@ _TILES_POINTER = [(64, 64, 5, 4)]
 
 
 def hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128=False):
-    """The (BLOCK_M, BLOCK_N, num_stages, num_warps) configs the autotuner tries on Hopper for
-    one GEMM variant: output element size (2 or 4), TMA or pointer path, accumulation mode,
-    and for block scales whether both operands have 1x128 scales (wgrad) or one is 128x128."""
+    """The (BLOCK_M, BLOCK_N, num_stages, num_warps) configs that compile without spills on
+    Hopper for one GEMM variant: output element size (2 or 4; 4 for split-K), TMA or pointer
+    path, accumulation mode, and for block scales whether both operands have 1x128 scales
+    (wgrad) or one is 128x128."""
     if not use_tma:
         return _TILES_POINTER
     tiles = _TILES_FP32 if out_bytes == 4 else _TILES_16BIT
@@ -266,29 +293,49 @@ def hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128=Fals
     return tiles
 
 
-def _gemm_configs():
-    if INTERPRET or not torch.cuda.is_available():
-        # the interpreter cannot time configs: one is enough (and small tiles keep it quick)
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": KBLOCK, "GROUP_M": 8})]
-    return hopper_gemm_configs()
+class GemmConfig(NamedTuple):
+    """One launch of the FP8 GEMM: output tile, pipeline depth, warps, and how many slices K is
+    cut into (split_k > 1: each slice is summed by its own program into an fp32 workspace)."""
+    block_m: int
+    block_n: int
+    stages: int
+    warps: int
+    split_k: int = 1
 
 
-def hopper_gemm_configs():
-    """Every config of any variant; _prune_gemm_configs keeps the call's own."""
-    every = sorted(set(_TILES_16BIT + _TILES_FP32 + _TILES_POINTER))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": KBLOCK, "GROUP_M": 8},
-                          num_stages=s, num_warps=w) for bm, bn, s, w in every]
+# The launch heuristic. A persistent kernel runs min(SMs, work items) programs; when the work
+# items (output tiles x K slices) do not divide evenly the last round leaves SMs idle, so the
+# fraction of SM time doing work is  items / (SMs x ceil(items / SMs)). Big tiles do the most
+# work per byte loaded, so the heuristic takes the biggest tiles that keep this fraction at
+# FILL or above. When no tile does, the grid is too small for the GPU (few rows and columns,
+# as in a weight-gradient GEMM, where K is the token count): then K is split in S slices of at
+# least MIN_K_TILES steps of 128 each, with the smallest S that fills the SMs.
+FILL = 0.8
+MIN_K_TILES = 4  # K steps per slice: fewer leave the software pipeline (3-4 stages) no steady state
 
 
-def _prune_gemm_configs(configs, named_args, **kwargs):
-    """Keep the configs of this call's variant (the autotuner key includes the dtypes)."""
-    if len(configs) == 1:  # the interpreter's single config
-        return configs
-    both_1x128 = kwargs["A_SCALE_ROWS"] == 1 and kwargs["B_SCALE_ROWS"] == 1
-    want = set(hopper_gemm_tiles(named_args["c_ptr"].element_size(), kwargs["USE_TMA"],
-                                 kwargs["FAST_ACCUM"], kwargs["BLOCKWISE"], both_1x128))
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
-                                   c.num_warps) in want]
+def sm_fill(items, num_sms):
+    """Fraction of SM time spent on work when a persistent kernel runs `items` equal work items."""
+    return items / (num_sms * cdiv(items, num_sms))
+
+
+def gemm_plan(M, N, K, num_sms, out_bytes=2, use_tma=True, fast_accum=False, blockwise=False,
+              both_1x128=False):
+    """The configs fp8_gemm may run for this shape and variant on a GPU with num_sms SMs, best
+    guess first: one or two tiles of one size (128x256 and 256x128 where both compile), all with
+    one split_k. A pure function of its arguments, so every rank and every step of a run splits
+    K the same way; only the choice between the two tiles is timed."""
+    k_tiles = cdiv(K, KBLOCK)
+    for split in range(1, (max(1, k_tiles // MIN_K_TILES) if use_tma else 1) + 1):
+        tiles = hopper_gemm_tiles(4 if split > 1 else out_bytes, use_tma, fast_accum, blockwise, both_1x128)
+        full = [t for t in tiles
+                if sm_fill(cdiv(M, t[0]) * cdiv(N, t[1]) * split, num_sms) >= FILL]
+        if full:
+            area = max(bm * bn for bm, bn, _, _ in full)
+            return [GemmConfig(*t, split) for t in full if t[0] * t[1] == area]
+    # nothing fills the SMs (tiny K, or tiny M x N): the tile that keeps most of them busy
+    tiles = hopper_gemm_tiles(out_bytes, use_tma, fast_accum, blockwise, both_1x128)
+    return [GemmConfig(*max(tiles, key=lambda t: sm_fill(cdiv(M, t[0]) * cdiv(N, t[1]), num_sms)))]
 
 
 @triton.jit
@@ -323,43 +370,74 @@ def _k_block_scales(ptr, safe_offs, start, ki, stride_r, stride_k, ROWS: tl.cons
         return tl.load(ptr + (safe_offs // ROWS) * stride_r + ki * stride_k)
 
 
-@triton.autotune(configs=_gemm_configs(),
-                 key=["M", "N", "K", "BLOCKWISE", "FAST_ACCUM", "USE_TMA", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": _prune_gemm_configs})
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+def _gemm_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, safe_m, safe_n, stride_sam, stride_sbn,
+                   A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, BLOCKWISE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """What follows the sum over K: scales that are constant along K, bias, bf16 rounding."""
+    if not BLOCKWISE:
+        sa = tl.load(a_scale_ptr + (safe_m // A_SCALE_ROWS) * stride_sam)
+        sb = tl.load(b_scale_ptr + (safe_n // B_SCALE_ROWS) * stride_sbn)
+        acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = _round_to_bf16_grid(acc)
+    return acc
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, MP,
                      stride_sam, stride_sak, stride_sbn, stride_sbk,
                      A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
                      BLOCKWISE: tl.constexpr, FAST_ACCUM: tl.constexpr, USE_TMA: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, NUM_SMS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """c (M, N) = (a * sa) @ (b * sb)^T (+ bias). a: (M, K) fp8, b: (N, K) fp8, contiguous.
     Scale of a at row m, K-block kb: a_scale[(m // A_SCALE_ROWS) * stride_sam + kb * stride_sak]
     (stride 0 = constant along that axis: per-tensor scales have both strides 0). BLOCKWISE:
-    scales vary along K, so they are applied to every BLOCK_K (= 128) partial product."""
+    scales vary along K, so they are applied to every BLOCK_K (= 128) partial product.
+    SPLIT_K > 1: work item (tile, s) sums the s-th of SPLIT_K equal runs of K-blocks and stores
+    its fp32 sum, before the epilogue, at rows s * MP + m of ws (SPLIT_K * MP, N), MP = M
+    rounded up to BLOCK_M; _split_k_reduce_kernel then adds them up and runs the epilogue."""
+    # (split-K runs on TMA only: on the pointer path its slices spill registers on sm_90)
+    tl.static_assert(USE_TMA or SPLIT_K == 1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
+    k_per_split = tl.cdiv(k_tiles, SPLIT_K)
     if USE_TMA:  # descriptors are built once per program and reused for all of its tiles
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N])
+        if SPLIT_K == 1:
+            c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
+        else:  # rows past M of slice s land in its padding, never in slice s + 1
+            c_desc = tl.make_tensor_descriptor(ws_ptr, shape=[SPLIT_K * MP, N], strides=[N, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
     offs_k = tl.arange(0, BLOCK_K)
-    # persistent loop: this program takes tiles pid, pid + NUM_SMS, ... (flatten=True lets the
-    # software pipeliner treat the tile and K loops as one, prefetching across tile boundaries)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    # persistent loop: this program takes work items pid, pid + NUM_SMS, ... (flatten=True lets
+    # the software pipeliner treat the tile and K loops as one, prefetching across tiles). The
+    # K slice is the outer index, so programs running together share a K range (L2 reuse).
+    for work in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_SMS, flatten=True):
+        split = work // num_tiles
+        pid_m, pid_n = _tile_coords(work % num_tiles, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # rows past the edge read row 0 (in bounds, so no row mask) and are never stored
         safe_m = tl.where(offs_m < M, offs_m, 0)
         safe_n = tl.where(offs_n < N, offs_n, 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
+        if SPLIT_K == 1:
+            k_lo, k_hi = 0, k_tiles
+        else:
+            k_lo = split * k_per_split
+            k_hi = min(k_lo + k_per_split, k_tiles)
+        for ki in range(k_lo, k_hi):
             k0 = ki * BLOCK_K
             if USE_TMA:  # out-of-bounds parts of the box arrive as zeros
                 a = a_desc.load([pid_m * BLOCK_M, k0])
@@ -379,21 +457,36 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M,
                 acc = tl.dot(a, b.T, acc)
             else:  # promote the tensor-core partial sum into fp32 every BLOCK_K of K
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
-        # epilogue: scales that are constant along K, bias, output cast, store
-        if not BLOCKWISE:
-            sa = tl.load(a_scale_ptr + (safe_m // A_SCALE_ROWS) * stride_sam)
-            sb = tl.load(b_scale_ptr + (safe_n // B_SCALE_ROWS) * stride_sbn)
-            acc = acc * sa[:, None] * sb[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-        if ROUND_BF16:
-            acc = _round_to_bf16_grid(acc)
-        c = acc.to(c_ptr.dtype.element_ty)
-        if USE_TMA:  # the store is clipped to the tensor's bounds by the hardware
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c)
-        else:
-            c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-            tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c, mask=c_mask)
+        if SPLIT_K == 1:  # epilogue: scales constant along K, bias, output cast, store
+            c = _gemm_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, safe_m, safe_n, stride_sam,
+                               stride_sbn, A_SCALE_ROWS, B_SCALE_ROWS, BLOCKWISE, HAS_BIAS,
+                               ROUND_BF16).to(c_ptr.dtype.element_ty)
+            if USE_TMA:  # the store is clipped to the tensor's bounds by the hardware
+                c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c)
+            else:
+                c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+                tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c, mask=c_mask)
+        else:  # this slice's fp32 sum, for _split_k_reduce_kernel
+            c_desc.store([split * MP + pid_m * BLOCK_M, pid_n * BLOCK_N], acc)
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, MP,
+                           stride_sam, stride_sbn, A_SCALE_ROWS: tl.constexpr,
+                           B_SCALE_ROWS: tl.constexpr, BLOCKWISE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT_K: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """c = epilogue(ws[0] + ws[1] + ... + ws[SPLIT_K - 1]), added in that order in fp32."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    acc = tl.load(ws_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + (s * MP + offs_m)[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    acc = _gemm_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, tl.where(offs_m < M, offs_m, 0),
+                         tl.where(offs_n < N, offs_n, 0), stride_sam, stride_sbn, A_SCALE_ROWS,
+                         B_SCALE_ROWS, BLOCKWISE, HAS_BIAS, ROUND_BF16)
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # -----------------------------------------------------------------------------
@@ -428,7 +521,7 @@ def _num_sms(device):
 def _scale_layout(s, rows, K, name):
     """How an inverse-scale tensor maps onto its operand (rows, K):
     (tensor, rows per scale, row stride, K-block stride, varies along K)."""
-    kb = triton.cdiv(K, KBLOCK)
+    kb = cdiv(K, KBLOCK)
     if not torch.is_tensor(s) or not s.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {s!r}")
     s = s.float().contiguous()
@@ -437,15 +530,15 @@ def _scale_layout(s, rows, K, name):
     if s.dim() == 2 and tuple(s.shape) == (rows, 1):  # row-wise
         return s, 1, 1, 0, False
     for rows_per_scale in (1, KBLOCK):  # 1x128 tiles, 128x128 blocks
-        if s.dim() == 2 and tuple(s.shape) == (triton.cdiv(rows, rows_per_scale), kb):
+        if s.dim() == 2 and tuple(s.shape) == (cdiv(rows, rows_per_scale), kb):
             return s, rows_per_scale, kb, 1, kb > 1
     raise ValueError(f"{name} has shape {tuple(s.shape)}; for an operand of shape ({rows}, {K}) "
                      f"expected () (tensor), ({rows}, 1) (row), ({rows}, {kb}) (1x128 tiles) "
-                     f"or ({triton.cdiv(rows, KBLOCK)}, {kb}) (128x128 blocks)")
+                     f"or ({cdiv(rows, KBLOCK)}, {kb}) (128x128 blocks)")
 
 
 def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None, *,
-             fast_accum=False, use_tma=None):
+             fast_accum=False, use_tma=None, config=None):
     """out (M, N) = (a * a_inv_scale) @ (b * b_inv_scale)^T (+ bias), accumulated in fp32.
 
     a: (M, K) and b: (N, K) fp8 (E4M3 or E5M2, any pair), row-major. Inverse scales (the
@@ -454,7 +547,10 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
     vary along K are applied to each 128-wide slice of K before it joins the fp32 sum.
     fast_accum: let Hopper accumulate whole tiles in its reduced precision (faster).
     use_tma: None picks TMA descriptors on Hopper when rows are 16-byte aligned; False forces
-    the pointer path; True requires TMA (ValueError if the shapes cannot use it)."""
+    the pointer path; True requires TMA (ValueError if the shapes cannot use it).
+    config: a GemmConfig to run instead of gemm_plan's choice (tests, benchmarks). With
+    split_k = S > 1 each output's K-blocks are summed in S runs whose fp32 sums are then added
+    in order: a different fp32 summation order from S = 1 (see "Split-K" above)."""
     for name, t in (("a", a), ("b", b)):
         if not torch.is_tensor(t) or t.dtype not in FP8_FORMATS or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor, got "
@@ -472,11 +568,12 @@ def fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16, bias=None
                          "are not supported (int32 offsets)")
     _check_device(a, b, *([bias] if bias is not None else []))
     if torch.compiler.is_compiling():  # one opaque op in the graph (why: above fp8_gemm_op)
-        return fp8_gemm_op(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, bool(fast_accum), use_tma)
-    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma)
+        return fp8_gemm_op(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, bool(fast_accum), use_tma,
+                           None if config is None else list(config))
+    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config)
 
 
-def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma):
+def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config=None):
     (M, K), N = a.shape, b.shape[0]
     a, b = a.contiguous(), b.contiguous()
     sa, a_rows, sam, sak, a_per_k = _scale_layout(a_inv_scale, M, K, "a_inv_scale")
@@ -497,30 +594,69 @@ def _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum
     if use_tma and cuda:
         triton.set_allocator(tma_scratch)
     num_sms = _num_sms(a.device)
-    grid = lambda META: (min(num_sms, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
-    _fp8_gemm_kernel[grid](
-        a, b, c, sa, sb, bias.contiguous() if bias is not None else sa, M, N, K,
-        sam, sak, sbn, sbk, A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows,
-        BLOCKWISE=a_per_k or b_per_k, FAST_ACCUM=bool(fast_accum), USE_TMA=use_tma,
-        HAS_BIAS=bias is not None, ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16,
-        NUM_SMS=num_sms)
+    blockwise = a_per_k or b_per_k
+    args = dict(A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
+                ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    bias_arg = bias.contiguous() if bias is not None else sa
+
+    def launch(cfg):
+        mp = cdiv(M, cfg.block_m) * cfg.block_m
+        # fp32 partial sums of the K slices (rows s * mp + m); split_k == 1 writes c directly
+        ws = torch.empty((cfg.split_k * mp, N), device=a.device, dtype=torch.float32) if cfg.split_k > 1 else c
+        items = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * cfg.split_k
+        _fp8_gemm_kernel[(min(num_sms, items),)](
+            a, b, c, ws, sa, sb, bias_arg, M, N, K, mp, sam, sak, sbn, sbk, **args,
+            FAST_ACCUM=bool(fast_accum), USE_TMA=use_tma, NUM_SMS=num_sms, SPLIT_K=cfg.split_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=KBLOCK, GROUP_M=8,
+            num_stages=cfg.stages, num_warps=cfg.warps)
+        if cfg.split_k > 1:
+            _split_k_reduce_kernel[(cdiv(M, 64), cdiv(N, 64))](
+                ws, c, sa, sb, bias_arg, M, N, mp, sam, sbn, **args, SPLIT_K=cfg.split_k,
+                BLOCK_M=64, BLOCK_N=64)
+
+    if config is not None and GemmConfig(*config).split_k > 1 and not use_tma:
+        raise ValueError(f"config {tuple(config)}: split_k > 1 needs the TMA path (K % 16 == 0, "
+                         "16-byte aligned rows, use_tma not False); use split_k=1")
+    if config is None:
+        key = (M, N, K, a.dtype, b.dtype, out_dtype, use_tma, bool(fast_accum), blockwise, a_rows, b_rows,
+               bias is not None, str(a.device))
+        config = _CHOSEN_CONFIGS.get(key) or _choose_config(key, launch, cuda, gemm_plan(
+            M, N, K, num_sms, c.element_size(), use_tma, bool(fast_accum), blockwise, a_rows == 1 and b_rows == 1))
+    launch(GemmConfig(*config))
     return c
 
 
+# The config fp8_gemm runs, per shape and variant: planned (and timed) at its first call only, as
+# planning costs more host time than a small GEMM's kernel.
+_CHOSEN_CONFIGS = {}
+
+
+def _choose_config(key, launch, timed, candidates):
+    """The fastest of gemm_plan's candidates (at most two, of one tile size and one split_k), timed
+    on the GPU (timed=True). The first call of a new shape pays each candidate's compile (seconds,
+    then cached on disk by Triton) and about 25 ms of timing each."""
+    best = candidates[0]
+    if timed and len(candidates) > 1:
+        from triton.testing import do_bench
+        times = [do_bench(lambda: launch(cfg), warmup=5, rep=20) for cfg in candidates]
+        best = candidates[times.index(min(times))]
+    _CHOSEN_CONFIGS[key] = best
+    return best
+
+
 # Under torch.compile the GEMM is one custom op: dynamo sees its output's shape (the fake below)
-# and never traces the launch. torch 2.11's dynamo cannot trace an autotuned kernel with a
-# config-pruning function ("Can't construct an AttrSource without a valid base source",
-# pytorch#178179), and breaks the graph at every triton.set_allocator. The op runs the launch at
-# run time, in whichever thread runs the graph, so the allocator is set there too.
+# and never traces the launch. torch 2.11's dynamo breaks the graph at every triton.set_allocator
+# and cannot trace the timing of the first call. The op runs the launch at run time, in whichever
+# thread runs the graph, so the allocator is set there too.
 @torch.library.custom_op("nanofp8::fp8_gemm", mutates_args=())
 def fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor, b_inv_scale: torch.Tensor,
                 out_dtype: torch.dtype, bias: Optional[torch.Tensor], fast_accum: bool,
-                use_tma: Optional[bool]) -> torch.Tensor:
-    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma)
+                use_tma: Optional[bool], config: Optional[List[int]] = None) -> torch.Tensor:
+    return _launch_fp8_gemm(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config)
 
 
 @fp8_gemm_op.register_fake
-def _(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma):
+def _(a, b, a_inv_scale, b_inv_scale, out_dtype, bias, fast_accum, use_tma, config=None):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -554,14 +690,14 @@ def _quantize_tensor(x2, fmt_dtype, margin, power_of_two, transpose):
     n = R * C
     block = 1024 if INTERPRET else 4096
     # number of partial maxima = pass-1 programs (few in the interpreter, so that its loop runs)
-    P = min(triton.cdiv(n, block), 64 if INTERPRET else 1024)
+    P = min(cdiv(n, block), 64 if INTERPRET else 1024)
     partial = torch.empty(P, device=x2.device, dtype=torch.float32)
     _amax_partial_kernel[(P,)](x2, partial, n, BLOCK=block)
     data = torch.empty((R, C), device=x2.device, dtype=fmt_dtype)
     data_t = torch.empty((C, R), device=x2.device, dtype=fmt_dtype) if transpose else data
     scale = torch.empty((), device=x2.device, dtype=torch.float32)
     br, bc = (64, 64) if transpose else (16, 256)
-    tiles = triton.cdiv(R, br) * triton.cdiv(C, bc)
+    tiles = cdiv(R, br) * cdiv(C, bc)
     programs = min(tiles, 8 * _num_sms(x2.device))  # few enough that reducing P is cheap
     _cast_tensor_kernel[(programs,)](
         x2, data, data_t, partial, scale, R, C, P, **_fmt_args(fmt_dtype, margin, power_of_two),
@@ -586,13 +722,13 @@ def quantize(x, fmt_dtype, granularity="tensor", block=(1, KBLOCK), margin=0, po
         scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
         bc = min(triton.next_power_of_2(C), 1024)
         br = max(1, min(4096 // bc, 64))
-        _quantize_rows_kernel[(triton.cdiv(R, br),)](x2, data, scale, R, C, **fmt,
+        _quantize_rows_kernel[(cdiv(R, br),)](x2, data, scale, R, C, **fmt,
                                                     BLOCK_R=br, BLOCK_C=bc)
         return data, scale
     tr, tc = block
-    scale = torch.empty((triton.cdiv(R, tr), triton.cdiv(C, tc)), device=x.device, dtype=torch.float32)
+    scale = torch.empty((cdiv(R, tr), cdiv(C, tc)), device=x.device, dtype=torch.float32)
     rows_per_prog = tr if tr > 1 else max(1, min(4096 // tc, 32))
-    _quantize_tiles_kernel[(triton.cdiv(R, rows_per_prog), triton.cdiv(C, tc))](
+    _quantize_tiles_kernel[(cdiv(R, rows_per_prog), cdiv(C, tc))](
         x2, data, scale, R, C, scale.shape[1], **fmt, TILE_R=tr, TILE_C=tc, BLOCK_R=rows_per_prog,
         num_warps=tile_warps(rows_per_prog * tc))
     return data, scale
@@ -621,14 +757,15 @@ def quantize_transpose(x, fmt_dtype, margin=0, power_of_two=False):
 # that is a bare exponent, 2^(byte - 127), so multiplying by it is exact. tl.dot_scaled takes the
 # data and those bytes as they are. On sm_100 Triton lowers it to the block-scaled MMA
 # (tcgen05.mma ... kind::mxf8f6f4.block_scale): the tensor core applies the scales itself, with
-# fp32 accumulation in tensor memory. Hopper has no MX instruction: Triton upcasts each fp8 tile
-# to bf16, multiplies it by its scales in bf16 and runs a bf16 wgmma. Measured on an H200 (triton
-# 3.6, scripts/gpu_check_mx.py): 108-114 dB against the fp32 reference, exact on the adversarial
-# cases except that the scale 2^-127 (byte 0, a bf16 subnormal) reads as zero, and 120 TFLOPS at
-# 4096-8192^3: slower than dequantizing to bf16 and a bf16 matmul. So on Hopper it is a check of
-# the kernel, not a fast path. The interpreter (triton >= 3.9) dequantizes to fp32 and multiplies
-# in fp32, as the reference does. tests/test_mx_compile.py compiles the kernel for sm_100 and
-# sm_90 and records what it became (results/kernels_sm100.json).
+# fp32 accumulation in tensor memory. Hopper has no MX instruction: there Triton upcasts each fp8
+# tile to bf16, multiplies it by its scales in bf16 and runs a bf16 wgmma. Measured on an H200
+# (triton 3.6, scripts/gpu_check_mx.py): 108-114 dB against the fp32 reference, exact on the
+# adversarial cases except that the scale 2^-127 (byte 0, a bf16 subnormal) reads as zero, and
+# 120 TFLOPS at 4096-8192^3. So gemm_mx runs its own Hopper kernel on sm_90 (_mx_gemm_bf16_kernel,
+# below: scales applied in fp32 while loading, every byte exact). The interpreter (triton >= 3.9)
+# dequantizes to fp32 and multiplies in fp32, as the reference does. tests/test_mx_compile.py
+# compiles the dot_scaled kernel for sm_100 and the bf16 one for sm_90 and records what they
+# became (results/kernels_sm100.json).
 
 MX_BLOCK = 32  # values per E8M0 scale along K (nanofp8.mx.MX_BLOCK)
 MX_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # tl.dot_scaled's names
@@ -640,6 +777,9 @@ MX_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # tl.dot_
 # compiles each list for its target and checks shared memory and spills.
 _MX_TILES_SM100 = [(128, 256, 3, 8), (128, 128, 4, 8), (128, 128, 3, 4)]
 _MX_TILES_SM90 = [(128, 128, 3, 8), (64, 128, 4, 4)]
+# Hopper's own MX GEMM (_mx_gemm_bf16_kernel): 128x256 fits (254 registers, no spills), as in
+# bf16 GEMMs, where it is the fastest tile
+_MX_TILES_BF16 = [(128, 256, 3, 8), (128, 128, 4, 8), (64, 128, 4, 4)]
 
 
 def mx_gemm_tiles(major):
@@ -706,20 +846,114 @@ def _mx_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, 
     tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+# The MX GEMM for Hopper: dequantize each tile to bf16 while loading, then a bf16 wgmma
+#
+# E8M0 byte b means 2^(b - 127). In fp32 every one of them is exact: b << 23 is the bit pattern of
+# 2^(b - 127) for b = 1..254, and byte 0 is the fp32 subnormal 2^-127 (bits 0x00400000); byte 255
+# is NaN. An fp8 value x times 2^k is exact in fp32 too: x has at most 4 significant bits and its
+# smallest step is 2^-9 (E4M3) or 2^-16 (E5M2), so x * 2^k is a multiple of 2^-136 or 2^-143,
+# above fp32's smallest subnormal 2^-149 (and overflows to inf exactly where the reference's fp32
+# dequantization does). The tile is then rounded to bf16. bf16 has fp32's exponent range but 8
+# significant bits, so 4-bit values are exact down to 2^-126, and below that on bf16's subnormal
+# grid, multiples of 2^-133. So x * 2^(b - 127) is exact in bf16 iff x is a multiple of 2^(-6 - b):
+# every E4M3 value under bytes 3..254, every E5M2 value under bytes 10..254; under lower bytes the
+# values off that grid round to nearest even on it (an absolute error of at most 2^-134). bf16 x bf16 products are exact in
+# fp32 (16 significant bits), and the wgmma sums them in fp32 into the accumulator, 128 of K at a
+# time, as reference_gemm_mx sums its 128-wide slices. So: gemm_mx on Hopper equals
+# reference_gemm_mx of the operands dequantized and rounded to bf16 (reference_gemm_mx_bf16), up to
+# fp32 summation order, and equals reference_gemm_mx itself wherever the bf16 tiles are exact.
+
+
+@triton.jit
+def _mx_tile_to_bf16(x, s_ptr, safe_rows, ki, KS, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    """x (ROWS, BLOCK_K) fp8 at K-step ki -> bf16 x * 2^(byte - 127), each byte the E8M0 scale of
+    32 values of a row (bytes past the end of K read 127: 2^0 times the zeros TMA filled in)."""
+    s_cols = ki * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    b = tl.load(s_ptr + safe_rows[:, None] * KS + s_cols[None, :], mask=s_cols[None, :] < KS,
+                other=127).to(tl.int32)
+    scale = tl.where(b == 0, 0x00400000, b << 23).to(tl.float32, bitcast=True)  # 2^(b - 127)
+    scale = tl.where(b == 255, float("nan"), scale)  # E8M0's NaN (b << 23 would be inf)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // 32, 32)), (ROWS, BLOCK_K))
+    v = x.to(tl.float32) * scale  # exact (see above)
+    if INTERPRETED:  # bf16's grid kept in fp32: the interpreter's bf16 cast truncates and flushes
+        # subnormals to zero, its tl.dot reads bf16 as raw bits, and its fp8 cast reads E4M3's NaN
+        # (0x7F, 0xFF) as 480 and E5M2's NaN (exponent 31, mantissa != 0) as a number
+        bits = x.to(tl.uint8, bitcast=True) & 0x7F
+        is_nan = (bits == 0x7F) if x.dtype == tl.float8e4nv else (bits > 0x7C)
+        return tl.where(is_nan, float("nan"), _round_to_bf16_grid(v))
+    return v.to(tl.bfloat16)
+
+
+def _mx_bf16_configs():
+    if INTERPRET or not torch.cuda.is_available():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": KBLOCK, "GROUP_M": 8})]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": KBLOCK, "GROUP_M": 8},
+                          num_stages=s, num_warps=w) for bm, bn, s, w in _MX_TILES_BF16]
+
+
+@triton.autotune(configs=_mx_bf16_configs(), key=["M", "N", "K", "HAS_BIAS"])
+@triton.jit
+def _mx_gemm_bf16_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+                         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """c (M, N) = (a * 2^ea) @ (b * 2^eb)^T (+ bias), as _mx_gemm_kernel, with the scales applied
+    while loading (fp8 -> fp32 * 2^e -> bf16) and a bf16 tl.dot: Hopper's wgmma. INTERPRETED:
+    the tiles hold the same bf16 values in fp32 (the products and sums are the same: exact
+    products, fp32 sums), as the interpreter's bf16 is unusable here."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_m = tl.where(offs_m < M, offs_m, 0)  # rows past the edge read row 0, never stored
+    safe_n = tl.where(offs_n < N, offs_n, 0)
+    KS = K // 32  # scales per row
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        a = _mx_tile_to_bf16(a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K]), a_scale_ptr, safe_m, ki, KS,
+                             BLOCK_M, BLOCK_K, INTERPRETED)
+        b = _mx_tile_to_bf16(b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]), b_scale_ptr, safe_n, ki, KS,
+                             BLOCK_N, BLOCK_K, INTERPRETED)
+        acc = tl.dot(a, b.T, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = _round_to_bf16_grid(acc)
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
 def _interpreter_has_dot_scaled():
     from triton.runtime import interpreter
     return hasattr(interpreter.InterpreterBuilder, "create_dot_scaled")
 
 
-def gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16, bias=None):
+MX_METHODS = ("dot_scaled", "bf16")
+
+
+def mx_method(device):
+    """The MX GEMM gemm_mx runs by default: "bf16" on Hopper (sm_90 has no MX instruction, and
+    dot_scaled's own upcast there reads the scale 2^-127 as zero) and in an interpreter without
+    dot_scaled (triton 3.6); "dot_scaled" elsewhere (sm_100's block-scaled MMA)."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.get_device_capability(device)[0] == 9 else "dot_scaled"
+    return "dot_scaled" if _interpreter_has_dot_scaled() else "bf16"
+
+
+def gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16, bias=None, method=None):
     """out (M, N) = (a_data * a_scale) @ (b_data * b_scale)^T (+ bias), accumulated in fp32.
 
     a_data (M, K), b_data (N, K): float8_e4m3fn or float8_e5m2 (MXFP8 uses E4M3), row-major.
     a_scale (M, ceil(K/32)), b_scale (N, ceil(K/32)): torch.float8_e8m0fnu DECODE scales 2^k,
     one per 32 values of a row along K (nanofp8.mx.mx_scales(q) of an MX Fp8Tensor q).
     The bias is added to the fp32 product before the cast to out_dtype. K need not be a multiple
-    of 32: the operands are then zero-padded to one (a copy). Needs a CUDA GPU with TMA (sm_90:
-    emulated through bf16; sm_100: the block-scaled MMA) or the interpreter of triton >= 3.9."""
+    of 32: the operands are then zero-padded to one (a copy). Needs a CUDA GPU with TMA or the
+    interpreter. method: None picks mx_method(device); "dot_scaled" (tl.dot_scaled: sm_100's
+    block-scaled MMA; interpreter of triton >= 3.9) or "bf16" (_mx_gemm_bf16_kernel: tiles
+    dequantized to bf16 while loading, a bf16 tl.dot; equal to reference_gemm_mx_bf16 up to fp32
+    summation order, and to reference_gemm_mx where every scaled value is exact in bf16)."""
     for name, t in (("a_data", a_data), ("b_data", b_data)):
         if not torch.is_tensor(t) or t.dtype not in MX_FORMATS or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor, got "
@@ -729,7 +963,7 @@ def gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16, bias=Non
                          f"{tuple(b_data.shape)} (b_data must be (N, K), i.e. B^T)")
     (M, K), N = a_data.shape, b_data.shape[0]
     for name, s, rows in (("a_scale", a_scale, M), ("b_scale", b_scale, N)):
-        want = (rows, triton.cdiv(K, MX_BLOCK))
+        want = (rows, cdiv(K, MX_BLOCK))
         if not torch.is_tensor(s) or s.dtype != torch.float8_e8m0fnu or tuple(s.shape) != want:
             raise ValueError(f"{name} must be a float8_e8m0fnu tensor of shape {want} (one decode "
                              f"scale 2^k per {MX_BLOCK} values along K), got "
@@ -746,15 +980,18 @@ def gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16, bias=Non
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
         raise ValueError("gemm_mx needs a Hopper (sm_90) or newer GPU (TMA loads); "
                          "use the reference (dequantize and matmul) on older GPUs")
-    if INTERPRET and dev.type != "cuda" and not _interpreter_has_dot_scaled():
+    if method is not None and method not in MX_METHODS:
+        raise ValueError(f"method must be None or one of {MX_METHODS}, got {method!r}")
+    method = method or mx_method(dev)
+    if method == "dot_scaled" and INTERPRET and dev.type != "cuda" and not _interpreter_has_dot_scaled():
         raise ValueError(f"triton {triton.__version__}'s interpreter has no tl.dot_scaled (3.9 has "
-                         "it): run gemm_mx on a GPU, or upgrade triton to run it on CPU")
+                         "it): use method='bf16', run gemm_mx on a GPU, or upgrade triton")
     if torch.compiler.is_compiling():  # one opaque op in the graph, as fp8_gemm
-        return gemm_mx_op(a_data, a_scale, b_data, b_scale, out_dtype, bias)
-    return _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias)
+        return gemm_mx_op(a_data, a_scale, b_data, b_scale, out_dtype, bias, method)
+    return _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias, method)
 
 
-def _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias):
+def _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias, method):
     (M, K), N = a_data.shape, b_data.shape[0]
     if M == 0 or N == 0 or K == 0:
         out = torch.zeros((M, N), device=a_data.device, dtype=torch.float32)
@@ -773,22 +1010,26 @@ def _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias):
     c = torch.empty((M, N), device=a.device, dtype=out_dtype)
     if a.device.type == "cuda":
         triton.set_allocator(tma_scratch)  # the TMA descriptors' scratch (per thread: see fp8_gemm)
-    grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)
-    _mx_gemm_kernel[grid](a, b, c, sa, sb, bias.contiguous() if bias is not None else sa, M, N,
-                          a.shape[1], A_FMT=MX_FORMATS[a.dtype], B_FMT=MX_FORMATS[b.dtype],
-                          HAS_BIAS=bias is not None,
-                          ROUND_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    grid = lambda META: (cdiv(M, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"]),)
+    bias_arg = bias.contiguous() if bias is not None else sa
+    round_bf16 = INTERPRET and out_dtype == torch.bfloat16
+    if method == "bf16":
+        _mx_gemm_bf16_kernel[grid](a, b, c, sa, sb, bias_arg, M, N, a.shape[1], HAS_BIAS=bias is not None,
+                                   INTERPRETED=INTERPRET, ROUND_BF16=round_bf16)
+        return c
+    _mx_gemm_kernel[grid](a, b, c, sa, sb, bias_arg, M, N, a.shape[1], A_FMT=MX_FORMATS[a.dtype],
+                          B_FMT=MX_FORMATS[b.dtype], HAS_BIAS=bias is not None, ROUND_BF16=round_bf16)
     return c
 
 
 @torch.library.custom_op("nanofp8::gemm_mx", mutates_args=())
 def gemm_mx_op(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
-               out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias)
+               out_dtype: torch.dtype, bias: Optional[torch.Tensor], method: str) -> torch.Tensor:
+    return _launch_gemm_mx(a_data, a_scale, b_data, b_scale, out_dtype, bias, method)
 
 
 @gemm_mx_op.register_fake
-def _(a_data, a_scale, b_data, b_scale, out_dtype, bias):
+def _(a_data, a_scale, b_data, b_scale, out_dtype, bias, method):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
@@ -801,7 +1042,12 @@ GEMM_SHAPES = ([(f"square {s}", (s, s, s)) for s in (1024, 2048, 4096, 8192)]  #
                + [(f"GPT-2 XL {n}", (8192, N, K)) for n, (K, N) in
                   {"qkv": (1600, 4800), "proj": (1600, 1600), "fc": (1600, 6400), "fc-proj": (6400, 1600)}.items()]
                + [(f"LLaMA-7B {n}", (8192, N, K)) for n, (K, N) in
-                  {"qkv": (4096, 12288), "o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}.items()])
+                  {"qkv": (4096, 12288), "o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}.items()]
+               # weight gradients: dW (out, in) summed over K = 8192 tokens (few tiles: split-K)
+               + [(f"GPT-2 124M {n} wgrad", (M, N, 8192)) for n, (M, N) in {"proj": (768, 768), "fc": (3072, 768)}.items()])
+# The benchmark's summary: each Triton GEMM over its cuBLAS counterpart (MX: over bf16's matmul)
+RATIOS = [("triton", "_scaled_mm"), ("triton fast", "_scaled_mm fast"), ("triton block", "_scaled_mm block"),
+          ("triton mx", "bf16 matmul")]
 
 
 def sqnr(ref, x):
@@ -852,6 +1098,18 @@ def reference_gemm_mx(a_data, a_scale, b_data, b_scale, bias=None):
         return d.float() * s.float().repeat_interleave(MX_BLOCK, 1)[:, :d.shape[1]]
     one = torch.ones((), device=a_data.device)
     return reference_gemm(dequantize(a_data, a_scale), dequantize(b_data, b_scale), one, one, bias)
+
+
+def reference_gemm_mx_bf16(a_data, a_scale, b_data, b_scale, bias=None):
+    """gemm_mx's contract with method="bf16" (Hopper): reference_gemm_mx of the operands dequantized
+    to fp32 (exact) and rounded to nearest-even bf16, which changes only values off bf16's grid:
+    scaled values below 2^-126 that are not multiples of 2^-133 (E8M0 bytes 0..2 with E4M3 data,
+    0..9 with E5M2)."""
+    def bf16_grid(d, s):
+        v = d.float() * s.float().repeat_interleave(MX_BLOCK, 1)[:, :d.shape[1]]
+        return v.bfloat16().float()
+    one = torch.ones((), device=a_data.device)
+    return reference_gemm(bf16_grid(a_data, a_scale), bf16_grid(b_data, b_scale), one, one, bias)
 
 
 def mx_operand(x):
@@ -946,26 +1204,37 @@ def _self_check_mx(x, w, bias):
         return True
     (a, sa), (b, sb) = mx_operand(x), mx_operand(w)
     ref = reference_gemm_mx(a, sa, b, sb, bias)
-    out = gemm_mx(a, sa, b, sb, torch.float32, bias)
-    rel = ((out - ref).abs().max() / ref.abs().max()).item()
-    # the interpreter and Hopper (bf16 upcast, fp32 wgmma sums) differ from the reference in fp32
-    # summation order only; sm_100's block-scaled MMA has not been measured: same bound as fp8_gemm
-    print(f"gemm_mx e4m3 (1x32 E8M0 scales) M,N,K={x.shape[0]},{w.shape[0]},{x.shape[1]}: max rel err "
-          f"{rel:.2e}, SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
-          f"{sqnr(x @ w.t() + bias, out):.1f} dB")
-    return rel < (1e-5 if cpu else 1e-3)
+    ok = True
+    # the GPU's own method; in the interpreter both (the bf16 one is Hopper's)
+    for method in ("dot_scaled", "bf16") if cpu else (mx_method(x.device),):
+        out = gemm_mx(a, sa, b, sb, torch.float32, bias, method=method)
+        rel = ((out - ref).abs().max() / ref.abs().max()).item()
+        # the interpreter and Hopper (bf16 tiles exact here, fp32 wgmma sums) differ from the reference
+        # in fp32 summation order only; sm_100's block-scaled MMA has not been measured: fp8_gemm's bound
+        print(f"gemm_mx {method} e4m3 (1x32 E8M0 scales) M,N,K={x.shape[0]},{w.shape[0]},{x.shape[1]}: "
+              f"max rel err {rel:.2e}, SQNR vs fp32 reference {sqnr(ref, out):.1f} dB, vs unquantized "
+              f"{sqnr(x @ w.t() + bias, out):.1f} dB")
+        ok &= rel < (1e-5 if cpu else 1e-3)
+    return ok
 
 
 def _benchmark(json_path=None):
+    """TFLOPS of every GEMM on GEMM_SHAPES, and the RATIOS per shape. Its GPU time is bounded:
+    18 shapes x 9 GEMMs x one do_bench each (~0.15 s) is about 25 s; compiling is about 25
+    kernels (fp8_gemm: at most two tiles a shape from gemm_plan, over 5 tiles and 3 variants, plus
+    the split-K reduction; gemm_mx: 3 tiles), a few seconds each: about 2-3 minutes in all."""
     import datetime
     import json
-    from triton.testing import do_bench
+    import time
+    from triton.testing import do_bench, do_bench_cudagraph
+    t0 = time.time()
     e4m3, bf16, dev = torch.float8_e4m3fn, torch.bfloat16, "cuda"
-    names = ["triton", "triton fast", "triton block", "triton mx", "_scaled_mm", "_scaled_mm fast",
+    names = ["triton", "triton graph", "triton fast", "triton block", "triton mx", "_scaled_mm", "_scaled_mm fast",
              "_scaled_mm block", "bf16 matmul"]
     print(f"\nGEMM TFLOPS (2*M*N*K / time) on {torch.cuda.get_device_name()}, bf16 output; "
           "'fast' = Hopper fast accumulation, 'block' = 1x128 x 128x128 block scales, "
-          "'mx' = gemm_mx, MXFP8 1x32 E8M0 scales (on Hopper: upcast to bf16)")
+          f"'mx' = gemm_mx, MXFP8 1x32 E8M0 scales (method {mx_method(torch.device(dev))!r}); "
+          "'graph' = 'triton' replayed in a CUDA graph: the GPU's time without the host's")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, compute capability "
           f"{torch.cuda.get_device_capability()}; 'n/a' where torch._scaled_mm refuses a GEMM")
     print(f"{'shape':22s} {'M':>5s} {'N':>6s} {'K':>6s} " + " ".join(f"{n:>15s}" for n in names))
@@ -978,6 +1247,7 @@ def _benchmark(json_path=None):
         ia, ib, tia, tib = sa.reciprocal(), sb.reciprocal(), tsa.reciprocal(), tsb.reciprocal()
         (ma, msa), (mb, msb) = mx_operand(x), mx_operand(w)
         fns = [lambda: fp8_gemm(qa, qb, ia, ib, bf16),
+               lambda: fp8_gemm(qa, qb, ia, ib, bf16),  # (timed in a CUDA graph, below)
                lambda: fp8_gemm(qa, qb, ia, ib, bf16, fast_accum=True),
                lambda: fp8_gemm(ta, tb, tia, tib, bf16),
                lambda: gemm_mx(ma, msa, mb, msb, bf16),
@@ -991,13 +1261,18 @@ def _benchmark(json_path=None):
         row = {"shape": label, "M": M, "N": N, "K": K}
         for name, fn in zip(names, fns):
             try:
-                row[name] = round(2 * M * N * K / do_bench(fn) * 1e-9, 1)
+                ms = do_bench_cudagraph(fn) if name == "triton graph" else do_bench(fn)
+                row[name] = round(2 * M * N * K / ms * 1e-9, 1)
             except Exception as e:  # report the failure, never a number we did not measure
                 print(f"  {name} failed on {label}: {str(e).splitlines()[0][:120]}")
                 row[name] = None
+        for num, den in RATIOS:
+            row[f"{num} / {den}"] = round(row[num] / row[den], 3) if row[num] and row[den] else None
         results["gemm"].append(row)
         print(f"{label:22s} {M:5d} {N:6d} {K:6d} " + " ".join(
             f"{'n/a' if row[n] is None else row[n]:>15}" for n in names))
+        print(f"{'':22s} ratios: " + ", ".join(f"{n} {'n/a' if row[n] is None else f'{row[n]:.2f}'}"
+                                              for n in (f"{a} / {b}" for a, b in RATIOS)))
         del x, w, qa, qb, ta, tb, ma, mb
     print("\nquantization GB/s ((bytes read once + bytes written) / time), x = 8192 x 4096 bf16")
     x = torch.randn(8192, 4096, device=dev, dtype=bf16)
@@ -1011,6 +1286,8 @@ def _benchmark(json_path=None):
         gbs = round(nbytes / do_bench(fn) * 1e-6, 1)
         results["quantize"].append({"kernel": name, "shape": list(x.shape), "GB/s": gbs})
         print(f"  {name:20s} {gbs:8.1f}")
+    results["seconds"] = round(time.time() - t0, 1)  # compiling included (see the docstring)
+    print(f"benchmark: {results['seconds']} s")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)

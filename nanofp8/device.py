@@ -504,8 +504,9 @@ def gemm(a, b, out_dtype, bias, backend, fast_accum, name):
 
 
 def _gemm_mx_alternative(a, b, out_dtype, bias, reason, name, report=True):
-    """An MX pair that torch's MX GEMM cannot run: kernels.py's Triton MX GEMM (tl.dot_scaled, the
-    E8M0 decode scales as they are) on CUDA where kernels.py imports and has it, else the fp32
+    """An MX pair that torch's MX GEMM cannot run: kernels.py's Triton MX GEMM (the E8M0 decode
+    scales as they are: tl.dot_scaled on sm_100, its bf16 kernel on sm_90, kernels.mx_method) on
+    CUDA where kernels.py imports and has it, else the fp32
     reference, a fallback (reported, counted, an error under fp8_strict). report: say why, once per
     layer (None: only when it is the reference)."""
     dev = a.data.device

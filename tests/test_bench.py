@@ -330,6 +330,18 @@ def test_gpu_report_takes_the_median_round_and_the_ratio_to_bf16(tmp_path):
     assert bench.report_gpu(str(tmp_path / "none"))[1].startswith("No GPU figures")
 
 
+def test_gpu_report_renders_the_kernels_ratios(tmp_path):
+    """A kernels_*.json (python kernels.py --json) renders TFLOPS as integers and the per-shape
+    ratios (triton over cuBLAS) to two decimals, so a 0.08 is not printed as 0 (known answers)."""
+    row = {"shape": "square 1024", "M": 1024, "N": 1024, "K": 1024, "triton": 17.8, "_scaled_mm": 152.8,
+           "triton / _scaled_mm": 0.116, "triton mx / bf16 matmul": None}
+    d = {"device": "GPU", "torch": "t", "triton": "tr", "date": "2026-01-01", "seconds": 151.2, "gemm": [row]}
+    (tmp_path / "kernels_x.json").write_text(json.dumps(d))
+    text = "\n".join(bench.report_gpu(str(tmp_path)))
+    assert "| square 1024 | 18 | 153 | 0.12 | n/a |" in text
+    assert "took 151 s, compiling included" in text
+
+
 def test_design_reports_the_card(capsys):
     """bench.py design measures what the design card budgets (not enforced by the tests)."""
     bench.main(["design"])

@@ -267,11 +267,12 @@ def test_degenerate_and_bad_input():
 
 
 def test_refuses_an_interpreter_without_dot_scaled(monkeypatch):
-    # triton 3.6 (the GPU image's) interprets no dot_scaled: one line, not a numpy traceback
+    # triton 3.6 (the GPU image's) interprets no dot_scaled: asked for it, one line, not a numpy
+    # traceback (by default gemm_mx runs the bf16 kernel there: tests/test_kernels_mx_bf16.py)
     monkeypatch.setattr(kernels, "_interpreter_has_dot_scaled", lambda: False)
     s = e8m0(torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="interpreter has no tl.dot_scaled"):
-        kernels.gemm_mx(torch.ones(2, 32).to(E4M3), s, torch.ones(2, 32).to(E4M3), s)
+        kernels.gemm_mx(torch.ones(2, 32).to(E4M3), s, torch.ones(2, 32).to(E4M3), s, method="dot_scaled")
 
 
 def test_mx_autotuner_keeps_the_gpus_own_tiles(monkeypatch):

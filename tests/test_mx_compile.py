@@ -2,14 +2,15 @@
 
 The whole compiler runs offline, ptxas included (triton ships ptxas-blackwell for sm_100a), with
 tests/test_sm90_compile.py's _compile. For every tile config the autotuner may pick on each
-generation (kernels.mx_gemm_tiles) and each output dtype, this checks:
+generation (kernels.mx_gemm_tiles, kernels._MX_TILES_BF16) and each output dtype, this checks:
 
 * sm_100: the MMA is Blackwell's block-scaled one, `tcgen05.mma.cta_group::1.kind::mxf8f6f4
   .block_scale` (the tensor core applies the E8M0 scales; its scale-vector suffix is
   `.block32` with triton 3.9, `.scale_vec::1X` with 3.6), and no wgmma;
-* sm_90: Hopper has no MX instruction, so dot_scaled becomes a bf16 wgmma
-  (`wgmma.mma_async....f32.bf16.bf16`) on operands upcast to bf16 and multiplied by their scales;
-* both: A and B arrive by TMA, shared memory fits a block (232,448 B on both), no spills.
+* sm_90: Hopper has no MX instruction; gemm_mx runs kernels._mx_gemm_bf16_kernel there, whose
+  tiles are dequantized to bf16 while loading: a bf16 wgmma (`wgmma.mma_async....f32.bf16.bf16`);
+* both: A and B arrive by TMA, shared memory fits a block (232,448 B on both), no spills; on
+  sm_90 no instruction flushes subnormals (`.ftz`): 2^-127 is one.
 
 `python tests/test_mx_compile.py --json results/kernels_sm100.json` writes the figures (shared
 memory, registers, spills, MMA instructions, versions) that docs/gpu.md quotes. Speed and the
@@ -35,20 +36,24 @@ OUT_TYPES = ("bf16", "fp32")
 
 
 def _variants(cap):
-    """(name, kernel, signature, constexprs, warps, stages) of each MX GEMM the autotuner may run."""
+    """(name, kernel, signature, constexprs, warps, stages) of each MX GEMM the autotuner may run:
+    on sm_100 the dot_scaled kernel, on sm_90 the bf16 one (kernels.mx_method)."""
     import kernels
     out = []
-    fmts = [("e4m3", "e4m3")] + ([("e5m2", "e4m3")] if cap == 100 else [])
-    for a_fmt, b_fmt in fmts:
+    tiles = kernels.mx_gemm_tiles(10) if cap == 100 else kernels._MX_TILES_BF16
+    for a_fmt, b_fmt in [("e4m3", "e4m3"), ("e5m2", "e4m3")]:
         for out_t in OUT_TYPES if a_fmt == "e4m3" else ("bf16",):
-            for bm, bn, stages, warps in kernels.mx_gemm_tiles(cap // 10):
+            for bm, bn, stages, warps in tiles:
                 ty = {"e4m3": "*fp8e4nv", "e5m2": "*fp8e5"}
                 sig = {"a_ptr": ty[a_fmt], "b_ptr": ty[b_fmt], "c_ptr": f"*{out_t}", "a_scale_ptr": "*u8",
                        "b_scale_ptr": "*u8", "bias_ptr": f"*{out_t}", "M": "i32", "N": "i32", "K": "i32"}
-                const = dict(A_FMT=a_fmt, B_FMT=b_fmt, HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=bm,
-                             BLOCK_N=bn, BLOCK_K=128, GROUP_M=8)
+                const = dict(HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8)
+                if cap == 100:
+                    kernel, const = "_mx_gemm_kernel", dict(const, A_FMT=a_fmt, B_FMT=b_fmt)
+                else:
+                    kernel, const = "_mx_gemm_bf16_kernel", dict(const, INTERPRETED=False)
                 name = f"gemm_mx sm_{cap} {a_fmt}x{b_fmt} {out_t} {bm}x{bn} s{stages} w{warps}"
-                out.append((name, "_mx_gemm_kernel", sig, const, warps, stages))
+                out.append((name, kernel, sig, const, warps, stages))
     return out
 
 
@@ -94,11 +99,14 @@ def test_mx_gemm_compiles_for_sm100_to_the_block_scaled_mma(compiled):
 
 @pytest.mark.slow
 def test_mx_gemm_compiles_for_sm90_to_a_bf16_wgmma(compiled):
+    import kernels
     sm90 = [r for r in compiled if r["target"] == "sm_90a"]
-    assert len(sm90) >= 4
+    assert len(sm90) == len(kernels._MX_TILES_BF16) * (len(OUT_TYPES) + 1)
     for r in sm90:
         assert r["mma"] and all(m.startswith("wgmma.mma_async") and m.endswith(".f32.bf16.bf16")
                                 for m in r["mma"]), r
+        # the scale 2^-127 and products below 2^-126 are fp32 subnormals: no flush to zero
+        assert not r["ftz"], r
         assert r["tma"] and r["shared"] <= SHARED_LIMIT and r["spills"] == 0, r
 
 

@@ -2,11 +2,11 @@
 
 triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) runs the whole compiler offline,
 down to ptxas (bundled with triton). For every GEMM variant (output dtype x accumulation mode x
-TMA or pointer path) and every tile config that kernels.py's autotuner may pick for it, and for
+TMA or pointer path) and every tile config that kernels.gemm_plan may pick for it, and for
 every quantizer, this checks what would otherwise first be seen on the GPU:
 
-* it compiles; the GEMMs use Hopper's wgmma (`wgmma.mma_async`), the TMA path really loads with
-  TMA (`cp.async.bulk.tensor`);
+* it compiles (split-K GEMMs and their reduction included); the GEMMs use Hopper's wgmma
+  (`wgmma.mma_async`), the TMA path really loads with TMA (`cp.async.bulk.tensor`);
 * shared memory per block is within the H100's 232,448 bytes (a config over it fails to launch);
 * ptxas reports zero spilled registers (spills to local memory cost bandwidth in the main loop),
   except a few bytes in the 128x128 weight-tile quantizer (see kernels.tile_warps);
@@ -33,7 +33,7 @@ triton = pytest.importorskip("triton")
 
 
 def _gemm_variants():
-    """(name, signature dtypes, constexprs, warps, stages) for every GEMM the autotuner may run."""
+    """(name, signature dtypes, constexprs, warps, stages) for every GEMM fp8_gemm may run."""
     import kernels
 
     out = []
@@ -41,22 +41,33 @@ def _gemm_variants():
              "promote": dict(BLOCKWISE=False, FAST_ACCUM=False, A_SCALE_ROWS=1, B_SCALE_ROWS=1),
              "block-1x128x128x128": dict(BLOCKWISE=True, FAST_ACCUM=False, A_SCALE_ROWS=1, B_SCALE_ROWS=128),
              "block-1x128x1x128": dict(BLOCKWISE=True, FAST_ACCUM=False, A_SCALE_ROWS=1, B_SCALE_ROWS=1)}
-    for out_t in ("bf16", "fp16", "fp32"):
+    # (out dtype, TMA, split_k): every output dtype unsplit; split-K (TMA only) writes fp32 partial
+    # sums whatever the output dtype, so once, with fp32 tiles (kernels.gemm_plan)
+    launches = [(o, tma, 1) for o in ("bf16", "fp16", "fp32") for tma in (True, False)] + [("bf16", True, 2)]
+    for out_t, tma, split in launches:
         for mode, flags in modes.items():
-            for tma in (True, False):
-                tiles = kernels.hopper_gemm_tiles(4 if out_t == "fp32" else 2, tma, flags["FAST_ACCUM"],
-                                                  flags["BLOCKWISE"], flags["B_SCALE_ROWS"] == 1)
-                for bm, bn, stages, warps in tiles:
-                    # the forward GEMM is E4M3 x E4M3; dgrad and wgrad put an E5M2 gradient first
-                    a_t = "fp8e4nv" if mode == "fast" else "fp8e5"
-                    sig = {"a_ptr": f"*{a_t}", "b_ptr": "*fp8e4nv", "c_ptr": f"*{out_t}",
-                           "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": f"*{out_t}",
-                           "M": "i32", "N": "i32", "K": "i32", "stride_sam": "i32", "stride_sak": "i32",
-                           "stride_sbn": "i32", "stride_sbk": "i32"}
-                    const = dict(flags, USE_TMA=tma, HAS_BIAS=True, ROUND_BF16=False, NUM_SMS=132,
-                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8)
-                    name = f"gemm {out_t} {mode} {'tma' if tma else 'pointer'} {bm}x{bn} s{stages} w{warps}"
-                    out.append((name, "_fp8_gemm_kernel", sig, const, warps, stages))
+            tiles = kernels.hopper_gemm_tiles(4 if out_t == "fp32" or split > 1 else 2, tma, flags["FAST_ACCUM"],
+                                              flags["BLOCKWISE"], flags["B_SCALE_ROWS"] == 1)
+            for bm, bn, stages, warps in tiles:
+                # the forward GEMM is E4M3 x E4M3; dgrad and wgrad put an E5M2 gradient first
+                a_t = "fp8e4nv" if mode == "fast" else "fp8e5"
+                sig = {"a_ptr": f"*{a_t}", "b_ptr": "*fp8e4nv", "c_ptr": f"*{out_t}", "ws_ptr": "*fp32",
+                       "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": f"*{out_t}",
+                       "M": "i32", "N": "i32", "K": "i32", "MP": "i32", "stride_sam": "i32", "stride_sak": "i32",
+                       "stride_sbn": "i32", "stride_sbk": "i32"}
+                const = dict(flags, USE_TMA=tma, HAS_BIAS=True, ROUND_BF16=False, NUM_SMS=132, SPLIT_K=split,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8)
+                name = (f"gemm {out_t} {mode} {'tma' if tma else 'pointer'} {bm}x{bn} s{stages} w{warps}"
+                        + (f" split{split}" if split > 1 else ""))
+                out.append((name, "_fp8_gemm_kernel", sig, const, warps, stages))
+    for out_t in ("bf16", "fp16", "fp32"):  # the split-K sum and epilogue, as _launch_fp8_gemm runs it
+        for blockwise in (False, True):
+            sig = {"ws_ptr": "*fp32", "c_ptr": f"*{out_t}", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+                   "bias_ptr": f"*{out_t}", "M": "i32", "N": "i32", "MP": "i32", "stride_sam": "i32",
+                   "stride_sbn": "i32"}
+            const = dict(A_SCALE_ROWS=1, B_SCALE_ROWS=1, BLOCKWISE=blockwise, HAS_BIAS=True, ROUND_BF16=False,
+                         SPLIT_K=4, BLOCK_M=64, BLOCK_N=64)
+            out.append((f"reduce {out_t} blockwise={blockwise}", "_split_k_reduce_kernel", sig, const, 4, 3))
     return out
 
 
@@ -122,7 +133,7 @@ def _compile(job, cap=90):
     regs = re.search(r"Used (\d+) registers", log)
     return dict(name=name, shared=k.metadata.shared, spills=int(spill.group(1)) + int(spill.group(2)),
                 regs=int(regs.group(1)), wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
-                neg=bool(re.search(r"\bneg\.f32", ptx)),
+                neg=bool(re.search(r"\bneg\.f32", ptx)), ftz=".ftz" in ptx,
                 mma=sorted(set(re.findall(r"(?:tcgen05\.mma|wgmma\.mma_async)[\w.:]*", ptx))),
                 seconds=time.time() - t0)
 
@@ -150,7 +161,7 @@ def compiled():
 @pytest.mark.slow
 def test_every_gemm_variant_compiles_for_sm90(compiled):
     gemms = [r for r in compiled if r["name"].startswith("gemm")]
-    assert len(gemms) >= 24
+    assert len(gemms) >= 24 and sum(" split" in r["name"] for r in gemms) >= 8
     for r in gemms:
         assert r["wgmma"], f"{r['name']}: no wgmma.mma_async"
         assert r["tma"] == (" tma " in r["name"]), f"{r['name']}: TMA expected only on the TMA path"
@@ -159,8 +170,16 @@ def test_every_gemm_variant_compiles_for_sm90(compiled):
 
 
 @pytest.mark.slow
+def test_split_k_reduction_compiles_for_sm90(compiled):
+    reduce = [r for r in compiled if r["name"].startswith("reduce")]
+    assert len(reduce) == 6
+    for r in reduce:
+        assert r["shared"] <= H100_SHARED and r["spills"] == 0, r
+
+
+@pytest.mark.slow
 def test_every_quantizer_compiles_for_sm90(compiled):
-    quant = [r for r in compiled if not r["name"].startswith("gemm")]
+    quant = [r for r in compiled if not r["name"].startswith(("gemm", "reduce"))]
     assert len(quant) >= 11
     for r in quant:
         # The one documented exception (kernels.tile_warps): the 128x128 weight-tile quantizer
