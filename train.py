@@ -153,6 +153,8 @@ tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, M
 sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
 pipeline_parallel = 1  # cut the blocks into this many stages, fed micro-batches (GPipe)
 engine = "nanofp8"  # "nanofp8": the hand-written engine above | "torch": FSDP2, DTensor TP, DCP (nanofp8/torchstack.py)
+fsdp_param_dtype = "auto"  # engine=torch: FSDP2 gathers and computes with the parameters it does not gather in
+#                            FP8 in "bf16" (gradients reduced in fp32) | "fp32"; "auto" = bf16 on CUDA, fp32 on CPU
 # system
 device = "auto"  # "auto" (cuda if available, else cpu) | "cpu" | "cuda" | "cuda:1" ...
 compile = None  # torch.compile the model; None = on for CUDA, off for CPU

@@ -384,7 +384,12 @@ def check_model_parallel(cfg):
 def check_engine(cfg):
     """engine=torch (nanofp8/torchstack.py): what torch's stack does not run here, refused by name."""
     check_choice(cfg, "engine", ("nanofp8", "torch"))
+    check_choice(cfg, "fsdp_param_dtype", ("auto", "bf16", "fp32"))
     if cfg["engine"] == "nanofp8":
+        if cfg["fsdp_param_dtype"] != "auto":
+            raise ConfigError(f"fsdp_param_dtype={cfg['fsdp_param_dtype']} sets what FSDP2 gathers under engine=torch; "
+                              f"the hand-written engine gathers no parameters (its gradients travel as grad_comm "
+                              f"says): drop fsdp_param_dtype, or use engine=torch")
         return
     tp, use = cfg["tensor_parallel"], "use engine=nanofp8 (the hand-written engine) for it"
     if cfg["pipeline_parallel"] > 1:

@@ -135,11 +135,12 @@ def _batch(seed):
     return torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
 
 
-def _fsdp(world):
+def _fsdp(world, param_dtype="fp32"):
     from nanofp8.layout import make_layout
 
     layout = make_layout(device="cpu", engine="torch")
-    model = torchstack.shard_model(_model(), {"precision": "O1", "sequence_parallel": False}, layout, "fp8")
+    cfg = {"precision": "O1", "sequence_parallel": False, "fsdp_param_dtype": param_dtype}
+    model = torchstack.shard_model(_model(), cfg, layout, "fp8")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), layout
 
 
@@ -196,6 +197,66 @@ def test_dcp_recuts_weights_and_moments_for_another_world_size(tmp_path):
     assert saved[1]["state"]  # (the moments exist: two steps were taken)
 
 
+# -------------------------------------------------------------------- FSDP2's MixedPrecisionPolicy
+
+
+def _gathered_dtypes(model):
+    """{parameter: the dtype each leaf module computes with, "fp8" for an FP8-gathered weight},
+    recorded by forward hooks, which run once FSDP2 has all-gathered the module's parameters."""
+    from nanofp8.fsdp import GatheredFp8Weight
+
+    seen = {}
+
+    def record(mod, args, out, prefix):
+        for name, p in mod.named_parameters(recurse=False):
+            seen[f"{prefix}.{name}"] = "fp8" if isinstance(p, GatheredFp8Weight) else p.dtype
+
+    for prefix, mod in model.named_modules():
+        if not list(mod.children()):
+            mod.register_forward_hook(lambda m, a, o, prefix=prefix: record(m, a, o, prefix))
+    return seen
+
+
+def _train_policy(rank, world, out):
+    """Three O1 steps on 2 ranks under each fsdp_param_dtype (the same batches, bf16 autocast as
+    train.py): the losses and the dtypes the layers computed with."""
+    got = {}
+    for policy in ("fp32", "bf16"):
+        model, opt, layout = _fsdp(world, policy)
+        seen, losses = _gathered_dtypes(model), []
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(*_batch(10 * step + rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        got[policy] = {"dtypes": dict(seen), "losses": losses}
+    if rank == 0:
+        torch.save(got, os.path.join(out, "policy.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_fsdp_param_dtype_bf16_gathers_the_rest_in_bf16(tmp_path):
+    """fsdp_param_dtype=bf16 (FSDP2's MixedPrecisionPolicy): every parameter that FSDP2 does not
+    gather in FP8 (embeddings, norms, biases, the LM head) reaches its layer as bf16, the FP8
+    layers' weights still as FP8 bytes; fp32 gathers them as stored. The losses of three O1
+    steps stay within bf16's rounding of fp32's: relative difference below 2^-7 (a bf16 value
+    carries 8 significant bits; observed 1.4e-3)."""
+    spawn(_train_policy, 2, str(tmp_path))
+    got = torch.load(tmp_path / "policy.pt")
+    fp32, bf16 = got["fp32"]["dtypes"], got["bf16"]["dtypes"]
+    assert fp32.keys() == bf16.keys() and "tok_emb.weight" in fp32 and "blocks.0.norm_1.weight" in fp32
+    fp8 = {k for k, v in fp32.items() if v == "fp8"}
+    assert fp8 == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert all(bf16[k] == "fp8" for k in fp8)
+    assert all(fp32[k] == torch.float32 and bf16[k] == torch.bfloat16 for k in fp32.keys() - fp8), bf16
+    a, b = torch.tensor(got["fp32"]["losses"]), torch.tensor(got["bf16"]["losses"])
+    rel = ((a - b).abs() / a).max().item()
+    assert 0 < rel < 2 ** -7, (a, b)
+
+
 # -------------------------------------------------------------------- what engine=torch refuses
 
 
@@ -208,6 +269,8 @@ def test_what_engine_torch_does_not_run_is_refused_in_one_line():
                        ([TORCH, TP2, "fp8_lm_head=True", O1], "fp8_lm_head=True with engine=torch"),
                        ([TORCH, "fp8_stats_interval=5", O1], "fp8_stats_interval=5 with engine=torch"),
                        ([TORCH, "compile=True", O1], "torch.compile does not follow FSDP2's all-gather of FP8"),
+                       ([TORCH, "fsdp_param_dtype=fp16"], "'fsdp_param_dtype' must be one of ['auto', 'bf16', 'fp32']"),
+                       (["fsdp_param_dtype=bf16"], "the hand-written engine gathers no parameters"),
                        (["engine=jax"], "engine")):
         with pytest.raises(ConfigError, match=None) as e:
             load(args)
