@@ -200,7 +200,24 @@ def check_train_config(cfg):
     check_stats(cfg)
     check_fp8_attention(cfg)
     check_fp8_at_bf16(cfg)
+    check_activation_checkpointing(cfg)
     return types.MappingProxyType(dict(cfg))
+
+
+def check_activation_checkpointing(cfg):
+    """activation_checkpointing="block" runs each block's forward twice (model.checkpoint_blocks):
+    what records something at every forward cast would record it twice."""
+    check_choice(cfg, "activation_checkpointing", ("off", "block"))
+    if cfg["activation_checkpointing"] == "off" or cfg["precision"] == "bf16":
+        return
+    if cfg["fp8_scaling"] == "delayed":
+        raise ConfigError("activation_checkpointing=block with fp8_scaling=delayed: the recomputed forward would push "
+                          "every amax into the history a second time and cast with the scale the first push moved; "
+                          "use fp8_scaling=current, or activation_checkpointing=off")
+    if cfg["fp8_stats_interval"]:
+        raise ConfigError(f"activation_checkpointing=block with fp8_stats_interval={cfg['fp8_stats_interval']}: the "
+                          f"statistics would count every forward cast twice; set fp8_stats_interval=0, or "
+                          f"activation_checkpointing=off")
 
 
 def check_mx(cfg):
