@@ -155,6 +155,8 @@ tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, M
 sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
 pipeline_parallel = 1  # cut the blocks into this many stages, fed micro-batches (GPipe)
 engine = "nanofp8"  # "nanofp8": the hand-written engine above | "torch": FSDP2, DTensor TP, DCP (nanofp8/torchstack.py)
+data_parallel_replicate = 1  # engine=torch: the data-parallel ranks as this many replicas, each sharding every
+#                              parameter over its dp / data_parallel_replicate ranks (HSDP; 1 = plain FSDP2)
 fsdp_param_dtype = "auto"  # engine=torch: FSDP2 gathers and computes with the parameters it does not gather in
 #                            FP8 in "bf16" (gradients reduced in fp32) | "fp32"; "auto" = bf16 on CUDA, fp32 on CPU
 # system

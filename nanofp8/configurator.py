@@ -189,7 +189,7 @@ def check_train_config(cfg):
     check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))
     check_choice(cfg, "compile", (None, True, False))
     for key in ("max_iters", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
-                "eval_interval", "log_interval", "tensor_parallel", "pipeline_parallel"):
+                "eval_interval", "log_interval", "tensor_parallel", "pipeline_parallel", "data_parallel_replicate"):
         if cfg[key] < (0 if key == "max_iters" else 1):
             raise ConfigError(f"config key '{key}' must be positive, got {cfg[key]}")
     if not (cfg["device"] == "auto" or cfg["device"].split(":")[0] in ("cpu", "cuda", "mps")):
@@ -407,6 +407,10 @@ def check_engine(cfg):
             raise ConfigError(f"fsdp_param_dtype={cfg['fsdp_param_dtype']} sets what FSDP2 gathers under engine=torch; "
                               f"the hand-written engine gathers no parameters (its gradients travel as grad_comm "
                               f"says): drop fsdp_param_dtype, or use engine=torch")
+        if cfg["data_parallel_replicate"] > 1:
+            raise ConfigError(f"data_parallel_replicate={cfg['data_parallel_replicate']} is FSDP2's HSDP (engine=torch); "
+                              f"the hand-written engine keeps whole replicas (O3 shards its optimizer over every "
+                              f"rank): drop data_parallel_replicate, or use engine=torch")
         return
     tp, use = cfg["tensor_parallel"], "use engine=nanofp8 (the hand-written engine) for it"
     if cfg["pipeline_parallel"] > 1:
