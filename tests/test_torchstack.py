@@ -122,28 +122,27 @@ def test_dcp_resume_is_exact_at_any_data_parallel_size(tmp_path):
 @pytest.mark.dist
 def test_hsdp_trains_as_fsdp2_and_checkpoints_resume_across_them(tmp_path):
     """data_parallel_replicate=2 on 4 ranks: FSDP2's HSDP, each parameter sharded over 2 ranks
-    and replicated twice. Against plain FSDP2 over the 4 ranks the step is the same math, its
-    gradient sum taken in another order (reduce-scatter within a replica, all-reduce across
-    them): the logged losses agree within 2e-4 (they are printed to 1e-4; observed equal), the
-    weights within 80 dB (observed >= 98 dB; c_attn.bias aside, see above: observed 62 dB).
-    DCP sets cross between the two both ways: plain FSDP2's checkpoint of step 4 resumed as HSDP,
-    and HSDP's as plain FSDP2 (conftest.stopped_at), each loaded as it is (no conversion) and
-    training on as the HSDP run that never stopped does, within the same bounds."""
+    and replicated twice. Plain FSDP2 over the 4 ranks is the same step, its gradient sum taken
+    in another order (HSDP: reduce-scatter within a replica, then all-reduce across them). HSDP's
+    checkpoint of step 4 (conftest.stopped_at) resumed by plain FSDP2 for 2 steps, whose
+    checkpoint HSDP resumes for the last 2: both sets load as they are (no conversion), and the
+    losses agree with the HSDP run that never stopped within 2e-4 (they are printed to 1e-4;
+    observed equal), the final weights within 80 dB (observed >= 142 dB; c_attn.bias aside, see
+    above: observed 88 dB; from scratch, 8 steps of each apart: >= 98 dB and 62 dB)."""
     common = [O1, TORCH, "gradient_accumulation_steps=4"]
     hsdp = torchrun(4, *common, "data_parallel_replicate=2", f"out_dir={tmp_path / 'hsdp'}")
     assert "4 processes (HSDP: 2 replicas, each sharded over 2 ranks)" in hsdp.stdout
-    fsdp = torchrun(4, *common, "max_iters=4", f"out_dir={tmp_path / 'fsdp'}")
-    as_hsdp = torchrun(4, *common, "data_parallel_replicate=2", "init_from=resume", f"out_dir={tmp_path / 'fsdp'}")
     conftest.stopped_at(tmp_path / "hsdp", tmp_path / "stopped", 4)
     as_fsdp = torchrun(4, *common, "max_iters=6", "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
+    as_hsdp = torchrun(4, *common, "data_parallel_replicate=2", "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
     want = logged_losses(hsdp.stdout)
     assert len(want) == 8
-    for out, first in ((fsdp, 0), (as_hsdp, 4), (as_fsdp, 4)):
+    for out, first in ((as_fsdp, 4), (as_hsdp, 6)):
         got = logged_losses(out.stdout)
-        assert got and all(abs(a - b) <= 2e-4 for a, b in zip(got, want[first:first + len(got)])), (got, want)
-        assert first == 0 or f"resuming at iter {first}" in out.stdout and "converting" not in out.stdout
-    assert len(logged_losses(as_hsdp.stdout)) == 4 and len(logged_losses(as_fsdp.stdout)) == 2
-    a, b = weights(tmp_path / "hsdp"), weights(tmp_path / "fsdp")  # (fsdp/: HSDP from step 4 on)
+        assert len(got) == 2 and all(abs(a - b) <= 2e-4 for a, b in zip(got, want[first:])), (got, want)
+        assert f"resuming at iter {first}" in out.stdout and "converting" not in out.stdout
+    assert "HSDP" not in as_fsdp.stdout and "HSDP" in as_hsdp.stdout
+    a, b = weights(tmp_path / "hsdp"), weights(tmp_path / "stopped")
     assert a.keys() == b.keys()
     for k in a:
         if a[k].is_floating_point() and not k.endswith("c_attn.bias"):
