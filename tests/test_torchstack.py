@@ -288,6 +288,49 @@ def test_fsdp_param_dtype_bf16_gathers_the_rest_in_bf16(tmp_path):
     assert 0 < rel < 2 ** -7, (a, b)
 
 
+def _train_recomputed(rank, world, out):
+    """Three O1 steps with dropout on 2 ranks, FP8 all-gathers, each block recomputed or not."""
+    from nanofp8.layout import make_layout
+    from nanofp8.model import checkpoint_blocks
+
+    layout, got = make_layout(device="cpu", engine="torch"), {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**ARGS, dropout=0.1))
+        apply_fp8(model, Recipe(backend="cpu"))
+        if recompute:
+            checkpoint_blocks(model)
+        cfg = {"precision": "O1", "sequence_parallel": False, "fsdp_param_dtype": "fp32"}
+        model = torchstack.shard_model(model, cfg, layout, "fp8")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1 + rank)  # (dropout's masks: each rank its own)
+        losses, calls = [], []
+        model.blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))  # (pre: a recomputation stops early)
+        for step in range(3):
+            _, loss = model(*_batch(10 * step + rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        got[recompute] = (losses, _full(model, opt), len(calls))
+    if rank == 0:
+        torch.save(got, os.path.join(out, "recompute.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_activation_checkpointing_under_fsdp2_is_bit_for_bit(tmp_path):
+    """Recomputed under FSDP2 (model.checkpoint_blocks; FSDP2 gathers a block's FP8 weights again
+    for its recomputation, checkpoint replays dropout's RNG): the losses, weights and Adam moments
+    of three steps on 2 ranks are bit for bit those of the run that keeps every activation,
+    which runs each block's forward half as often."""
+    spawn(_train_recomputed, 2, str(tmp_path))
+    got = torch.load(tmp_path / "recompute.pt", weights_only=False)
+    assert (got[False][2], got[True][2]) == (3, 6)
+    assert got[True][0] == got[False][0] and _same(got[True][1], got[False][1])
+    assert got[True][1][1]["state"]
+
+
 # -------------------------------------------------------------------- what engine=torch refuses
 
 
