@@ -336,7 +336,9 @@ class GPT(nn.Module):
         of them: sequence parallelism)."""
         rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.config.arch == "llama" else None
         for block in blocks:
-            if block.recompute and torch.is_grad_enabled():
+            if block.recompute and torch.is_grad_enabled():  # (no backward, nothing saved: plain forward)
+                # non-reentrant: autograd recomputes inside its own backward, through the block's
+                # hooks (FSDP2's gather), with the RNG state of the forward
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)

@@ -223,10 +223,11 @@ def mixed_precision(param_dtype, device_type):
     """FSDP2's MixedPrecisionPolicy for fsdp_param_dtype ("auto": bf16 on CUDA, fp32 elsewhere).
     bf16: each parameter gathered in high precision is cast to bf16 before its all-gather (half
     the bytes of fp32) and computed with in bf16; its gradient is reduce-scattered in fp32 into
-    the fp32 shard the optimizer steps; FSDP2 casts a sharded module's inputs to bf16 as well, so
-    the residual stream enters each block in bf16. FP8-gathered weights travel in FP8 either way (their cast
-    is made from the fp32 shard) and report the policy's dtype, as does their gradient. fp32:
-    FSDP2 gathers every parameter as it is stored, and a run computes what one process does."""
+    the fp32 shard the optimizer steps. FSDP2 casts a sharded module's inputs to bf16 as well, so
+    the residual stream enters each block in bf16. FP8-gathered weights travel in FP8 either way
+    (their cast is made from the fp32 shard) and report the policy's dtype, as does their
+    gradient. fp32: FSDP2 gathers every parameter as it is stored, and a run computes what one
+    process does."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if param_dtype == "auto":
