@@ -490,7 +490,7 @@ def _comm_torch_worker(rank, world, port, level, out):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model, _, _ = build(COMM_CFG, level, "torch")
-    model = torchstack.shard_model(model, {"precision": level, "sequence_parallel": False},
+    model = torchstack.shard_model(model, {"precision": level, "sequence_parallel": False, "fsdp_param_dtype": "fp32"},
                                    make_layout(device="cpu", engine="torch"), "fp8")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sent = {"all_gather": 0, "reduce_scatter": 0}

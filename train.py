@@ -63,7 +63,7 @@ from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dat
                           get_batch, open_splits, vocab_size_for)
 from nanofp8.dist import Fp8DataParallel
 from nanofp8.layout import Layout, start
-from nanofp8.model import GPT, GPTConfig, apply_fp8
+from nanofp8.model import GPT, GPTConfig, apply_fp8, checkpoint_blocks
 from nanofp8.ckptfile import load_model_state
 from nanofp8.o2_compile import bump_if_fused, cast_after_steps, cast_once_per_step, push_amaxes
 from nanofp8.optim import Fp8AdamW, convert_to_o2
@@ -148,11 +148,17 @@ fp8_alarm_sqnr_db = 15.0  # ... SQNR of its FP8 copy below this ...
 fp8_alarm_intervals = 3  # ... for this many statistics steps in a row
 fp8_alarm_amax_growth = 10.0  # alarm: an activation's or weight's amax grew this many times
 fp8_alarm_saturation_severe = 0.01  # alarm at once: this fraction of an operand clipped in one step
+activation_checkpointing = "off"  # "off" | "block": each block keeps only its input and recomputes the rest in
+#                                   backward (less activation memory, one more forward; nanofp8/model.py)
 # model parallelism (torchrun; see nanofp8/parallel.py). Processes = data x tensor x pipeline.
 tensor_parallel = 1  # cut every block's matrices over this many ranks (heads, MLP units)
 sequence_parallel = False  # with tensor_parallel > 1: cut the sequence too, between the matmuls
 pipeline_parallel = 1  # cut the blocks into this many stages, fed micro-batches (GPipe)
 engine = "nanofp8"  # "nanofp8": the hand-written engine above | "torch": FSDP2, DTensor TP, DCP (nanofp8/torchstack.py)
+data_parallel_replicate = 1  # engine=torch: the data-parallel ranks as this many replicas, each sharding every
+#                              parameter over its dp / data_parallel_replicate ranks (HSDP; 1 = plain FSDP2)
+fsdp_param_dtype = "auto"  # engine=torch: FSDP2 gathers and computes with the parameters it does not gather in
+#                            FP8 in "bf16" (gradients reduced in fp32) | "fp32"; "auto" = bf16 on CUDA, fp32 on CPU
 # system
 device = "auto"  # "auto" (cuda if available, else cpu) | "cpu" | "cuda" | "cuda:1" ...
 compile = None  # torch.compile the model; None = on for CUDA, off for CPU
@@ -337,6 +343,8 @@ def build_model(cfg, layout, model_args, ckpt, converted, log):
     if converted is not None:  # before setup_precision: it builds each level's storage from fp32
         load_model_state(model, converted["model"], cfg["init_from"])
     desc = setup_precision(model, cfg, layout.device_type)
+    if cfg["activation_checkpointing"] == "block":
+        checkpoint_blocks(model)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = shard_model(model, cfg, layout)  # from here on: this rank's stage
     if ckpt is not None:

@@ -189,7 +189,7 @@ def check_train_config(cfg):
     check_choice(cfg, "fp8_amax_algo", ("max", "most_recent"))
     check_choice(cfg, "compile", (None, True, False))
     for key in ("max_iters", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
-                "eval_interval", "log_interval", "tensor_parallel", "pipeline_parallel"):
+                "eval_interval", "log_interval", "tensor_parallel", "pipeline_parallel", "data_parallel_replicate"):
         if cfg[key] < (0 if key == "max_iters" else 1):
             raise ConfigError(f"config key '{key}' must be positive, got {cfg[key]}")
     if not (cfg["device"] == "auto" or cfg["device"].split(":")[0] in ("cpu", "cuda", "mps")):
@@ -200,7 +200,24 @@ def check_train_config(cfg):
     check_stats(cfg)
     check_fp8_attention(cfg)
     check_fp8_at_bf16(cfg)
+    check_activation_checkpointing(cfg)
     return types.MappingProxyType(dict(cfg))
+
+
+def check_activation_checkpointing(cfg):
+    """activation_checkpointing="block" runs each block's forward twice (model.checkpoint_blocks):
+    what records something at every forward cast would record it twice."""
+    check_choice(cfg, "activation_checkpointing", ("off", "block"))
+    if cfg["activation_checkpointing"] == "off" or cfg["precision"] == "bf16":
+        return
+    if cfg["fp8_scaling"] == "delayed":
+        raise ConfigError("activation_checkpointing=block with fp8_scaling=delayed: the recomputed forward would push "
+                          "every amax into the history a second time and cast with the scale the first push moved; "
+                          "use fp8_scaling=current, or activation_checkpointing=off")
+    if cfg["fp8_stats_interval"]:
+        raise ConfigError(f"activation_checkpointing=block with fp8_stats_interval={cfg['fp8_stats_interval']}: the "
+                          f"statistics would count every forward cast twice; set fp8_stats_interval=0, or "
+                          f"activation_checkpointing=off")
 
 
 def check_mx(cfg):
@@ -384,7 +401,16 @@ def check_model_parallel(cfg):
 def check_engine(cfg):
     """engine=torch (nanofp8/torchstack.py): what torch's stack does not run here, refused by name."""
     check_choice(cfg, "engine", ("nanofp8", "torch"))
+    check_choice(cfg, "fsdp_param_dtype", ("auto", "bf16", "fp32"))
     if cfg["engine"] == "nanofp8":
+        if cfg["fsdp_param_dtype"] != "auto":
+            raise ConfigError(f"fsdp_param_dtype={cfg['fsdp_param_dtype']} sets what FSDP2 gathers under engine=torch; "
+                              f"the hand-written engine gathers no parameters (its gradients travel as grad_comm "
+                              f"says): drop fsdp_param_dtype, or use engine=torch")
+        if cfg["data_parallel_replicate"] > 1:
+            raise ConfigError(f"data_parallel_replicate={cfg['data_parallel_replicate']} is FSDP2's HSDP (engine=torch); "
+                              f"the hand-written engine keeps whole replicas (O3 shards its optimizer over every "
+                              f"rank): drop data_parallel_replicate, or use engine=torch")
         return
     tp, use = cfg["tensor_parallel"], "use engine=nanofp8 (the hand-written engine) for it"
     if cfg["pipeline_parallel"] > 1:

@@ -67,6 +67,8 @@ class Layout:
     device: str = "cpu"
     engine: str = "nanofp8"  # "nanofp8" (the hand-written engine) | "torch" (nanofp8/torchstack.py)
     mesh: object = None  # torch's DeviceMesh of the grid, (pp, dp, tp), under torchrun
+    replicate: int = 1  # engine=torch: the dp ranks as replicate x (dp / replicate) shards (HSDP)
+    hsdp_mesh: object = None  # engine=torch, replicate > 1: this rank's dp ranks, ("replicate", "shard")
 
     @property
     def model_parallel(self):
@@ -108,21 +110,36 @@ class Layout:
         return [(m, self.rank) for m in range(accum)]
 
     def describe(self, sp=False):
+        shard = self.dp // self.replicate
+        hsdp = f" (HSDP: {self.replicate} replicas, each sharded over {shard} rank{'s' * (shard > 1)})" \
+            if self.replicate > 1 else ""
         if not self.model_parallel:
-            return f"{self.world} process{'es' if self.world > 1 else ''}"
-        return (f"{self.dp} data x {self.tp} tensor{' (+sequence)' if sp else ''} x {self.pp} "
+            return f"{self.world} process{'es' if self.world > 1 else ''}{hsdp}"
+        return (f"{self.dp} data{hsdp} x {self.tp} tensor{' (+sequence)' if sp else ''} x {self.pp} "
                 f"pipeline parallel")
 
 
-def make_layout(tp=1, pp=1, device=None, engine="nanofp8"):
+def make_layout(tp=1, pp=1, device=None, engine="nanofp8", replicate=1):
     """The layout of an initialized process group, arranged as pp x dp x tp by DeviceMesh. Every
-    rank must call it (creating a group is a collective, in the same order everywhere)."""
+    rank must call it (creating a group is a collective, in the same order everywhere).
+
+    replicate > 1 (engine=torch's HSDP) splits the dp dimension once more, as replicate x shard
+    (dp rank = replica * shard + shard rank, the same order): FSDP2 shards each parameter over a
+    replica's `shard` ranks and all-reduces gradients across the replicas. A second DeviceMesh,
+    (pp, replicate, shard, tp), gives those two dimensions their groups; the dp group stays the
+    first mesh's, which sums the loss and keeps the batches of every data-parallel rank apart."""
     world, me = dist.get_world_size(), dist.get_rank()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     dp = world // (tp * pp)
+    if dp % replicate:
+        raise ValueError(f"{dp} data-parallel ranks cannot form {replicate} replicas of equal size")
     device = device or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     mesh = init_device_mesh(device.split(":")[0], (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    hsdp = None
+    if replicate > 1:
+        hsdp = init_device_mesh(device.split(":")[0], (pp, replicate, dp // replicate, tp),
+                                mesh_dim_names=("pp", "replicate", "shard", "tp"))["replicate", "shard"]
     coord = mesh.get_coordinate()  # (pp_rank, dp_rank, tp_rank)
     pp_ranks = tuple(mesh["pp"].mesh.tolist())
     embed = None
@@ -134,7 +151,8 @@ def make_layout(tp=1, pp=1, device=None, engine="nanofp8"):
     return Layout(dp=dp, tp=tp, pp=pp, dp_rank=coord[1], tp_rank=coord[2], pp_rank=coord[0],
                   dp_group=mesh.get_group("dp"), tp_group=mesh.get_group("tp"),
                   pp_group=mesh.get_group("pp"), pp_ranks=pp_ranks, embed_group=embed,
-                  rank=me, world=world, device=device, engine=engine, mesh=mesh)
+                  rank=me, world=world, device=device, engine=engine, mesh=mesh, replicate=replicate,
+                  hsdp_mesh=hsdp)
 
 
 def check_layout(cfg, launched, world):
@@ -146,6 +164,10 @@ def check_layout(cfg, launched, world):
     if world % (tp * pp):
         raise ConfigError(f"world size {world} is not divisible by tensor_parallel * "
                           f"pipeline_parallel = {tp} * {pp}")
+    dp, replicate = world // (tp * pp), cfg["data_parallel_replicate"]
+    if dp % replicate:
+        raise ConfigError(f"data_parallel_replicate={replicate} must divide the {dp} data-parallel ranks (world size "
+                          f"{world} / tensor_parallel {tp}): each replica shards over the same number of ranks")
     if cfg["precision"] == "O3" and not launched:
         raise ConfigError("precision=O3 shards the optimizer state over data-parallel ranks: launch "
                           "it with torchrun (torchrun --nproc_per_node=N train.py ..., N >= 1)")
@@ -178,7 +200,8 @@ def start(cfg, check=lambda dp_size: None):
                          f"({type(e).__name__}: {first}): a rank stopped or failed before joining; see "
                          f"its own error") from None
     check_same_config(cfg)
-    return make_layout(cfg["tensor_parallel"], cfg["pipeline_parallel"], device, cfg["engine"])
+    return make_layout(cfg["tensor_parallel"], cfg["pipeline_parallel"], device, cfg["engine"],
+                       cfg["data_parallel_replicate"])
 
 
 class GroupError(RuntimeError):

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 from nanofp8.attention import fp8_attention
 
 # -----------------------------------------------------------------------------
@@ -253,6 +254,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    recompute = False  # activation checkpointing: set by checkpoint_blocks, read by GPT.run_blocks
+
     def __init__(self, config):
         super().__init__()
         self.norm_1 = make_norm(config)
@@ -333,7 +336,12 @@ class GPT(nn.Module):
         of them: sequence parallelism)."""
         rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.config.arch == "llama" else None
         for block in blocks:
-            x = block(x, rope)
+            if block.recompute and torch.is_grad_enabled():  # (no backward, nothing saved: plain forward)
+                # non-reentrant: autograd recomputes inside its own backward, through the block's
+                # hooks (FSDP2's gather), with the RNG state of the forward
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
         return x
 
     def head(self, x, targets=None):
@@ -391,6 +399,25 @@ class GPT(nn.Module):
         """Model FLOPs utilization: achieved model FLOP/s over the hardware's peak (of the
         precision in use: an FP8 run is held to the FP8 peak, twice the bf16 one on H100)."""
         return self.flops_per_token() * tokens_per_second / peak_flops
+
+
+def checkpoint_blocks(model):
+    """Activation checkpointing per block (train.py's activation_checkpointing="block"), in place.
+
+    Backward needs what each block's forward computed: the norms' outputs, q, k, v, the attention
+    output, the MLP's hidden units, and at the FP8 levels the FP8 copies of the GEMM inputs. A
+    recomputed block keeps none of them, only its input; its backward first runs its forward
+    again (torch.utils.checkpoint, non-reentrant) to rebuild them. Memory for activations falls
+    to about one (B, T, n_embd) tensor per block; compute rises by one more forward of the blocks.
+
+    The recomputation must compute what the forward did. The parameters are the same (FSDP2
+    gathers them again for it), dropout draws the same masks (checkpoint restores the RNG
+    state), and a current-scaling FP8 cast is a function of its input. Delayed scaling is not:
+    its forward records the amax in the layer's history and moves the next scale, so a second
+    forward would record every amax twice and cast with another scale (the config check refuses
+    the two together, as it refuses the FP8 statistics, which would count every cast twice)."""
+    for block in model.blocks:
+        block.recompute = True
 
 
 # -----------------------------------------------------------------------------

@@ -25,6 +25,14 @@ whose W^T travels as a second copy). torch.compile does not follow that all-gath
 run trained wrong): compile stays off there (configurator.compile_choice). With TP as well, the
 weights are DTensors before FSDP2 cuts them, and gather in fp32.
 
+fsdp_param_dtype=bf16 (mixed_precision below; "auto" on CUDA) is FSDP2's MixedPrecisionPolicy:
+the parameters not gathered in FP8 travel and compute in bf16, their gradients reduce in fp32.
+data_parallel_replicate=R is FSDP2's HSDP: the dp ranks form R replicas (layout.hsdp_mesh,
+("replicate", "shard")), each parameter is sharded within a replica, and the gradients, once
+reduce-scattered there, are all-reduced across the replicas. Its all-gathers stay inside a
+replica (within a node, where the links are fast); DCP saves each shard once and reads back
+at plain FSDP2's layout or another R.
+
 2. Tensor parallelism: DTensor
 ------------------------------
 The cut of parallel.py (its section 1, the same tp_plan): c_attn and c_fc column-parallel, the two
@@ -202,12 +210,31 @@ def shard_model(model, cfg, layout, comm):
             from .fsdp import fp8_all_gather  # the FP8 weights' all-gather (section 1)
 
             fp8_all_gather(model)
-        mesh = layout.mesh["dp"]
+        mp = mixed_precision(cfg["fsdp_param_dtype"], layout.device_type)
+        mesh = layout.mesh["dp"] if layout.hsdp_mesh is None else layout.hsdp_mesh  # (2-D: FSDP2's HSDP)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
     model.engine = "torch"
     return model
+
+
+def mixed_precision(param_dtype, device_type):
+    """FSDP2's MixedPrecisionPolicy for fsdp_param_dtype ("auto": bf16 on CUDA, fp32 elsewhere).
+    bf16: each parameter gathered in high precision is cast to bf16 before its all-gather (half
+    the bytes of fp32) and computed with in bf16; its gradient is reduce-scattered in fp32 into
+    the fp32 shard the optimizer steps. FSDP2 casts a sharded module's inputs to bf16 as well, so
+    the residual stream enters each block in bf16. FP8-gathered weights travel in FP8 either way
+    (their cast is made from the fp32 shard) and report the policy's dtype, as does their
+    gradient. fp32: FSDP2 gathers every parameter as it is stored, and a run computes what one
+    process does."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if param_dtype == "auto":
+        param_dtype = "bf16" if device_type == "cuda" else "fp32"
+    if param_dtype == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def forward_backward(model, batches, layout, autocast, train=True):

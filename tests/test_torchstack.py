@@ -118,6 +118,37 @@ def test_dcp_resume_is_exact_at_any_data_parallel_size(tmp_path):
     assert sample.returncode == 0 and "iter 12" in sample.stdout, sample.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_hsdp_trains_as_fsdp2_and_checkpoints_resume_across_them(tmp_path):
+    """data_parallel_replicate=2 on 4 ranks: FSDP2's HSDP, each parameter sharded over 2 ranks
+    and replicated twice. Plain FSDP2 over the 4 ranks is the same step, its gradient sum taken
+    in another order (HSDP: reduce-scatter within a replica, then all-reduce across them). HSDP's
+    checkpoint of step 4 (conftest.stopped_at) resumed by plain FSDP2 for 2 steps, whose
+    checkpoint HSDP resumes for the last 2: both sets load as they are (no conversion), and the
+    losses agree with the HSDP run that never stopped within 2e-4 (they are printed to 1e-4;
+    observed equal), the final weights within 80 dB (observed >= 142 dB; c_attn.bias aside, see
+    above: observed 88 dB; from scratch, 8 steps of each apart: >= 98 dB and 62 dB)."""
+    common = [O1, TORCH, "gradient_accumulation_steps=4"]
+    hsdp = torchrun(4, *common, "data_parallel_replicate=2", f"out_dir={tmp_path / 'hsdp'}")
+    assert "4 processes (HSDP: 2 replicas, each sharded over 2 ranks)" in hsdp.stdout
+    conftest.stopped_at(tmp_path / "hsdp", tmp_path / "stopped", 4)
+    as_fsdp = torchrun(4, *common, "max_iters=6", "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
+    as_hsdp = torchrun(4, *common, "data_parallel_replicate=2", "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
+    want = logged_losses(hsdp.stdout)
+    assert len(want) == 8
+    for out, first in ((as_fsdp, 4), (as_hsdp, 6)):
+        got = logged_losses(out.stdout)
+        assert len(got) == 2 and all(abs(a - b) <= 2e-4 for a, b in zip(got, want[first:])), (got, want)
+        assert f"resuming at iter {first}" in out.stdout and "converting" not in out.stdout
+    assert "HSDP" not in as_fsdp.stdout and "HSDP" in as_hsdp.stdout
+    a, b = weights(tmp_path / "hsdp"), weights(tmp_path / "stopped")
+    assert a.keys() == b.keys()
+    for k in a:
+        if a[k].is_floating_point() and not k.endswith("c_attn.bias"):
+            assert sqnr(a[k].double(), b[k].double()) > 80, (k, sqnr(a[k].double(), b[k].double()))
+
+
 # -------------------------------------------------------------------- DCP re-cuts the shards
 
 ARGS = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
@@ -135,11 +166,12 @@ def _batch(seed):
     return torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
 
 
-def _fsdp(world):
+def _fsdp(world, param_dtype="fp32"):
     from nanofp8.layout import make_layout
 
     layout = make_layout(device="cpu", engine="torch")
-    model = torchstack.shard_model(_model(), {"precision": "O1", "sequence_parallel": False}, layout, "fp8")
+    cfg = {"precision": "O1", "sequence_parallel": False, "fsdp_param_dtype": param_dtype}
+    model = torchstack.shard_model(_model(), cfg, layout, "fp8")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), layout
 
 
@@ -196,6 +228,109 @@ def test_dcp_recuts_weights_and_moments_for_another_world_size(tmp_path):
     assert saved[1]["state"]  # (the moments exist: two steps were taken)
 
 
+# -------------------------------------------------------------------- FSDP2's MixedPrecisionPolicy
+
+
+def _gathered_dtypes(model):
+    """{parameter: the dtype each leaf module computes with, "fp8" for an FP8-gathered weight},
+    recorded by forward hooks, which run once FSDP2 has all-gathered the module's parameters."""
+    from nanofp8.fsdp import GatheredFp8Weight
+
+    seen = {}
+
+    def record(mod, args, out, prefix):
+        for name, p in mod.named_parameters(recurse=False):
+            seen[f"{prefix}.{name}"] = "fp8" if isinstance(p, GatheredFp8Weight) else p.dtype
+
+    for prefix, mod in model.named_modules():
+        if not list(mod.children()):
+            mod.register_forward_hook(lambda m, a, o, prefix=prefix: record(m, a, o, prefix))
+    return seen
+
+
+def _train_policy(rank, world, out):
+    """Three O1 steps on 2 ranks under each fsdp_param_dtype (the same batches, bf16 autocast as
+    train.py): the losses and the dtypes the layers computed with."""
+    got = {}
+    for policy in ("fp32", "bf16"):
+        model, opt, layout = _fsdp(world, policy)
+        seen, losses = _gathered_dtypes(model), []
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(*_batch(10 * step + rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        got[policy] = {"dtypes": dict(seen), "losses": losses}
+    if rank == 0:
+        torch.save(got, os.path.join(out, "policy.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_fsdp_param_dtype_bf16_gathers_the_rest_in_bf16(tmp_path):
+    """fsdp_param_dtype=bf16 (FSDP2's MixedPrecisionPolicy): every parameter that FSDP2 does not
+    gather in FP8 (embeddings, norms, biases, the LM head) reaches its layer as bf16, the FP8
+    layers' weights still as FP8 bytes; fp32 gathers them as stored. The losses of three O1
+    steps stay within bf16's rounding of fp32's: relative difference below 2^-7 (a bf16 value
+    carries 8 significant bits; observed 1.4e-3)."""
+    spawn(_train_policy, 2, str(tmp_path))
+    got = torch.load(tmp_path / "policy.pt")
+    fp32, bf16 = got["fp32"]["dtypes"], got["bf16"]["dtypes"]
+    assert fp32.keys() == bf16.keys() and "tok_emb.weight" in fp32 and "blocks.0.norm_1.weight" in fp32
+    fp8 = {k for k, v in fp32.items() if v == "fp8"}
+    assert fp8 == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert all(bf16[k] == "fp8" for k in fp8)
+    assert all(fp32[k] == torch.float32 and bf16[k] == torch.bfloat16 for k in fp32.keys() - fp8), bf16
+    a, b = torch.tensor(got["fp32"]["losses"]), torch.tensor(got["bf16"]["losses"])
+    rel = ((a - b).abs() / a).max().item()
+    assert 0 < rel < 2 ** -7, (a, b)
+
+
+def _train_recomputed(rank, world, out):
+    """Three O1 steps with dropout on 2 ranks, FP8 all-gathers, each block recomputed or not."""
+    from nanofp8.layout import make_layout
+    from nanofp8.model import checkpoint_blocks
+
+    layout, got = make_layout(device="cpu", engine="torch"), {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**ARGS, dropout=0.1))
+        apply_fp8(model, Recipe(backend="cpu"))
+        if recompute:
+            checkpoint_blocks(model)
+        cfg = {"precision": "O1", "sequence_parallel": False, "fsdp_param_dtype": "fp32"}
+        model = torchstack.shard_model(model, cfg, layout, "fp8")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1 + rank)  # (dropout's masks: each rank its own)
+        losses, calls = [], []
+        model.blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))  # (pre: a recomputation stops early)
+        for step in range(3):
+            _, loss = model(*_batch(10 * step + rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        got[recompute] = (losses, _full(model, opt), len(calls))
+    if rank == 0:
+        torch.save(got, os.path.join(out, "recompute.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_activation_checkpointing_under_fsdp2_is_bit_for_bit(tmp_path):
+    """Recomputed under FSDP2 (model.checkpoint_blocks; FSDP2 gathers a block's FP8 weights again
+    for its recomputation, checkpoint replays dropout's RNG): the losses, weights and Adam moments
+    of three steps on 2 ranks are bit for bit those of the run that keeps every activation,
+    which runs each block's forward half as often."""
+    spawn(_train_recomputed, 2, str(tmp_path))
+    got = torch.load(tmp_path / "recompute.pt", weights_only=False)
+    assert (got[False][2], got[True][2]) == (3, 6)
+    assert got[True][0] == got[False][0] and _same(got[True][1], got[False][1])
+    assert got[True][1][1]["state"]
+
+
 # -------------------------------------------------------------------- what engine=torch refuses
 
 
@@ -208,11 +343,19 @@ def test_what_engine_torch_does_not_run_is_refused_in_one_line():
                        ([TORCH, TP2, "fp8_lm_head=True", O1], "fp8_lm_head=True with engine=torch"),
                        ([TORCH, "fp8_stats_interval=5", O1], "fp8_stats_interval=5 with engine=torch"),
                        ([TORCH, "compile=True", O1], "torch.compile does not follow FSDP2's all-gather of FP8"),
+                       ([TORCH, "fsdp_param_dtype=fp16"], "'fsdp_param_dtype' must be one of ['auto', 'bf16', 'fp32']"),
+                       (["fsdp_param_dtype=bf16"], "the hand-written engine gathers no parameters"),
+                       (["data_parallel_replicate=2"], "data_parallel_replicate=2 is FSDP2's HSDP (engine=torch)"),
+                       ([TORCH, "data_parallel_replicate=0"], "'data_parallel_replicate' must be positive"),
                        (["engine=jax"], "engine")):
         with pytest.raises(ConfigError, match=None) as e:
             load(args)
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert load([TORCH, O1, TP2, SP])["engine"] == "torch"
+    from nanofp8.layout import check_layout
+
+    with pytest.raises(ConfigError, match="data_parallel_replicate=2 must divide the 3 data-parallel ranks"):
+        check_layout(load([TORCH, "data_parallel_replicate=2"]), True, 3)
 
 
 def test_one_process_engine_torch_trains_and_checkpoints(tmp_path):
