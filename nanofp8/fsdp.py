@@ -172,13 +172,14 @@ class Fp8AllGatherWeight(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         recipe, shape, scales, amaxes = metadata
         if out is not None:  # the same buffers, refilled: only the scales are new
-            out.scales, out.amaxes = scales, amaxes
+            out.set_scales(scales, amaxes)
             return
         copies = 2 if recipe.granularity == "row" else 1
         data = tuple(all_gather_outputs)
         if len(data) < copies:  # (one rank: the copies arrived as one, see fsdp_pre_all_gather)
             data = data[0].chunk(copies)
-        w = GatheredFp8Weight(data, recipe, shape, scales, amaxes, param_dtype)
+        t = {"wt_u8": data[1], "scale_t": scales[1], "amax_t": amaxes[1]} if copies == 2 else {}
+        w = GatheredFp8Weight(recipe, shape, param_dtype, data[0], scales[0], amaxes[0], **t)
         return w, tuple(all_gather_outputs)
 
 
@@ -221,34 +222,45 @@ def _piece_scales(scales, start, rows, k, r):
 
 
 class GatheredFp8Weight(torch.Tensor):
-    """The unsharded weight FSDP2 rebuilds from the FP8 all-gather: the bytes (one copy, or two
-    for row scaling; uint8, padded rows at the end) and the agreed scales. operands() gives the
-    FP8 W and W^T of the forward and dgrad GEMMs. Any other use sees the dequantized weight."""
+    """The unsharded weight FSDP2 rebuilds from the FP8 all-gather: the bytes (uint8, padded rows
+    at the end) and the agreed scales and amaxes of W; for row scaling also those of W cast along
+    N, for W^T (`*_t`; None otherwise). gathered_operands(w) gives the FP8 W and W^T of the
+    forward and dgrad GEMMs. Any other use sees the dequantized weight.
+
+    A traceable subclass (__tensor_flatten__ names its inner tensors), so that torch.compile
+    takes the weight as one input of the graph and reads its bytes and scales from it. A plain
+    subclass is not that: dynamo lifts each tensor read off its attributes as an input of its
+    own, the weight itself is then no input of the graph, and the gradient the autograd Function
+    returns for it is dropped (compiled, the FP8 weights got no gradient and never trained)."""
 
     @staticmethod
-    def __new__(cls, data, recipe, shape, scales, amaxes, dtype):
-        return _wrapper(cls, data[0], torch.Size(shape), dtype)
+    def __new__(cls, recipe, shape, dtype, w_u8, scale, amax, wt_u8=None, scale_t=None, amax_t=None):
+        return _wrapper(cls, w_u8, torch.Size(shape), dtype)
 
-    def __init__(self, data, recipe, shape, scales, amaxes, dtype):
-        self.data_u8, self.recipe, self.scales, self.amaxes = data, recipe, scales, amaxes
+    def __init__(self, recipe, shape, dtype, w_u8, scale, amax, wt_u8=None, scale_t=None, amax_t=None):
+        self.recipe, self.w_u8, self.scale, self.amax = recipe, w_u8, scale, amax
+        self.wt_u8, self.scale_t, self.amax_t = wt_u8, scale_t, amax_t
 
     def __repr__(self):
         return f"GatheredFp8Weight(shape={tuple(self.shape)}, recipe={self.recipe})"
 
-    def operands(self):
-        n, k = self.shape
-        r, fmt = self.recipe, self.recipe.fwd_fmt
-        fp8 = [d[:n].view(fmt.dtype) for d in self.data_u8]
-        if r.granularity == "row":
-            qw = Fp8Tensor(fp8[0], self.scales[0], fmt, "row", (1, k), self.shape, self.dtype, self.amaxes[0])
-            wt = fp8[1].t()  # W cast with column scales, read transposed: W^T along N
-            return qw, Fp8Tensor(wt, self.scales[1], fmt, "row", (1, n), wt.shape, self.dtype, self.amaxes[1])
-        block = (1, k) if r.granularity == "tensor" else tuple(r.weight_tile)
-        qw = Fp8Tensor(fp8[0], self.scales[0], fmt, r.granularity, block, self.shape, self.dtype, self.amaxes[0])
-        return qw, qw.t()
+    def inner(self):
+        """The inner tensors by name (the `*_t` ones where they exist)."""
+        names = ("w_u8", "scale", "amax", "wt_u8", "scale_t", "amax_t")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
-    def dequantize(self):
-        return dequantize(self.operands()[0], self.dtype)
+    def __tensor_flatten__(self):
+        return list(self.inner()), (self.recipe, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return GatheredFp8Weight(meta[0], outer_size, meta[1], **inner)
+
+    def set_scales(self, scales, amaxes):
+        """A later all-gather's scales and amaxes (it refilled the same byte buffers)."""
+        self.scale, self.amax = scales[0], amaxes[0]
+        if len(scales) > 1:
+            self.scale_t, self.amax_t = scales[1], amaxes[1]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -257,9 +269,26 @@ class GatheredFp8Weight(torch.Tensor):
             w = args[0]
             if func is torch.ops.aten.as_strided.default and tuple(args[1]) != tuple(w.shape):
                 raise NotImplementedError(f"GatheredFp8Weight: as_strided to {tuple(args[1])}")
-            return GatheredFp8Weight(w.data_u8, w.recipe, w.shape, w.scales, w.amaxes, w.dtype)
-        args, kwargs = tree_map_only(GatheredFp8Weight, lambda t: t.dequantize(), (args, kwargs or {}))
+            return GatheredFp8Weight(w.recipe, w.shape, w.dtype, **w.inner())
+        args, kwargs = tree_map_only(GatheredFp8Weight, lambda t: dequantize(gathered_operands(t)[0], t.dtype),
+                                     (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def gathered_operands(w):
+    """FP8 W (N, K) and W^T (K, N) of a GatheredFp8Weight: views of its bytes, with its scales.
+    (A function, not a method: compiled, a method of a tensor subclass would be a torch function
+    that returns no tensor, and break the graph there.)"""
+    n, k = w.shape
+    r, fmt = w.recipe, w.recipe.fwd_fmt
+    qw_data = w.w_u8[:n].view(fmt.dtype)
+    if r.granularity == "row":
+        qw = Fp8Tensor(qw_data, w.scale, fmt, "row", (1, k), w.shape, w.dtype, w.amax)
+        wt = w.wt_u8[:n].view(fmt.dtype).t()  # W cast with column scales, read transposed: W^T along N
+        return qw, Fp8Tensor(wt, w.scale_t, fmt, "row", (1, n), wt.shape, w.dtype, w.amax_t)
+    block = (1, k) if r.granularity == "tensor" else tuple(r.weight_tile)
+    qw = Fp8Tensor(qw_data, w.scale, fmt, r.granularity, block, w.shape, w.dtype, w.amax)
+    return qw, qw.t()
 
 
 # -----------------------------------------------------------------------------
@@ -277,7 +306,7 @@ class Fp8AllGatherLinear(Fp8Linear):
 
     def weight_operands(self):
         w = self.weight
-        return w.operands() if isinstance(w, GatheredFp8Weight) else self.cast_weight()
+        return gathered_operands(w) if isinstance(w, GatheredFp8Weight) else self.cast_weight()
 
 
 def _refusal(m):

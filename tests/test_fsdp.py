@@ -135,7 +135,7 @@ def run_mlp(mesh, recipe, fp8_gather=True):
 
     def first_operands(m, args):  # the first forward's gathered weight (FSDP2 unshards before)
         if isinstance(m.weight, F8.GatheredFp8Weight) and m.fqn not in operands:
-            operands[m.fqn] = [(q.data.clone(), q.scale.clone()) for q in m.weight.operands()]
+            operands[m.fqn] = [(q.data.clone(), q.scale.clone()) for q in F8.gathered_operands(m.weight)]
 
     for i in (0, 2, 4):
         model[i].register_forward_pre_hook(first_operands)
@@ -195,12 +195,19 @@ def train_gpt(model, opt):
     return losses
 
 
-def run_gpt(mesh):
+def run_gpt(mesh, compiled=None):
+    """compiled: None (eager), "block" (each block compiled in place before fully_shard, as
+    torchtitan does) or "model" (the sharded model, as train.py does), with aot_eager: dynamo and
+    AOTAutograd, where the FP8 weights once lost their gradients."""
     model = F8.fp8_all_gather(gpt())  # as engine=torch uses it: after model.apply_fp8
+    if compiled == "block":
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     shard(model, mesh, model.blocks)
+    run = torch.compile(model, backend="aot_eager") if compiled == "model" else model
     comm_stats(reset=True)
-    return {"losses": train_gpt(model, torch.optim.AdamW(model.parameters(), lr=1e-3)),
-            "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"]}
+    return {"losses": train_gpt(run, torch.optim.AdamW(model.parameters(), lr=1e-3)),
+            "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"], "state": full_state(model)}
 
 
 def run_other_layouts(mesh):
@@ -221,7 +228,7 @@ def run_other_layouts(mesh):
     seen = {}
 
     def first(m, args):
-        seen.setdefault("w", (m.weight.dtype, [(q.data.clone(), q.scale.clone()) for q in m.weight.operands()]))
+        seen.setdefault("w", (m.weight.dtype, [(q.data.clone(), q.scale.clone()) for q in F8.gathered_operands(m.weight)]))
 
     model[0].register_forward_pre_hook(first)
     model(torch.randn(8, 32))
@@ -233,7 +240,8 @@ def worker(rank, world, outdir):
 
     mesh = init_device_mesh("cpu", (world,))
     out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt")),
-           "gpt": run_gpt(mesh), "layouts": run_other_layouts(mesh)}
+           "gpt": run_gpt(mesh), "gpt_block": run_gpt(mesh, "block"), "gpt_model": run_gpt(mesh, "model"),
+           "layouts": run_other_layouts(mesh)}
     for name, recipe in EVERY_RECIPE.items():
         out[name] = run_mlp(mesh, recipe)
     out["fp32"] = run_mlp(mesh, RECIPES["tensor"], fp8_gather=False)
@@ -301,6 +309,23 @@ def test_the_projects_gpt_trains_as_one_process(ranks):
     for r in ranks:
         assert r["gpt"]["losses"] == losses and r["gpt"]["left"] == {}
         assert r["gpt"]["comm"]["fsdp_all_gather_fp8"]["calls"] == 2 * 2 * 4 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("compiled", ["block", "model"])
+def test_compiled_it_trains_as_eager(ranks, compiled):
+    """torch.compile per block (before fully_shard) or of the whole sharded model: the losses and
+    weights of the eager run, bit for bit, on both ranks, and so those of one process. Compiled,
+    the FP8 weights once got no gradient at all (the gathered weight was no input of the graph:
+    GatheredFp8Weight's docstring); their loss after the first step was then another."""
+    ref = gpt()
+    losses = train_gpt(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    for r in ranks:
+        got = r[f"gpt_{compiled}"]
+        assert got["losses"] == r["gpt"]["losses"] == losses
+        assert_same_state(got["state"], r["gpt"]["state"])
+        assert got["comm"]["fsdp_all_gather_fp8"]["calls"] == r["gpt"]["comm"]["fsdp_all_gather_fp8"]["calls"]
 
 
 @pytest.mark.slow
@@ -476,11 +501,40 @@ def test_the_gathered_weight_reads_as_its_fp8_values(name):
     with torch.no_grad():
         layer.weight.copy_(w)
     (qw, _) = layer.cast_weight()
-    data = (qw.data.view(torch.uint8),) + ((qw.data.view(torch.uint8),) if name == "row" else ())
-    scales = (qw.scale, None) if name == "row" else (qw.scale,)
-    gathered = F8.GatheredFp8Weight(data, recipe, w.shape, scales, scales, torch.float32)
+    u8 = qw.data.view(torch.uint8)
+    t = {"wt_u8": u8, "scale_t": qw.scale, "amax_t": qw.amax} if name == "row" else {}
+    gathered = F8.GatheredFp8Weight(recipe, w.shape, torch.float32, u8, qw.scale, qw.amax, **t)
     assert torch.equal(gathered + 0, dequantize(qw))
     assert torch.equal(torch.zeros_like(gathered), torch.zeros(48, 256))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_gathered_weight_compiles_into_one_graph_with_its_gradient(name):
+    """A layer whose weight is a GatheredFp8Weight (what FSDP2 puts there before its forward),
+    under torch.compile: one graph, no break (the GEMMs read the weight's bytes in the graph),
+    and the output and the weight's gradient of eager mode, bit for bit (a plain subclass was no
+    input of the graph, and its gradient was dropped)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    recipe, x = RECIPES[name], torch.randn(8, 256)
+    torch._dynamo.reset()
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layer = F8.fp8_all_gather(convert_to_fp8(nn.Linear(256, 48), recipe))
+        qw, qwt = Fp8Linear.cast_weight(layer)
+        u8 = qw.data.view(torch.uint8)
+        t = {"wt_u8": qwt.data.t().contiguous().view(torch.uint8), "scale_t": qwt.scale,
+             "amax_t": qwt.amax} if name == "row" else {}
+        layer.weight = nn.Parameter(F8.GatheredFp8Weight(recipe, (48, 256), torch.float32, u8, qw.scale, qw.amax, **t))
+        layers.append(layer)
+    counter = CompileCounterWithBackend("aot_eager")
+    ys = [layers[0](x), torch.compile(layers[1], backend=counter)(x)]
+    for y in ys:
+        y.square().sum().backward()
+    assert counter.frame_count == 1
+    assert torch.equal(ys[0], ys[1])
+    assert layers[1].weight.grad is not None and torch.equal(layers[0].weight.grad, layers[1].weight.grad)
 
 
 def test_unsharded_it_is_the_fp8_linear():
