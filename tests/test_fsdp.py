@@ -125,7 +125,7 @@ def run_encoder(mesh):
             "types": {n: type(m).__name__ for n, m in model.named_modules()}}
 
 
-def run_mlp(mesh, recipe, fp8_gather=True):
+def run_mlp(mesh, recipe, fp8_gather=True, agreed=False):
     model = convert_to_fp8(mlp(), recipe)
     if fp8_gather:
         F8.fp8_all_gather(model)
@@ -141,6 +141,8 @@ def run_mlp(mesh, recipe, fp8_gather=True):
         model[i].register_forward_pre_hook(first_operands)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     comm_stats(reset=True)
+    if agreed:
+        F8.agree_after_steps(opt, model)
     losses, _ = train(model, opt, batches(32, 17, n=1))
     return {"losses": losses, "state": full_state(model), "seen": seen, "operands": operands,
             "comm": comm_stats()["by_op"], "left": getattr(model, "fp8_all_gather_left", None)}
@@ -161,14 +163,16 @@ def run_dcp(mesh, ckpt):
     plain = all(type(v._local_tensor) is torch.Tensor for v in msd.values()
                 if isinstance(v, DTensor))
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    F8.agree_amaxes(model)
     model.load_state_dict(model.state_dict())  # a plain round trip changes nothing
+    forgot = [m.agreed_amaxes is None for m in model.modules() if isinstance(m, F8.Fp8AllGatherLinear)]
     ahead = train(model, opt, data[2:])[0], full_state(model)
     model2, opt2 = fresh()
     msd2, osd2 = get_state_dict(model2, opt2)
     dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=ckpt)
     set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
     resumed = train(model2, opt2, data[2:])[0], full_state(model2)
-    return {"plain": plain, "ahead": ahead, "resumed": resumed}
+    return {"plain": plain, "ahead": ahead, "resumed": resumed, "forgot": forgot}
 
 
 def gpt():
@@ -195,10 +199,11 @@ def train_gpt(model, opt):
     return losses
 
 
-def run_gpt(mesh, compiled=None):
+def run_gpt(mesh, compiled=None, agreed=False):
     """compiled: None (eager), "block" (each block compiled in place before fully_shard, as
     torchtitan does) or "model" (the sharded model, as train.py does), with aot_eager: dynamo and
-    AOTAutograd, where the FP8 weights once lost their gradients."""
+    AOTAutograd, where the FP8 weights once lost their gradients. agreed: the amaxes agreed once
+    per step, after it (agree_after_steps), not in every all-gather."""
     model = F8.fp8_all_gather(gpt())  # as engine=torch uses it: after model.apply_fp8
     if compiled == "block":
         for block in model.blocks:
@@ -206,8 +211,11 @@ def run_gpt(mesh, compiled=None):
     shard(model, mesh, model.blocks)
     run = torch.compile(model, backend="aot_eager") if compiled == "model" else model
     comm_stats(reset=True)
-    return {"losses": train_gpt(run, torch.optim.AdamW(model.parameters(), lr=1e-3)),
-            "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"], "state": full_state(model)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if agreed:
+        F8.agree_after_steps(opt, model)
+    return {"losses": train_gpt(run, opt), "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"],
+            "state": full_state(model)}
 
 
 def run_other_layouts(mesh):
@@ -241,9 +249,12 @@ def worker(rank, world, outdir):
     mesh = init_device_mesh("cpu", (world,))
     out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt")),
            "gpt": run_gpt(mesh), "gpt_block": run_gpt(mesh, "block"), "gpt_model": run_gpt(mesh, "model"),
+           "gpt_agreed": run_gpt(mesh, agreed=True), "gpt_agreed_compiled": run_gpt(mesh, "model", agreed=True),
            "layouts": run_other_layouts(mesh)}
     for name, recipe in EVERY_RECIPE.items():
         out[name] = run_mlp(mesh, recipe)
+    for name, recipe in RECIPES.items():
+        out[name + "_agreed"] = run_mlp(mesh, recipe, agreed=True)
     out["fp32"] = run_mlp(mesh, RECIPES["tensor"], fp8_gather=False)
     late = shard(convert_to_fp8(mlp(), RECIPES["tensor"]), mesh, [])  # sharded first, then asked
     out["late"] = F8.fp8_all_gather(late).fp8_all_gather_left
@@ -326,6 +337,41 @@ def test_compiled_it_trains_as_eager(ranks, compiled):
         assert got["losses"] == r["gpt"]["losses"] == losses
         assert_same_state(got["state"], r["gpt"]["state"])
         assert got["comm"]["fsdp_all_gather_fp8"]["calls"] == r["gpt"]["comm"]["fsdp_all_gather_fp8"]["calls"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("run", ["gpt_agreed", "gpt_agreed_compiled"])
+def test_one_amax_all_reduce_per_step(ranks, run):
+    """agree_after_steps: the amaxes of all 8 FP8 weights agreed by one all-reduce after each
+    optimizer step (and one before the first), where each all-gather agreed its own (2 blocks x 4
+    Linears x forward and backward x 2 steps = 32): the same losses and weights, bit for bit
+    (eager and compiled), and the same FP8 payload."""
+    for r in ranks:
+        got, each = r[run], r["gpt"]
+        assert each["comm"]["fsdp_amax_all_reduce"]["calls"] == 2 * 4 * 2 * 2
+        assert got["comm"]["fsdp_amax_all_reduce"]["calls"] == 1 + 2  # (before the first step, after each)
+        assert got["comm"]["fsdp_amax_all_reduce"]["bytes_in"] == 3 * 8 * 4  # one fp32 amax per weight
+        assert got["comm"]["fsdp_all_gather_fp8"] == each["comm"]["fsdp_all_gather_fp8"]
+        assert got["losses"] == each["losses"]
+        assert_same_state(got["state"], each["state"])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_amaxes_agreed_after_the_step_are_those_of_the_all_gather(ranks, name):
+    """Each recipe (tensor, row: two grids, block: tiles across the ranks' rows), amaxes agreed by
+    agree_after_steps: the gathered bytes and scales, losses and weights of the all-gathers that
+    agree their own, bit for bit; one all-reduce for the 3 weights (before the step, and after)."""
+    for r in ranks:
+        got, each = r[name + "_agreed"], r[name]
+        assert got["comm"]["fsdp_amax_all_reduce"]["calls"] == 2
+        assert got["losses"] == each["losses"]
+        assert_same_state(got["state"], each["state"])
+        for fqn, ops in each["operands"].items():
+            for (d0, s0), (d1, s1) in zip(ops, got["operands"][fqn], strict=True):
+                assert torch.equal(d0.view(torch.uint8), d1.view(torch.uint8)) and torch.equal(s0, s1), fqn
 
 
 @pytest.mark.slow
@@ -418,10 +464,12 @@ def test_the_bytes_on_the_wire(ranks):
 def test_dcp_resume_is_exact(ranks):
     """get_state_dict + dcp.save after 2 steps, dcp.load + set_state_dict into a fresh sharded
     model: the next 2 steps are bit-identical. The state dict holds plain fp32 tensors (no
-    subclass is ever saved), and model.load_state_dict(model.state_dict()) changes nothing."""
+    subclass is ever saved), and model.load_state_dict(model.state_dict()) changes nothing but
+    the amaxes agree_amaxes kept on the layers, which it forgets."""
     for r in ranks:
         got = r["dcp"]
         assert got["plain"]
+        assert got["forgot"] and all(got["forgot"])  # a load forgets the amaxes agree_amaxes agreed
         assert got["ahead"][0] == got["resumed"][0]
         assert_same_state(got["ahead"][1], got["resumed"][1])
 
