@@ -62,7 +62,6 @@ from nanofp8.configurator import (RECIPE_KEYS, ConfigError, apply_recipe_preset,
 from nanofp8.data import (EVAL_STREAMS, TRAIN_STREAM, batch_generator, check_dataset, check_tokens, data_dir,
                           get_batch, open_splits, vocab_size_for)
 from nanofp8.dist import Fp8DataParallel
-from nanofp8.fsdp import agree_after_steps
 from nanofp8.layout import Layout, start
 from nanofp8.model import GPT, GPTConfig, apply_fp8
 from nanofp8.ckptfile import load_model_state
@@ -232,8 +231,6 @@ def build_optimizer(model, cfg, device_type):
     # The fused CUDA kernel updates all parameters in a few launches instead of several per tensor.
     extra = {"fused": True} if device_type == "cuda" else {}
     opt = torch.optim.AdamW(groups, **kw, **extra)
-    if cfg["precision"] == "O1" and cfg["engine"] == "torch":  # FSDP2's FP8 all-gathers: the amaxes of
-        opt = agree_after_steps(opt, model)  # all weights agreed in one all-reduce per step (nanofp8/fsdp.py)
     return cast_after_steps(opt, model) if cfg["precision"] == "O1" else opt  # O1: FP8 weights cast per step
 
 

@@ -332,3 +332,39 @@ def test_conversions_between_the_engines_carry_the_moments(source, tmp_path):
         assert logged_losses(stdout)[-1] > 0 and "iter 5:" in stdout
         shutil.rmtree(out)  # the next resume converts the same source again
         train.main(common + [f"engine={source}", f"out_dir={out}"])
+
+
+def _agree_worker(rank, world, out_dir):
+    """train.py's engine=torch O1 model, optimizer and restore_state on 2 gloo ranks, then two
+    steps of 2 micro-steps each: the amax all-reduces (nanofp8.counter's COMM) of each step."""
+    from nanofp8.counter import comm_stats
+    from nanofp8.layout import make_layout
+    from nanofp8.run import restore_state
+
+    cfg = train.load_config(["device=cpu", O1, TORCH, "compile=False", "batch_size=2", "block_size=16",
+                             "gradient_accumulation_steps=4", "n_layer=2", "n_head=2", "n_embd=32"])
+    layout = make_layout(engine="torch")
+    args = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    model = train.build_model(cfg, layout, args, None, None, lambda *a: None)[0]
+    opt = train.build_optimizer(model, cfg, "cpu")
+    restore_state(model, opt, None, None, cfg, layout, lambda *a: None)
+    g, calls = torch.Generator().manual_seed(rank), []
+    for _ in range(2):
+        comm_stats(reset=True)
+        batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, 64, (2, 2, 17), generator=g)]
+        torchstack.forward_backward(model, batches, layout, torch.autocast("cpu", dtype=torch.bfloat16))
+        opt.step()
+        opt.zero_grad()
+        calls.append(comm_stats()["by_op"].get("fsdp_amax_all_reduce", {}).get("calls"))
+    torch.save(calls, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_train_py_agrees_the_amaxes_once_per_step(tmp_path):
+    """engine=torch at O1 (FSDP2, FP8 all-gathers of the 8 block Linears): one amax all-reduce per
+    optimizer step, after it, where each all-gather agreed its own (8 weights x forward and
+    backward x 2 micro-steps = 32 per step)."""
+    spawn(_agree_worker, 2, str(tmp_path))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == [1, 1]
