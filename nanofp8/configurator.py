@@ -377,8 +377,10 @@ def check_model_parallel(cfg):
                           "nanofp8/parallel.py has no O2/O3 layers (fp16 master weights, FP8 optimizer "
                           "state); use precision=O1 or bf16, or tensor_parallel=1 pipeline_parallel=1")
     if cfg["compile"]:
-        raise ConfigError(f"compile=True with tensor_parallel={tp}, pipeline_parallel={pp}: the parallel "
-                          "layers run eagerly (their collectives are not compiled); set compile=False")
+        why = ("torch.compile breaks the graph at every tensor-parallel layer (the collectives and byte counts "
+               "inside its autograd Functions) and fails under sequence parallelism") if tp > 1 else \
+            "the pipeline stages run eagerly (their sends and receives are not compiled)"
+        raise ConfigError(f"compile=True with tensor_parallel={tp}, pipeline_parallel={pp}: {why}; set compile=False")
 
 
 def check_engine(cfg):

@@ -65,8 +65,8 @@ bf16 and O1, FSDP2 and/or TP (+SP). Not here, refused by the config check with t
 pipeline parallelism, O2 and O3 (their FP8 weight gradient lives outside .grad, which is all
 FSDP2 reduce-scatters; their moments carry a scale per 128 values of a shard, tied to the
 layout that cut it), delayed scaling under TP (one amax history per TP rank, which DCP would
-save as one replicated tensor), an FP8 LM head under TP, compile=True under TP (its collectives
-run eagerly), and the FP8 statistics.
+save as one replicated tensor), an FP8 LM head under TP, compile=True under TP (its layers' collectives
+break the graph), and the FP8 statistics.
 """
 
 import hashlib
