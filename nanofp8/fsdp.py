@@ -401,8 +401,11 @@ def agree_amaxes(model):
     every rank (the bytes agree), only no longer the weight's own amax."""
     by_mesh = {}
     for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, Fp8AllGatherLinear) and isinstance(w, DTensor) and isinstance(w._local_tensor, Fp8AllGatherWeight):
+        if not isinstance(m, Fp8AllGatherLinear):
+            continue
+        m.agreed_amaxes = None  # (a layer left out here agrees its own in the all-gather)
+        w = m.weight
+        if isinstance(getattr(w, "_local_tensor", None), Fp8AllGatherWeight):  # (sharded by FSDP2)
             by_mesh.setdefault(w.device_mesh, []).append(m)
     for mesh, layers in by_mesh.items():
         grids = []

@@ -236,7 +236,8 @@ def run_other_layouts(mesh):
     seen = {}
 
     def first(m, args):
-        seen.setdefault("w", (m.weight.dtype, [(q.data.clone(), q.scale.clone()) for q in F8.gathered_operands(m.weight)]))
+        ops = F8.gathered_operands(m.weight)
+        seen.setdefault("w", (m.weight.dtype, [(q.data.clone(), q.scale.clone()) for q in ops]))
 
     model[0].register_forward_pre_hook(first)
     model(torch.randn(8, 32))
