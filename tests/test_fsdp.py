@@ -578,12 +578,22 @@ def test_the_gathered_weight_compiles_into_one_graph_with_its_gradient(name):
         layer.weight = nn.Parameter(F8.GatheredFp8Weight(recipe, (48, 256), torch.float32, u8, qw.scale, qw.amax, **t))
         layers.append(layer)
     counter = CompileCounterWithBackend("aot_eager")
-    ys = [layers[0](x), torch.compile(layers[1], backend=counter)(x)]
+    compiled = torch.compile(layers[1], backend=counter)
+    ys = [layers[0](x), compiled(x)]
     for y in ys:
         y.square().sum().backward()
     assert counter.frame_count == 1
     assert torch.equal(ys[0], ys[1])
     assert layers[1].weight.grad is not None and torch.equal(layers[0].weight.grad, layers[1].weight.grad)
+    # A later all-gather refills the bytes and hands over new scales (fsdp_post_all_gather's
+    # `out`): the graph reads them, without tracing again
+    for layer in layers:
+        w = layer.weight
+        w.w_u8.copy_(torch.flip(w.w_u8, [1]))
+        w.set_scales([2 * w.scale] + ([2 * w.scale_t] if name == "row" else []),
+                     [w.amax / 2] + ([w.amax_t / 2] if name == "row" else []))
+    assert torch.equal(compiled(x), layers[0](x)) and counter.frame_count == 1
+    assert not torch.equal(compiled(x), ys[0])
 
 
 def test_unsharded_it_is_the_fp8_linear():
