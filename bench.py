@@ -485,6 +485,7 @@ def _comm_torch_worker(rank, world, port, level, out):
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
     from nanofp8 import dist as fdist
     from nanofp8 import torchstack
+    from nanofp8.fsdp import agree_after_steps
     from nanofp8.layout import make_layout
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -493,6 +494,8 @@ def _comm_torch_worker(rank, world, port, level, out):
     model = torchstack.shard_model(model, {"precision": level, "sequence_parallel": False, "fsdp_param_dtype": "fp32"},
                                    make_layout(device="cpu", engine="torch"), "fp8")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if level == "O1":  # the amaxes agreed once per step, as train.py agrees them (run.restore_state)
+        agree_after_steps(opt, model)
     sent = {"all_gather": 0, "reduce_scatter": 0}
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch 2.11: the latter)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -394,8 +394,10 @@ def check_model_parallel(cfg):
                           "nanofp8/parallel.py has no O2/O3 layers (fp16 master weights, FP8 optimizer "
                           "state); use precision=O1 or bf16, or tensor_parallel=1 pipeline_parallel=1")
     if cfg["compile"]:
-        raise ConfigError(f"compile=True with tensor_parallel={tp}, pipeline_parallel={pp}: the parallel "
-                          "layers run eagerly (their collectives are not compiled); set compile=False")
+        why = ("torch.compile breaks the graph at every tensor-parallel layer (the collectives and byte counts "
+               "inside its autograd Functions) and fails under sequence parallelism") if tp > 1 else \
+            "the pipeline stages run eagerly (their sends and receives are not compiled)"
+        raise ConfigError(f"compile=True with tensor_parallel={tp}, pipeline_parallel={pp}: {why}; set compile=False")
 
 
 def check_engine(cfg):
@@ -426,10 +428,6 @@ def check_engine(cfg):
     if tp > 1 and cfg["fp8_lm_head"]:
         raise ConfigError(f"fp8_lm_head=True with engine=torch and tensor_parallel={tp}: the replicated LM head runs "
                           f"bf16 there; set fp8_lm_head=False, or {use}")
-    if cfg["compile"] and cfg["precision"] != "bf16" and tp == 1:
-        raise ConfigError(f"compile=True with engine=torch at precision={cfg['precision']}: torch.compile does not "
-                          f"follow FSDP2's all-gather of FP8 weights (nanofp8/fsdp.py; compiled, a 2-rank run trained "
-                          f"wrong); set compile=False, or {use}")
     if cfg["fp8_stats_interval"]:
         raise ConfigError(f"fp8_stats_interval={cfg['fp8_stats_interval']} with engine=torch: the FP8 statistics "
                           f"are collected by the hand-written engine only; set fp8_stats_interval=0, or {use}")
@@ -437,14 +435,12 @@ def check_engine(cfg):
 
 def compile_choice(cfg, layout):
     """Whether train.py torch.compiles the model, at this layout (nanofp8/layout.py): compile=True/False as given; None: on for CUDA, except
-    where the model is cut over ranks (its collectives run eagerly), where FP8 statistics observe
-    every cast, and where FSDP2 all-gathers FP8 weights (engine=torch, FP8 levels, data parallel,
-    no TP: nanofp8/fsdp.py). torch.compile does not follow that all-gather: compiled, a 2-rank
-    CPU run's loss rose where the eager run's fell."""
+    where the model is cut over ranks (its collectives run eagerly) and where FP8 statistics observe
+    every cast. Data parallelism compiles, FSDP2's FP8 all-gather (engine=torch, nanofp8/fsdp.py)
+    included: its hooks run between the compiled graphs, which read the gathered FP8 weight."""
     if cfg["compile"] is not None:
         return cfg["compile"]
-    fp8_all_gather = layout.engine == "torch" and cfg["precision"] != "bf16" and layout.dp > 1 and layout.tp == 1
-    return layout.device_type == "cuda" and not (layout.model_parallel or cfg["fp8_stats_interval"] or fp8_all_gather)
+    return layout.device_type == "cuda" and not (layout.model_parallel or cfg["fp8_stats_interval"])
 
 
 def check_accumulation(cfg, dp_size):

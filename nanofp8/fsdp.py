@@ -68,17 +68,22 @@ fp8_all_gather(model) records what it left, and why, in model.fp8_all_gather_lef
 cuts a weight unevenly (17 rows on 2 ranks: 9 + 8), each piece is padded to the longest, as
 FSDP2 requires of what an extension sends, and the padding rows are never read.
 
-5. Counting bytes, and why there is no post-step hook
------------------------------------------------------
+5. Counting bytes, and one amax all-reduce per step
+---------------------------------------------------
 Each FP8 all-gather adds its payload to nanofp8.counter's COMM as "fsdp_all_gather_fp8" (the
-bytes the rank hands over; (W-1) times that on the wire) and its amax all-reduce as
+bytes the rank hands over; (W-1) times that on the wire) and each amax all-reduce as
 "fsdp_amax_all_reduce". FSDP2 sends all parameters of a module in one collective; the FP8
 pieces ride in it beside the fp32 biases (as uint8 bytes, since the dtypes differ). Those other
 parameters are FSDP2's own bytes, which COMM does not see.
-The scale is measured inside the all-gather, from the piece about to travel, so it can never be
-stale, and no hook after the optimizer step is needed. (torchao offers one that computes every
-weight's scale in a single all-reduce after the step: a latency saving of one small collective
-per layer, paid for with a second source of truth.)
+By itself each all-gather agrees its weight's amaxes, from the piece about to travel: never
+stale, one small all-reduce per weight and all-gather (forward and backward, every micro-step).
+agree_amaxes(model) agrees those of all weights in ONE all-reduce instead, kept on each layer
+for the all-gathers until the next call; agree_after_steps(optimizer, model) makes the optimizer
+call it after every step (train.py does, at engine=torch). The maximum is exact in any grouping,
+so the amaxes, scales and bytes are those the all-gathers agree (tests/test_fsdp.py). A
+load_state_dict of a layer forgets its agreed amaxes (the next all-gather agrees its own); a
+weight written any other way after the call keeps them until the next one: the same on every
+rank, so the bytes still agree, but no longer the weight's own amax.
 """
 
 import inspect
@@ -141,20 +146,14 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         piece, r = self.hp, module.recipe
-        dim = mesh.ndim - 1  # the dim FSDP2 shards along (HSDP: (replicate, shard))
-        group, world = mesh.get_group(dim), mesh.size(dim)
         n, k = outer_size
         if piece.shape[1:] != (k,):
             raise ValueError(f"{module.fqn}: FP8 all-gathers need FSDP2 to shard weights along dim 0 "
                              f"(its default); drop the shard_placement_fn for this layer")
-        rows = -(-n // world)  # torch.chunk's piece; the last ones may be short or empty
-        start = min(mesh.get_local_rank(dim) * rows, n)
-        grids = _local_amaxes(piece, start, n, k, r)
-        flat = torch.cat([g.reshape(-1) for g in grids])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)  # the amaxes of the whole weight
-        COMM.add("fsdp_amax_all_reduce", flat.nbytes, flat.nbytes * 2 * (world - 1) / world)
-        amaxes = torch.split(flat, [g.numel() for g in grids])
-        amaxes = [a.view(g.shape) for a, g in zip(amaxes, grids)]
+        group, world, rows, start = _shard_place(mesh, n)
+        amaxes = module.agreed_amaxes  # (agree_amaxes, after the optimizer step)
+        if amaxes is None:  # the amaxes of the whole weight, agreed here
+            amaxes = _agree([_local_amaxes(piece, start, n, k, r)], group, world)[0]
         fmt = r.fwd_fmt
         scales = [r.scale_rule(a, fmt, r.margin, r.power_of_two) for a in amaxes]
         sent = []
@@ -172,14 +171,39 @@ class Fp8AllGatherWeight(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         recipe, shape, scales, amaxes = metadata
         if out is not None:  # the same buffers, refilled: only the scales are new
-            out.scales, out.amaxes = scales, amaxes
+            out.set_scales(scales, amaxes)
             return
         copies = 2 if recipe.granularity == "row" else 1
         data = tuple(all_gather_outputs)
         if len(data) < copies:  # (one rank: the copies arrived as one, see fsdp_pre_all_gather)
             data = data[0].chunk(copies)
-        w = GatheredFp8Weight(data, recipe, shape, scales, amaxes, param_dtype)
+        t = {"wt_u8": data[1], "scale_t": scales[1], "amax_t": amaxes[1]} if copies == 2 else {}
+        w = GatheredFp8Weight(recipe, shape, param_dtype, data[0], scales[0], amaxes[0], **t)
         return w, tuple(all_gather_outputs)
+
+
+def _shard_place(mesh, n):
+    """(group, ranks, rows per piece, first row of this rank's piece) of an (n, k) weight that
+    FSDP2 cuts along dim 0 over the last dim of `mesh` (HSDP: (replicate, shard))."""
+    dim = mesh.ndim - 1
+    world = mesh.size(dim)
+    rows = -(-n // world)  # torch.chunk's piece; the last ones may be short or empty
+    return mesh.get_group(dim), world, rows, min(mesh.get_local_rank(dim) * rows, n)
+
+
+def _agree(grids, group, world):
+    """Each weight's list of local amax grids (_local_amaxes) -> those of the whole weights: one
+    MAX all-reduce for all of them (a max rounds nothing, so it is the same in any grouping)."""
+    flat = torch.cat([g.reshape(-1) for gs in grids for g in gs])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    COMM.add("fsdp_amax_all_reduce", flat.nbytes, flat.nbytes * 2 * (world - 1) / world)
+    out, at = [], 0
+    for gs in grids:
+        out.append([])
+        for g in gs:
+            out[-1].append(flat[at:at + g.numel()].view(g.shape))
+            at += g.numel()
+    return out
 
 
 def _local_amaxes(piece, start, n, k, r):
@@ -221,34 +245,45 @@ def _piece_scales(scales, start, rows, k, r):
 
 
 class GatheredFp8Weight(torch.Tensor):
-    """The unsharded weight FSDP2 rebuilds from the FP8 all-gather: the bytes (one copy, or two
-    for row scaling; uint8, padded rows at the end) and the agreed scales. operands() gives the
-    FP8 W and W^T of the forward and dgrad GEMMs. Any other use sees the dequantized weight."""
+    """The unsharded weight FSDP2 rebuilds from the FP8 all-gather: the bytes (uint8, padded rows
+    at the end) and the agreed scales and amaxes of W; for row scaling also those of W cast along
+    N, for W^T (`*_t`; None otherwise). gathered_operands(w) gives the FP8 W and W^T of the
+    forward and dgrad GEMMs. Any other use sees the dequantized weight.
+
+    A traceable subclass (__tensor_flatten__ names its inner tensors), so that torch.compile
+    takes the weight as one input of the graph and reads its bytes and scales from it. A plain
+    subclass is not that: dynamo lifts each tensor read off its attributes as an input of its
+    own, the weight itself is then no input of the graph, and the gradient the autograd Function
+    returns for it is dropped (compiled, the FP8 weights got no gradient and never trained)."""
 
     @staticmethod
-    def __new__(cls, data, recipe, shape, scales, amaxes, dtype):
-        return _wrapper(cls, data[0], torch.Size(shape), dtype)
+    def __new__(cls, recipe, shape, dtype, w_u8, scale, amax, wt_u8=None, scale_t=None, amax_t=None):
+        return _wrapper(cls, w_u8, torch.Size(shape), dtype)
 
-    def __init__(self, data, recipe, shape, scales, amaxes, dtype):
-        self.data_u8, self.recipe, self.scales, self.amaxes = data, recipe, scales, amaxes
+    def __init__(self, recipe, shape, dtype, w_u8, scale, amax, wt_u8=None, scale_t=None, amax_t=None):
+        self.recipe, self.w_u8, self.scale, self.amax = recipe, w_u8, scale, amax
+        self.wt_u8, self.scale_t, self.amax_t = wt_u8, scale_t, amax_t
 
     def __repr__(self):
         return f"GatheredFp8Weight(shape={tuple(self.shape)}, recipe={self.recipe})"
 
-    def operands(self):
-        n, k = self.shape
-        r, fmt = self.recipe, self.recipe.fwd_fmt
-        fp8 = [d[:n].view(fmt.dtype) for d in self.data_u8]
-        if r.granularity == "row":
-            qw = Fp8Tensor(fp8[0], self.scales[0], fmt, "row", (1, k), self.shape, self.dtype, self.amaxes[0])
-            wt = fp8[1].t()  # W cast with column scales, read transposed: W^T along N
-            return qw, Fp8Tensor(wt, self.scales[1], fmt, "row", (1, n), wt.shape, self.dtype, self.amaxes[1])
-        block = (1, k) if r.granularity == "tensor" else tuple(r.weight_tile)
-        qw = Fp8Tensor(fp8[0], self.scales[0], fmt, r.granularity, block, self.shape, self.dtype, self.amaxes[0])
-        return qw, qw.t()
+    def inner(self):
+        """The inner tensors by name (the `*_t` ones where they exist)."""
+        names = ("w_u8", "scale", "amax", "wt_u8", "scale_t", "amax_t")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
-    def dequantize(self):
-        return dequantize(self.operands()[0], self.dtype)
+    def __tensor_flatten__(self):
+        return list(self.inner()), (self.recipe, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return GatheredFp8Weight(meta[0], outer_size, meta[1], **inner)
+
+    def set_scales(self, scales, amaxes):
+        """A later all-gather's scales and amaxes (it refilled the same byte buffers)."""
+        self.scale, self.amax = scales[0], amaxes[0]
+        if len(scales) > 1:
+            self.scale_t, self.amax_t = scales[1], amaxes[1]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -257,9 +292,26 @@ class GatheredFp8Weight(torch.Tensor):
             w = args[0]
             if func is torch.ops.aten.as_strided.default and tuple(args[1]) != tuple(w.shape):
                 raise NotImplementedError(f"GatheredFp8Weight: as_strided to {tuple(args[1])}")
-            return GatheredFp8Weight(w.data_u8, w.recipe, w.shape, w.scales, w.amaxes, w.dtype)
-        args, kwargs = tree_map_only(GatheredFp8Weight, lambda t: t.dequantize(), (args, kwargs or {}))
+            return GatheredFp8Weight(w.recipe, w.shape, w.dtype, **w.inner())
+        args, kwargs = tree_map_only(GatheredFp8Weight, lambda t: dequantize(gathered_operands(t)[0], t.dtype),
+                                     (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def gathered_operands(w):
+    """FP8 W (N, K) and W^T (K, N) of a GatheredFp8Weight: views of its bytes, with its scales.
+    (A function, not a method: compiled, a method of a tensor subclass would be a torch function
+    that returns no tensor, and break the graph there.)"""
+    n, k = w.shape
+    r, fmt = w.recipe, w.recipe.fwd_fmt
+    qw_data = w.w_u8[:n].view(fmt.dtype)
+    if r.granularity == "row":
+        qw = Fp8Tensor(qw_data, w.scale, fmt, "row", (1, k), w.shape, w.dtype, w.amax)
+        wt = w.wt_u8[:n].view(fmt.dtype).t()  # W cast with column scales, read transposed: W^T along N
+        return qw, Fp8Tensor(wt, w.scale_t, fmt, "row", (1, n), wt.shape, w.dtype, w.amax_t)
+    block = (1, k) if r.granularity == "tensor" else tuple(r.weight_tile)
+    qw = Fp8Tensor(qw_data, w.scale, fmt, r.granularity, block, w.shape, w.dtype, w.amax)
+    return qw, qw.t()
 
 
 # -----------------------------------------------------------------------------
@@ -271,13 +323,18 @@ class Fp8AllGatherLinear(Fp8Linear):
     FP8 operands as they arrived. Unsharded (one process, before fully_shard) it casts its
     weight itself, on every forward: the same bytes, since one process agrees with itself."""
 
+    # The amaxes of the whole weight, agreed by agree_amaxes for all layers at once after an
+    # optimizer step; None: the all-gather agrees them itself. (Kept on the layer, not on the
+    # weight's piece: FSDP2 may swap a padded piece for a new tensor at its first forward.)
+    agreed_amaxes = None
+
     def hp_weight(self):
         w = self.weight
         return w.hp if isinstance(w, Fp8AllGatherWeight) else w
 
     def weight_operands(self):
         w = self.weight
-        return w.operands() if isinstance(w, GatheredFp8Weight) else self.cast_weight()
+        return gathered_operands(w) if isinstance(w, GatheredFp8Weight) else self.cast_weight()
 
 
 def _refusal(m):
@@ -306,6 +363,7 @@ def _fp8_all_gather_layer(m):
     new.observer, new.cache_weight = m.observer, m.cache_weight
     new.weight = nn.Parameter(Fp8AllGatherWeight(m.weight.data), m.weight.requires_grad)
     new.register_state_dict_post_hook(_plain_weight)
+    new.register_load_state_dict_post_hook(_forget_agreed)
     return new
 
 
@@ -332,6 +390,46 @@ def fp8_all_gather(model):
     return model
 
 
+@torch.no_grad()
+def agree_amaxes(model):
+    """Agree the amaxes of every FP8-all-gathered weight of a sharded model now, with one MAX
+    all-reduce per mesh (in a model sharded as train.py does: one), where each all-gather would
+    send one of its own. The next all-gathers take them as they are, until the next call (or a
+    load_state_dict of the layer, which forgets them): call it after every optimizer step, as
+    agree_after_steps makes the optimizer do. The same amaxes, so the same scales and bytes, as
+    the all-gathers agree; ones left stale by a weight written otherwise are still the same on
+    every rank (the bytes agree), only no longer the weight's own amax."""
+    by_mesh = {}
+    for m in model.modules():
+        if not isinstance(m, Fp8AllGatherLinear):
+            continue
+        m.agreed_amaxes = None  # (a layer left out here agrees its own in the all-gather)
+        w = m.weight
+        if isinstance(getattr(w, "_local_tensor", None), Fp8AllGatherWeight):  # (sharded by FSDP2)
+            by_mesh.setdefault(w.device_mesh, []).append(m)
+    for mesh, layers in by_mesh.items():
+        grids = []
+        for m in layers:
+            (n, k), (group, world, rows, start) = m.weight.shape, _shard_place(mesh, m.weight.shape[0])
+            piece = m.weight._local_tensor.hp[:n - start]  # (its rows of the weight, never padding)
+            grids.append(_local_amaxes(piece, start, n, k, m.recipe))
+        for m, amaxes in zip(layers, _agree(grids, group, world)):
+            m.agreed_amaxes = amaxes
+
+
+def agree_after_steps(optimizer, model):
+    """Make `optimizer` call agree_amaxes(model) after each of its steps, and agree them now, for
+    the first forward; returns the optimizer."""
+    optimizer.register_step_post_hook(lambda *_: agree_amaxes(model))
+    agree_amaxes(model)
+    return optimizer
+
+
+def _forget_agreed(module, keys):
+    """A loaded weight has amaxes of its own: the next all-gather agrees them."""
+    module.agreed_amaxes = None
+
+
 def _plain_weight(module, state_dict, prefix, local_metadata):
     """The state_dict holds the plain fp32 values (sharing storage with the weight, so loading
     into them, as DCP does, loads the weight): no checkpoint ever pickles the subclass."""
@@ -353,8 +451,8 @@ def convert(module, recipe=None, module_filter_fn=None):
     """torchao's convert_to_float8_training for any nn.Module: swap its nn.Linear layers that
     module_filter_fn(module, fqn) keeps (torchao's order of arguments; it must return a bool) and
     whose dims are multiples of 16 for FP8 layers whose weights all-gather in FP8 under FSDP2.
-    Returns the module, ready for fully_shard; no hook after the optimizer step is needed (the
-    scales are measured in the all-gather)."""
+    Returns the module, ready for fully_shard; no hook after the optimizer step is needed (each
+    all-gather agrees its scales; agree_after_steps agrees all of them in one all-reduce per step)."""
     if module_filter_fn is not None:
         try:
             inspect.signature(module_filter_fn).bind(None, None)

@@ -40,6 +40,7 @@ from .configurator import RECIPE_KEYS, ConfigError
 from .data import DataError
 from .dist import Fp8DataParallel
 from .fp8 import E4M3, E5M2, Recipe
+from .fsdp import agree_after_steps
 from .layout import GroupError, is_collective_failure, leave_process, report_collective_failure, stop
 from .model import GPTConfig
 from .o2_compile import cast_for_step
@@ -755,10 +756,14 @@ def resume_point(cfg, layout, vocab_size, log):
 
 def restore_state(model, optimizer, ckpt, converted, cfg, layout, log):
     """Optimizer state, position, dropout RNG and this rank's FP8 scaling state, then the FP8 weights
-    of the first step (O1: o2_compile.cast_for_step, with the restored scales). Returns (iter_num,
-    best_val_loss). Called after wrap_data_parallel, whose wrappers broadcast replica 0's buffers."""
+    of the first step (O1: o2_compile.cast_for_step, with the restored scales; engine=torch: the
+    amaxes of FSDP2's FP8 all-gathers, agreed now and after every step in one all-reduce,
+    fsdp.agree_after_steps). Returns (iter_num, best_val_loss). Called after wrap_data_parallel,
+    whose wrappers broadcast replica 0's buffers."""
     restored = _restore_state(model, optimizer, ckpt, converted, cfg, layout, log)
     cast_for_step(model, record=False)
+    if layout.engine == "torch" and cfg["precision"] == "O1":
+        agree_after_steps(optimizer, model)
     return restored
 
 

@@ -21,9 +21,10 @@ micro-step (holding whole gradients until the last one would cost the memory FSD
 the FP8 layers' weights travel in FP8 (nanofp8/fsdp.py): each rank casts its shard with scales
 all ranks agree on, so the gathered bytes are the FP8 cast of the whole weight, which the forward
 and dgrad GEMMs read as they are: a quarter of the fp32 all-gather's bytes (half with row scales,
-whose W^T travels as a second copy). torch.compile does not follow that all-gather (a compiled
-run trained wrong): compile stays off there (configurator.compile_choice). With TP as well, the
-weights are DTensors before FSDP2 cuts them, and gather in fp32.
+whose W^T travels as a second copy). torch.compile, of the model or of each block, trains as
+eager does there: FSDP2's hooks run between the graphs, which read the gathered FP8 weight
+(tests/test_fsdp.py). With TP as well, the weights are DTensors before FSDP2 cuts them, and gather
+in fp32.
 
 fsdp_param_dtype=bf16 (mixed_precision below; "auto" on CUDA) is FSDP2's MixedPrecisionPolicy:
 the parameters not gathered in FP8 travel and compute in bf16, their gradients reduce in fp32.
@@ -72,8 +73,8 @@ bf16 and O1, FSDP2 and/or TP (+SP). Not here, refused by the config check with t
 pipeline parallelism, O2 and O3 (their FP8 weight gradient lives outside .grad, which is all
 FSDP2 reduce-scatters; their moments carry a scale per 128 values of a shard, tied to the
 layout that cut it), delayed scaling under TP (one amax history per TP rank, which DCP would
-save as one replicated tensor), an FP8 LM head under TP, compile=True where FSDP2 gathers FP8
-weights, and the FP8 statistics.
+save as one replicated tensor), an FP8 LM head under TP, compile=True under TP (its layers' collectives
+break the graph), and the FP8 statistics.
 """
 
 import hashlib

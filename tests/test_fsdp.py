@@ -125,7 +125,7 @@ def run_encoder(mesh):
             "types": {n: type(m).__name__ for n, m in model.named_modules()}}
 
 
-def run_mlp(mesh, recipe, fp8_gather=True):
+def run_mlp(mesh, recipe, fp8_gather=True, agreed=False):
     model = convert_to_fp8(mlp(), recipe)
     if fp8_gather:
         F8.fp8_all_gather(model)
@@ -135,12 +135,14 @@ def run_mlp(mesh, recipe, fp8_gather=True):
 
     def first_operands(m, args):  # the first forward's gathered weight (FSDP2 unshards before)
         if isinstance(m.weight, F8.GatheredFp8Weight) and m.fqn not in operands:
-            operands[m.fqn] = [(q.data.clone(), q.scale.clone()) for q in m.weight.operands()]
+            operands[m.fqn] = [(q.data.clone(), q.scale.clone()) for q in F8.gathered_operands(m.weight)]
 
     for i in (0, 2, 4):
         model[i].register_forward_pre_hook(first_operands)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     comm_stats(reset=True)
+    if agreed:
+        F8.agree_after_steps(opt, model)
     losses, _ = train(model, opt, batches(32, 17, n=1))
     return {"losses": losses, "state": full_state(model), "seen": seen, "operands": operands,
             "comm": comm_stats()["by_op"], "left": getattr(model, "fp8_all_gather_left", None)}
@@ -161,14 +163,16 @@ def run_dcp(mesh, ckpt):
     plain = all(type(v._local_tensor) is torch.Tensor for v in msd.values()
                 if isinstance(v, DTensor))
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    F8.agree_amaxes(model)
     model.load_state_dict(model.state_dict())  # a plain round trip changes nothing
+    forgot = [m.agreed_amaxes is None for m in model.modules() if isinstance(m, F8.Fp8AllGatherLinear)]
     ahead = train(model, opt, data[2:])[0], full_state(model)
     model2, opt2 = fresh()
     msd2, osd2 = get_state_dict(model2, opt2)
     dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=ckpt)
     set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
     resumed = train(model2, opt2, data[2:])[0], full_state(model2)
-    return {"plain": plain, "ahead": ahead, "resumed": resumed}
+    return {"plain": plain, "ahead": ahead, "resumed": resumed, "forgot": forgot}
 
 
 def gpt():
@@ -195,12 +199,23 @@ def train_gpt(model, opt):
     return losses
 
 
-def run_gpt(mesh):
+def run_gpt(mesh, compiled=None, agreed=False):
+    """compiled: None (eager), "block" (each block compiled in place before fully_shard, as
+    torchtitan does) or "model" (the sharded model, as train.py does), with aot_eager: dynamo and
+    AOTAutograd, where the FP8 weights once lost their gradients. agreed: the amaxes agreed once
+    per step, after it (agree_after_steps), not in every all-gather."""
     model = F8.fp8_all_gather(gpt())  # as engine=torch uses it: after model.apply_fp8
+    if compiled == "block":
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     shard(model, mesh, model.blocks)
+    run = torch.compile(model, backend="aot_eager") if compiled == "model" else model
     comm_stats(reset=True)
-    return {"losses": train_gpt(model, torch.optim.AdamW(model.parameters(), lr=1e-3)),
-            "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"]}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if agreed:
+        F8.agree_after_steps(opt, model)
+    return {"losses": train_gpt(run, opt), "left": model.fp8_all_gather_left, "comm": comm_stats()["by_op"],
+            "state": full_state(model)}
 
 
 def run_other_layouts(mesh):
@@ -221,7 +236,8 @@ def run_other_layouts(mesh):
     seen = {}
 
     def first(m, args):
-        seen.setdefault("w", (m.weight.dtype, [(q.data.clone(), q.scale.clone()) for q in m.weight.operands()]))
+        ops = F8.gathered_operands(m.weight)
+        seen.setdefault("w", (m.weight.dtype, [(q.data.clone(), q.scale.clone()) for q in ops]))
 
     model[0].register_forward_pre_hook(first)
     model(torch.randn(8, 32))
@@ -233,9 +249,13 @@ def worker(rank, world, outdir):
 
     mesh = init_device_mesh("cpu", (world,))
     out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt")),
-           "gpt": run_gpt(mesh), "layouts": run_other_layouts(mesh)}
+           "gpt": run_gpt(mesh), "gpt_block": run_gpt(mesh, "block"), "gpt_model": run_gpt(mesh, "model"),
+           "gpt_agreed": run_gpt(mesh, agreed=True), "gpt_agreed_compiled": run_gpt(mesh, "model", agreed=True),
+           "layouts": run_other_layouts(mesh)}
     for name, recipe in EVERY_RECIPE.items():
         out[name] = run_mlp(mesh, recipe)
+    for name, recipe in RECIPES.items():
+        out[name + "_agreed"] = run_mlp(mesh, recipe, agreed=True)
     out["fp32"] = run_mlp(mesh, RECIPES["tensor"], fp8_gather=False)
     late = shard(convert_to_fp8(mlp(), RECIPES["tensor"]), mesh, [])  # sharded first, then asked
     out["late"] = F8.fp8_all_gather(late).fp8_all_gather_left
@@ -301,6 +321,58 @@ def test_the_projects_gpt_trains_as_one_process(ranks):
     for r in ranks:
         assert r["gpt"]["losses"] == losses and r["gpt"]["left"] == {}
         assert r["gpt"]["comm"]["fsdp_all_gather_fp8"]["calls"] == 2 * 2 * 4 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("compiled", ["block", "model"])
+def test_compiled_it_trains_as_eager(ranks, compiled):
+    """torch.compile per block (before fully_shard) or of the whole sharded model: the losses and
+    weights of the eager run, bit for bit, on both ranks, and so those of one process. Compiled,
+    the FP8 weights once got no gradient at all (the gathered weight was no input of the graph:
+    GatheredFp8Weight's docstring); their loss after the first step was then another."""
+    ref = gpt()
+    losses = train_gpt(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    for r in ranks:
+        got = r[f"gpt_{compiled}"]
+        assert got["losses"] == r["gpt"]["losses"] == losses
+        assert_same_state(got["state"], r["gpt"]["state"])
+        assert got["comm"]["fsdp_all_gather_fp8"]["calls"] == r["gpt"]["comm"]["fsdp_all_gather_fp8"]["calls"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("run", ["gpt_agreed", "gpt_agreed_compiled"])
+def test_one_amax_all_reduce_per_step(ranks, run):
+    """agree_after_steps: the amaxes of all 8 FP8 weights agreed by one all-reduce after each
+    optimizer step (and one before the first), where each all-gather agreed its own (2 blocks x 4
+    Linears x forward and backward x 2 steps = 32): the same losses and weights, bit for bit
+    (eager and compiled), and the same FP8 payload."""
+    for r in ranks:
+        got, each = r[run], r["gpt"]
+        assert each["comm"]["fsdp_amax_all_reduce"]["calls"] == 2 * 4 * 2 * 2
+        assert got["comm"]["fsdp_amax_all_reduce"]["calls"] == 1 + 2  # (before the first step, after each)
+        assert got["comm"]["fsdp_amax_all_reduce"]["bytes_in"] == 3 * 8 * 4  # one fp32 amax per weight
+        assert got["comm"]["fsdp_all_gather_fp8"] == each["comm"]["fsdp_all_gather_fp8"]
+        assert got["losses"] == each["losses"]
+        assert_same_state(got["state"], each["state"])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_amaxes_agreed_after_the_step_are_those_of_the_all_gather(ranks, name):
+    """Each recipe (tensor, row: two grids, block: tiles across the ranks' rows), amaxes agreed by
+    agree_after_steps: the gathered bytes and scales, losses and weights of the all-gathers that
+    agree their own, bit for bit; one all-reduce for the 3 weights (before the step, and after)."""
+    for r in ranks:
+        got, each = r[name + "_agreed"], r[name]
+        assert got["comm"]["fsdp_amax_all_reduce"]["calls"] == 2
+        assert got["losses"] == each["losses"]
+        assert_same_state(got["state"], each["state"])
+        for fqn, ops in each["operands"].items():
+            for (d0, s0), (d1, s1) in zip(ops, got["operands"][fqn], strict=True):
+                assert torch.equal(d0.view(torch.uint8), d1.view(torch.uint8)) and torch.equal(s0, s1), fqn
 
 
 @pytest.mark.slow
@@ -393,10 +465,12 @@ def test_the_bytes_on_the_wire(ranks):
 def test_dcp_resume_is_exact(ranks):
     """get_state_dict + dcp.save after 2 steps, dcp.load + set_state_dict into a fresh sharded
     model: the next 2 steps are bit-identical. The state dict holds plain fp32 tensors (no
-    subclass is ever saved), and model.load_state_dict(model.state_dict()) changes nothing."""
+    subclass is ever saved), and model.load_state_dict(model.state_dict()) changes nothing but
+    the amaxes agree_amaxes kept on the layers, which it forgets."""
     for r in ranks:
         got = r["dcp"]
         assert got["plain"]
+        assert got["forgot"] and all(got["forgot"])  # a load forgets the amaxes agree_amaxes agreed
         assert got["ahead"][0] == got["resumed"][0]
         assert_same_state(got["ahead"][1], got["resumed"][1])
 
@@ -476,11 +550,50 @@ def test_the_gathered_weight_reads_as_its_fp8_values(name):
     with torch.no_grad():
         layer.weight.copy_(w)
     (qw, _) = layer.cast_weight()
-    data = (qw.data.view(torch.uint8),) + ((qw.data.view(torch.uint8),) if name == "row" else ())
-    scales = (qw.scale, None) if name == "row" else (qw.scale,)
-    gathered = F8.GatheredFp8Weight(data, recipe, w.shape, scales, scales, torch.float32)
+    u8 = qw.data.view(torch.uint8)
+    t = {"wt_u8": u8, "scale_t": qw.scale, "amax_t": qw.amax} if name == "row" else {}
+    gathered = F8.GatheredFp8Weight(recipe, w.shape, torch.float32, u8, qw.scale, qw.amax, **t)
     assert torch.equal(gathered + 0, dequantize(qw))
     assert torch.equal(torch.zeros_like(gathered), torch.zeros(48, 256))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_gathered_weight_compiles_into_one_graph_with_its_gradient(name):
+    """A layer whose weight is a GatheredFp8Weight (what FSDP2 puts there before its forward),
+    under torch.compile: one graph, no break (the GEMMs read the weight's bytes in the graph),
+    and the output and the weight's gradient of eager mode, bit for bit (a plain subclass was no
+    input of the graph, and its gradient was dropped)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    recipe, x = RECIPES[name], torch.randn(8, 256)
+    torch._dynamo.reset()
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layer = F8.fp8_all_gather(convert_to_fp8(nn.Linear(256, 48), recipe))
+        qw, qwt = Fp8Linear.cast_weight(layer)
+        u8 = qw.data.view(torch.uint8)
+        t = {"wt_u8": qwt.data.t().contiguous().view(torch.uint8), "scale_t": qwt.scale,
+             "amax_t": qwt.amax} if name == "row" else {}
+        layer.weight = nn.Parameter(F8.GatheredFp8Weight(recipe, (48, 256), torch.float32, u8, qw.scale, qw.amax, **t))
+        layers.append(layer)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layers[1], backend=counter)
+    ys = [layers[0](x), compiled(x)]
+    for y in ys:
+        y.square().sum().backward()
+    assert counter.frame_count == 1
+    assert torch.equal(ys[0], ys[1])
+    assert layers[1].weight.grad is not None and torch.equal(layers[0].weight.grad, layers[1].weight.grad)
+    # A later all-gather refills the bytes and hands over new scales (fsdp_post_all_gather's
+    # `out`): the graph reads them, without tracing again
+    for layer in layers:
+        w = layer.weight
+        w.w_u8.copy_(torch.flip(w.w_u8, [1]))
+        w.set_scales([2 * w.scale] + ([2 * w.scale_t] if name == "row" else []),
+                     [w.amax / 2] + ([w.amax_t / 2] if name == "row" else []))
+    assert torch.equal(compiled(x), layers[0](x)) and counter.frame_count == 1
+    assert not torch.equal(compiled(x), ys[0])
 
 
 def test_unsharded_it_is_the_fp8_linear():

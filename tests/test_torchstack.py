@@ -342,7 +342,6 @@ def test_what_engine_torch_does_not_run_is_refused_in_one_line():
                        ([TORCH, TP2, "fp8_scaling=delayed", O1], "each TP rank keeps its own amax history"),
                        ([TORCH, TP2, "fp8_lm_head=True", O1], "fp8_lm_head=True with engine=torch"),
                        ([TORCH, "fp8_stats_interval=5", O1], "fp8_stats_interval=5 with engine=torch"),
-                       ([TORCH, "compile=True", O1], "torch.compile does not follow FSDP2's all-gather of FP8"),
                        ([TORCH, "fsdp_param_dtype=fp16"], "'fsdp_param_dtype' must be one of ['auto', 'bf16', 'fp32']"),
                        (["fsdp_param_dtype=bf16"], "the hand-written engine gathers no parameters"),
                        (["data_parallel_replicate=2"], "data_parallel_replicate=2 is FSDP2's HSDP (engine=torch)"),
@@ -356,6 +355,8 @@ def test_what_engine_torch_does_not_run_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match="data_parallel_replicate=2 must divide the 3 data-parallel ranks"):
         check_layout(load([TORCH, "data_parallel_replicate=2"]), True, 3)
+
+    assert load([TORCH, O1, "compile=True"])["compile"]  # FSDP2's FP8 all-gather compiles (tests/test_fsdp.py)
 
 
 def test_one_process_engine_torch_trains_and_checkpoints(tmp_path):
@@ -372,16 +373,16 @@ def test_one_process_engine_torch_trains_and_checkpoints(tmp_path):
     assert find_checkpoint(str(tmp_path / "stop"))[0].files == ["ckpt.pt", "dcp/__0_0.distcp", "dcp/.metadata"]
 
 
-def test_compile_stays_off_where_fsdp2_gathers_fp8_weights():
-    """A compiled 2-rank O1 run with FP8 all-gathers trained wrong (its loss rose at iter 1 where
-    the eager run's fell): compile=None must not turn it on there, while it stays on for CUDA
-    elsewhere."""
+def test_compile_is_on_for_cuda_where_fsdp2_gathers_fp8_weights():
+    """compile=None turns compile on for CUDA under FSDP2's FP8 all-gather (engine=torch, O1, data
+    parallel: compiled, it trains as eager, tests/test_fsdp.py), and keeps it off under TP, whose
+    collectives run eagerly, and on CPU."""
     from nanofp8.layout import Layout
     from nanofp8.configurator import compile_choice
 
     cfg = {"precision": "O1", "compile": None, "fp8_stats_interval": 0}
     cuda = dict(device="cuda:0", world=2)
-    assert not compile_choice(cfg, Layout(dp=2, engine="torch", **cuda))  # FSDP2 gathers FP8 weights
+    assert compile_choice(cfg, Layout(dp=2, engine="torch", **cuda))  # FSDP2 gathers FP8 weights
     assert compile_choice(cfg, Layout(dp=2, **cuda))  # the hand-written engine
     assert compile_choice({**cfg, "precision": "bf16"}, Layout(dp=2, engine="torch", **cuda))  # fp32 gathers
     assert compile_choice(cfg, Layout(engine="torch", device="cuda:0"))  # one process: nothing gathered
@@ -475,3 +476,39 @@ def test_conversions_between_the_engines_carry_the_moments(source, tmp_path):
         assert logged_losses(stdout)[-1] > 0 and "iter 5:" in stdout
         shutil.rmtree(out)  # the next resume converts the same source again
         train.main(common + [f"engine={source}", f"out_dir={out}"])
+
+
+def _agree_worker(rank, world, out_dir):
+    """train.py's engine=torch O1 model, optimizer and restore_state on 2 gloo ranks, then two
+    steps of 2 micro-steps each: the amax all-reduces (nanofp8.counter's COMM) of each step."""
+    from nanofp8.counter import comm_stats
+    from nanofp8.layout import make_layout
+    from nanofp8.run import restore_state
+
+    cfg = train.load_config(["device=cpu", O1, TORCH, "compile=False", "batch_size=2", "block_size=16",
+                             "gradient_accumulation_steps=4", "n_layer=2", "n_head=2", "n_embd=32"])
+    layout = make_layout(engine="torch")
+    args = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    model = train.build_model(cfg, layout, args, None, None, lambda *a: None)[0]
+    opt = train.build_optimizer(model, cfg, "cpu")
+    restore_state(model, opt, None, None, cfg, layout, lambda *a: None)
+    g, calls = torch.Generator().manual_seed(rank), []
+    for _ in range(2):
+        comm_stats(reset=True)
+        batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, 64, (2, 2, 17), generator=g)]
+        torchstack.forward_backward(model, batches, layout, torch.autocast("cpu", dtype=torch.bfloat16))
+        opt.step()
+        opt.zero_grad()
+        calls.append(comm_stats()["by_op"].get("fsdp_amax_all_reduce", {}).get("calls"))
+    torch.save(calls, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_train_py_agrees_the_amaxes_once_per_step(tmp_path):
+    """engine=torch at O1 (FSDP2, FP8 all-gathers of the 8 block Linears): one amax all-reduce per
+    optimizer step, after it, where each all-gather agreed its own (8 weights x forward and
+    backward x 2 micro-steps = 32 per step)."""
+    spawn(_agree_worker, 2, str(tmp_path))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == [1, 1]

@@ -353,8 +353,9 @@ def test_config_errors(tmp_path):
         with pytest.raises(ConfigError, match=rf"precision={precision} with tensor_parallel=\d, "
                                               r"pipeline_parallel=\d: nanofp8/parallel.py has no O2/O3"):
             load([layout, f"precision={precision}"])
-    with pytest.raises(ConfigError, match="compile=True with tensor_parallel=2"):
-        load([TP2, "compile=True"])
+    with pytest.raises(ConfigError, match="compile=True with tensor_parallel=2, pipeline_parallel=1: torch.compile "
+                                          "breaks the graph at every tensor-parallel layer"):
+        load([TP2, "compile=True", "engine=torch"])
     with pytest.raises(ConfigError, match="'pipeline_parallel' must be positive"):
         load(["pipeline_parallel=0"])
     cfg = load([TP2, SP, "block_size=32", "precision=O1"])  # and what is fine
