@@ -337,8 +337,12 @@ class Fp8AllGatherLinear(Fp8Linear):
         return gathered_operands(w) if isinstance(w, GatheredFp8Weight) else self.cast_weight()
 
 
-def _refusal(m):
-    """Why layer m keeps the fp32 all-gather, or None when its weight can travel in FP8."""
+def _refusal(m, shared=()):
+    """Why layer m keeps the fp32 all-gather, or None when its weight can travel in FP8. shared:
+    the names of the other modules that hold m's weight Parameter (tied embeddings)."""
+    if shared:
+        return (f"its weight is also {', '.join(shared)}'s (tied), which reads it in high precision: a weight of "
+                f"its own would untie the two")
     if type(m) is not Fp8Linear:
         return f"{type(m).__name__} keeps a weight of its own making (O2/O3)"
     if m.recipe.scaling == "delayed":
@@ -377,12 +381,17 @@ def fp8_all_gather(model):
         why = _refusal(model)
         model = model if why else _fp8_all_gather_layer(model)
         left = {model.fqn: why} if why else {}
+    holders = {}  # id of a Parameter -> the modules that hold it (two where an LM head is tied)
+    for fqn, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(fqn)
     for parent_name, parent in list(model.named_modules()):
         for name, m in list(parent.named_children()):
             if not isinstance(m, Fp8Linear) or isinstance(m, Fp8AllGatherLinear):
                 continue
             fqn = f"{parent_name}.{name}" if parent_name else name
-            if (why := _refusal(m)) is not None:
+            shared = [h for h in holders.get(id(m.weight), []) if h != fqn]
+            if (why := _refusal(m, shared)) is not None:
                 left[fqn] = why
             else:
                 setattr(parent, name, _fp8_all_gather_layer(m))

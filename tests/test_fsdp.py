@@ -175,12 +175,12 @@ def run_dcp(mesh, ckpt):
     return {"plain": plain, "ahead": ahead, "resumed": resumed, "forgot": forgot}
 
 
-def gpt():
+def gpt(fp8_lm_head=False):
     from nanofp8.model import GPT, GPTConfig, apply_fp8
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=96))
-    apply_fp8(model, RECIPES["tensor"])
+    apply_fp8(model, RECIPES["tensor"], fp8_lm_head=fp8_lm_head)
     return model
 
 
@@ -199,12 +199,12 @@ def train_gpt(model, opt):
     return losses
 
 
-def run_gpt(mesh, compiled=None, agreed=False):
+def run_gpt(mesh, compiled=None, agreed=False, fp8_lm_head=False):
     """compiled: None (eager), "block" (each block compiled in place before fully_shard, as
     torchtitan does) or "model" (the sharded model, as train.py does), with aot_eager: dynamo and
     AOTAutograd, where the FP8 weights once lost their gradients. agreed: the amaxes agreed once
     per step, after it (agree_after_steps), not in every all-gather."""
-    model = F8.fp8_all_gather(gpt())  # as engine=torch uses it: after model.apply_fp8
+    model = F8.fp8_all_gather(gpt(fp8_lm_head))  # as engine=torch uses it: after model.apply_fp8
     if compiled == "block":
         for block in model.blocks:
             block.compile(backend="aot_eager")
@@ -251,6 +251,7 @@ def worker(rank, world, outdir):
     out = {"encoder": run_encoder(mesh), "dcp": run_dcp(mesh, os.path.join(outdir, "ckpt")),
            "gpt": run_gpt(mesh), "gpt_block": run_gpt(mesh, "block"), "gpt_model": run_gpt(mesh, "model"),
            "gpt_agreed": run_gpt(mesh, agreed=True), "gpt_agreed_compiled": run_gpt(mesh, "model", agreed=True),
+           "gpt_fp8_head": run_gpt(mesh, fp8_lm_head=True),
            "layouts": run_other_layouts(mesh)}
     for name, recipe in EVERY_RECIPE.items():
         out[name] = run_mlp(mesh, recipe)
@@ -321,6 +322,20 @@ def test_the_projects_gpt_trains_as_one_process(ranks):
     for r in ranks:
         assert r["gpt"]["losses"] == losses and r["gpt"]["left"] == {}
         assert r["gpt"]["comm"]["fsdp_all_gather_fp8"]["calls"] == 2 * 2 * 4 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_tied_fp8_lm_head_stays_tied(ranks):
+    """The GPT's LM head in FP8 shares its weight with the token embedding (tied): a weight of its
+    own for the FP8 all-gather would untie the two, and the embedding's and the head's gradients
+    would train two matrices (the second step's loss was 4.6036, one process's 4.6053). The head
+    keeps the fp32 all-gather, and says why; the one-process losses, bit for bit."""
+    ref = gpt(fp8_lm_head=True)
+    losses = train_gpt(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    for r in ranks:
+        assert r["gpt_fp8_head"]["losses"] == losses
+        assert list(r["gpt_fp8_head"]["left"]) == ["lm_head"] and "tok_emb's (tied)" in r["gpt_fp8_head"]["left"]["lm_head"]
 
 
 @pytest.mark.slow
