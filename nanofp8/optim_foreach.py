@@ -5,15 +5,15 @@ the loop. This is torch.optim's own pair, _multi_tensor_adamw beside _single_ten
 tests/test_optim.py holds the two bit-equal over many steps of adversarial gradients.
 
 Each elementwise operation is one torch._foreach_* call over every O2 weight (or every fp32
-parameter) of a run, so the update is ~140 operator calls whatever the model's depth, plus five per
-O2 weight: the three draws of its seeded rounding noise and the block amaxes of m and v
-(tests/test_optim.py counts them). Each tensor gets the same operations in the same order as in
+parameter) of a run, so the update is ~170 operator calls whatever the model's depth (the rounding
+noise of a whole run is one hash per stream, rounding_noise_all), plus two per O2 weight: the block
+amaxes of m and v (tests/test_optim.py counts them). Each tensor gets the same operations in the same order as in
 the loop, so the results are the same bits (the CPU runs a foreach op tensor by tensor with the
 ordinary kernels).
 
-The price is transient memory: the fp32 copies of w, m, v and g, the int32 rounding noise of three
-tensors and the update's intermediates come to several dozen bytes per value while a foreach call
-runs, ten times the state O2 keeps. So the step takes the O2 weights of a group in runs of at most
+The price is transient memory: the fp32 copies of w, m, v and g, the int64 element counters and
+int32 rounding noise, and the update's intermediates come to several dozen bytes per value while a
+foreach call runs, ten times the state O2 keeps. So the step takes the O2 weights of a group in runs of at most
 STEP_CHUNK = 2^25 values (a larger weight alone), which changes no bit (tests/test_optim.py): the
 step's temporaries stay a few GB whatever the model's size, at the price of ~140 more operator
 calls per run.
@@ -27,8 +27,8 @@ import torch
 
 from nanofp8.emulate import amax_each
 from nanofp8.fp8 import compute_scale
-from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, fp8_grad, fp16_scale, holds_fp8_grad,
-                           state_block)
+from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, counter_noise, fp8_grad, fp16_scale,
+                           holds_fp8_grad, noise_bits, noise_key, state_block)
 
 STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls
 
@@ -203,6 +203,30 @@ def update_plain(opt, group, ps):
     torch._foreach_copy_(ps, ws)
 
 
+def rounding_noise_all(opt, numbers, ts, gs, starts):
+    """[opt.rounding_noise(i, t, g, start)] for a run of tensors, made as one flat tensor per
+    stream (the keys and element numbers of all tensors side by side), so the number of operator
+    calls does not grow with the number of tensors; the same bits as the per-tensor calls."""
+    if not gs:
+        return []
+    numels = [g.numel() for g in gs]
+    total, device = sum(numels), gs[0].device
+    sizes = torch.tensor(numels, device=device)
+
+    def per_element(values):  # one int64 value per tensor, repeated over its elements
+        return torch.repeat_interleave(torch.tensor(values, dtype=torch.int64, device=device), sizes, output_size=total)
+
+    firsts = [sum(numels[:k]) for k in range(len(numels))]  # (where each tensor begins in the run)
+    element = torch.arange(total, dtype=torch.int64, device=device) + per_element(
+        [s - f for s, f in zip(starts, firsts)])
+    noises = [{} for _ in gs]
+    for stream, (name, fmt) in enumerate(opt.rounded_formats().items()):
+        keys = per_element([noise_key(opt.seed, t, i, stream) for i, t in zip(numbers, ts)])
+        for n, part, g in zip(noises, counter_noise(keys, element, noise_bits(fmt)).split(numels), gs):
+            n[name] = part.view(g.shape)
+    return noises
+
+
 def update_decoupled(opt, group, numbers, ps, ws, gs):
     """The O2 update of a run of O2 weights ps of one param group (O3: this rank's shards of them),
     numbers: their parameter numbers (the rounding noise's seed), ws and gs: their fp32 masters and
@@ -210,7 +234,11 @@ def update_decoupled(opt, group, numbers, ps, ws, gs):
     for each one's master: the caller stores the masters (O2: in the layers; O3: in the state)."""
     sts = [opt.state[p] for p in ps]
     ts = count_steps(sts)
-    noises = [opt.rounding_noise(i, t, g) for i, t, g in zip(numbers, ts, gs)]
+    starts = [opt.shard_start(p) for p in ps]
+    if opt.foreach:
+        noises = rounding_noise_all(opt, numbers, ts, gs, starts)
+    else:
+        noises = [opt.rounding_noise(i, t, g, s) for i, t, g, s in zip(numbers, ts, gs, starts)]
     if opt.foreach:
         ws = update(opt, ws, gs, sts, group, ts, noises)
     else:
