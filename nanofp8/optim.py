@@ -76,7 +76,9 @@ moments dequantized to fp32, Adam in torch.optim.AdamW's operations and order (F
 which O3 runs on its shards), the new m, v and master rounded into their formats. Its twin,
 nanofp8/optim_foreach.py (foreach=True, the default), makes the same operations on all tensors of a
 param group at once, in a number of launches that does not grow with depth: torch.optim's
-_single_tensor_adamw / _multi_tensor_adamw, bit-equal.
+_single_tensor_adamw / _multi_tensor_adamw, bit-equal. nanofp8/optim_fused.py (fused=True)
+compiles the loop's operations for all O2 weights of a group with torch.compile: a few kernels per
+weight, each stored tensor read and written once, within one code of the loop's values.
 """
 
 import math
@@ -407,18 +409,20 @@ class Fp8AdamW(torch.optim.Optimizer):
     State per parameter: step, and the moments of `self.moments` (ADAMW_MOMENTS[v_format]: m and
     v, or sqrt(v)), each with its scale for an O2 weight, in fp32 for the others. `seed` picks
     the stream of stochastic rounding (5). foreach: True or None (the default) steps on
-    nanofp8/optim_foreach.py, False on the loop of step()."""
+    nanofp8/optim_foreach.py, False on the loop of step(). fused=True: the O2 weights' update
+    compiled into a few kernels per weight (nanofp8/optim_fused.py)."""
 
     rank = 0  # O3 (nanofp8/zero.py) sets its data-parallel rank
     sharded = False  # O3: each rank holds, and saves, only its shard of the O2 weights' state
 
     def __init__(self, params, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 v_format="fp16", seed=0, foreach=None):
+                 v_format="fp16", seed=0, foreach=None, fused=False):
         if v_format not in ADAMW_MOMENTS:
             raise ValueError(f"v_format={v_format!r}; expected one of {tuple(ADAMW_MOMENTS)}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.v_format, self.moments, self.seed = v_format, ADAMW_MOMENTS[v_format], seed
         self.foreach = True if foreach is None else bool(foreach)
+        self.fused = bool(fused)  # nanofp8/optim_fused.py
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         for m in self.o2.values():
             m.ensure_grad_hook()
@@ -520,6 +524,10 @@ class Fp8AdamW(torch.optim.Optimizer):
         if not bool(self.grads_finite() if grads_finite is None else grads_finite):
             self.skipped_steps += 1  # a NaN or inf gradient: nothing changes
             return False
+        if self.fused:  # the loop below, compiled: nanofp8/optim_fused.py
+            from nanofp8 import optim_fused
+            optim_fused.step(self)
+            return True
         if self.foreach:  # the twin of the loop below
             _foreach().step(self)
             return True

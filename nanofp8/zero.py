@@ -127,6 +127,9 @@ class ZeroFp8AdamW(Fp8AdamW):
     sharded = True  # (Fp8AdamW.sharded)
 
     def __init__(self, params, model, group=None, v_format="fp16", **kw):
+        if kw.get("fused"):
+            raise ValueError("fused=True compiles O2's step; O3 steps its shards on the foreach path: "
+                             "leave fused unset")
         self.group, self.world = group, dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         super().__init__(params, model, v_format=v_format, **kw)

@@ -39,10 +39,12 @@ def fresh_linear(seed=0, n=N):
     return nn.Linear(n, n, bias=False)
 
 
-def o2_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS):
+def o2_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS, fused=False):
+    """O2 of a copy of lin: (its O2Linear, its Fp8AdamW), the step the foreach one, or with
+    fused=True the compiled one (nanofp8/optim_fused.py)."""
     model = convert_to_o2(convert_to_fp8(nn.Sequential(copy.deepcopy(lin)), Recipe()))
     return model[0], Fp8AdamW(model.parameters(), model, lr=lr, betas=betas, weight_decay=wd,
-                              v_format=v_format)
+                              v_format=v_format, fused=fused)
 
 
 def o3_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS):
@@ -157,14 +159,19 @@ def adversarial_grads(seed, steps=30, shape=(32, 64)):
 # 1. Moments that cannot disagree
 
 
+# the step's paths: foreach (the default), and compiled (a compile of a few dozen seconds: slow)
+PATHS = ["foreach", pytest.param("fused", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("v_format", ["fp16", "fp8"])
 @pytest.mark.parametrize("size,at", [(1e5, (0, 40)), (2e5, (0, 50))])
-def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at):
+def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at, path):
     lin = fresh_linear()
     grads = spike_grads(size, at)
     t = at[1]
     _, ref, ref_at = adamw_run(lin.weight.detach(), grads, keep=(t,))
-    mod, opt = o2_of(lin, v_format)
+    mod, opt = o2_of(lin, v_format, fused=path == "fused")
     largest, finite, at_t = run_updates(mod, opt, grads, keep=(t,))
     print(f"spike {size:g} at {at}, v {v_format}: update of [1,1] at step {t}: AdamW "
           f"{ref_at[t][1, 1].item():.3g}, O2 {at_t[t].view(N, N)[1, 1].item():.3g}; largest update "
@@ -174,8 +181,9 @@ def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["foreach", "fused"])
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999)])
-def test_fuzz_adversarial_sequences_o2(betas):
+def test_fuzz_adversarial_sequences_o2(betas, path):
     worst = 0.0
     for seed in range(20):
         grads = adversarial_grads(seed)
@@ -183,13 +191,13 @@ def test_fuzz_adversarial_sequences_o2(betas):
         lin = nn.Linear(64, 32, bias=False)
         _, ref, _ = adamw_run(lin.weight.detach(), grads, betas=betas, wd=0.1)
         for v_format in ("fp16", "fp8"):
-            mod, opt = o2_of(lin, v_format, betas=betas, wd=0.1)
+            mod, opt = o2_of(lin, v_format, betas=betas, wd=0.1, fused=path == "fused")
             largest, finite, _ = run_updates(mod, opt, grads)
             assert finite, (seed, v_format)
             ratio = (largest - sr_slack(lin.weight)) / ref
             worst = max(worst, ratio)
             assert ratio <= 2, (seed, v_format, largest, ref)
-    print(f"fuzz O2 betas {betas}: largest O2 update / largest AdamW update = {worst:.3f}")
+    print(f"fuzz O2 ({path}) betas {betas}: largest O2 update / largest AdamW update = {worst:.3f}")
 
 
 def test_adam_ratio_bound_holds_and_is_met():
@@ -222,14 +230,15 @@ def test_fp16_scale_of_a_tiny_tensor_is_finite():
 
 
 @pytest.mark.slow
-def test_weight_decay_survives_the_fp16_master():
+@pytest.mark.parametrize("path", ["foreach", "fused"])
+def test_weight_decay_survives_the_fp16_master(path):
     """Decay only (zero gradients), GPT-2's lr and weight decay: 1000 steps shrink the weights by
     0.60% in fp32 AdamW; the fp16 master must shrink within 5% of that (relative)."""
     lin = fresh_linear(n=64)
     w0 = lin.weight.detach().clone()
     zeros = [torch.zeros(64, 64)] * 1000
     ref = adamw_run(w0, zeros, lr=6e-5, wd=0.1)[0]
-    mod, opt = o2_of(lin, lr=6e-5, wd=0.1)
+    mod, opt = o2_of(lin, lr=6e-5, wd=0.1, fused=path == "fused")
     start = mod.hp_weight().norm()
     run_updates(mod, opt, zeros)
     shrink_ref = 1 - (ref.norm() / w0.norm()).item()
@@ -238,7 +247,8 @@ def test_weight_decay_survives_the_fp16_master():
     assert abs(shrink - shrink_ref) <= 0.05 * shrink_ref
 
 
-def test_small_relative_updates_survive_the_fp16_master():
+@pytest.mark.parametrize("path", PATHS)
+def test_small_relative_updates_survive_the_fp16_master(path):
     """Updates of 1e-4 relative to the weight (a fifth of the fp16 spacing): kept on average to
     within 10%."""
     gen = torch.Generator().manual_seed(5)
@@ -248,7 +258,7 @@ def test_small_relative_updates_survive_the_fp16_master():
         lin.weight.copy_(w0)
     grads = [-torch.sign(w0)] * 50  # every step moves every |w| up by lr (m_hat / sqrt(v_hat) = 1)
     ref = adamw_run(w0, grads, lr=1e-4)[0] - w0
-    mod, opt = o2_of(lin, lr=1e-4)
+    mod, opt = o2_of(lin, lr=1e-4, fused=path == "fused")
     start = mod.hp_weight()
     run_updates(mod, opt, grads)
     kept = ((mod.hp_weight() - start) * torch.sign(w0)).mean() / (ref * torch.sign(w0)).mean()
