@@ -5,9 +5,10 @@ the loop. This is torch.optim's own pair, _multi_tensor_adamw beside _single_ten
 tests/test_optim.py holds the two bit-equal over many steps of adversarial gradients.
 
 Each elementwise operation is one torch._foreach_* call over every O2 weight (or every fp32
-parameter) of a run, so the update is ~170 operator calls whatever the model's depth (the rounding
-noise of a whole run is one hash per stream, rounding_noise_all), plus two per O2 weight: the block
-amaxes of m and v (tests/test_optim.py counts them). Each tensor gets the same operations in the same order as in
+parameter) of a run, so the update is ~140 operator calls whatever the model's depth, plus the
+rounding noise of the whole run (rounding_noise_all: one hash per stream, ~45 integer operations on
+a CPU, one compiled kernel on a GPU), plus two per O2 weight: the block amaxes of m and v
+(tests/test_optim.py counts them). Each tensor gets the same operations in the same order as in
 the loop, so the results are the same bits (the CPU runs a foreach op tensor by tensor with the
 ordinary kernels).
 
@@ -27,6 +28,7 @@ import torch
 
 from nanofp8.emulate import amax_each
 from nanofp8.fp8 import compute_scale
+from nanofp8.o2_compile import compiled_or_eager
 from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, counter_noise, fp8_grad, fp16_scale,
                            holds_fp8_grad, noise_bits, noise_key, state_block)
 
@@ -205,26 +207,48 @@ def update_plain(opt, group, ps):
 
 def rounding_noise_all(opt, numbers, ts, gs, starts):
     """[opt.rounding_noise(i, t, g, start)] for a run of tensors, made as one flat tensor per
-    stream (the keys and element numbers of all tensors side by side), so the number of operator
-    calls does not grow with the number of tensors; the same bits as the per-tensor calls."""
+    stream (the elements of all tensors side by side), so the number of operator calls does not
+    grow with the number of tensors; the same bits as the per-tensor calls."""
     if not gs:
         return []
     numels = [g.numel() for g in gs]
-    total, device = sum(numels), gs[0].device
-    sizes = torch.tensor(numels, device=device)
-
-    def per_element(values):  # one int64 value per tensor, repeated over its elements
-        return torch.repeat_interleave(torch.tensor(values, dtype=torch.int64, device=device), sizes, output_size=total)
-
+    device, formats = gs[0].device, opt.rounded_formats()
     firsts = [sum(numels[:k]) for k in range(len(numels))]  # (where each tensor begins in the run)
-    element = torch.arange(total, dtype=torch.int64, device=device) + per_element(
-        [s - f for s, f in zip(starts, firsts)])
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    keys = as_tensor([[noise_key(opt.seed, t, i, stream) for stream in range(len(formats))] for i, t in zip(numbers, ts)])
+    args = (keys, as_tensor(firsts), as_tensor([s - f for s, f in zip(starts, firsts)]), sum(numels),
+            tuple(noise_bits(fmt) for fmt in formats.values()))
+    if compiled_noise(device):
+        flat = compiled_or_eager(hash_noise, "the rounding noise's hash", *args)
+    else:
+        flat = hash_noise(*args)
     noises = [{} for _ in gs]
-    for stream, (name, fmt) in enumerate(opt.rounded_formats().items()):
-        keys = per_element([noise_key(opt.seed, t, i, stream) for i, t in zip(numbers, ts)])
-        for n, part, g in zip(noises, counter_noise(keys, element, noise_bits(fmt)).split(numels), gs):
+    for name, noise in zip(formats, flat):
+        for n, part, g in zip(noises, noise.split(numels), gs):
             n[name] = part.view(g.shape)
     return noises
+
+
+def hash_noise(keys, firsts, offsets, total, bits):
+    """optim.counter_noise of a run of tensors, one int32 tensor per stream: keys (tensors,
+    streams), firsts (where each tensor begins in the run), offsets (its first element's number
+    in its parameter, less its first), total (the run's length), bits (one per stream). Every
+    element finds its tensor by a search among firsts, so nothing per element is made but the
+    noise: compiled (on a GPU), one kernel writes the streams' int32 noise, 4 B per value each;
+    eager, each of the hash's ~45 integer operations is a pass over int64 values. Integer
+    operations only: both make the same bits (tests/test_o2_numerics.py)."""
+    index = torch.arange(total, dtype=torch.int64, device=keys.device)
+    which = torch.searchsorted(firsts, index, right=True) - 1
+    element = index + offsets[which]
+    return [counter_noise(keys[which, k], element, b) for k, b in enumerate(bits)]
+
+
+hash_noise.compiled = None
+
+
+def compiled_noise(device):
+    """Does the foreach step compile the noise's hash on this device? On a GPU."""
+    return device.type == "cuda"
 
 
 def update_decoupled(opt, group, numbers, ps, ws, gs):

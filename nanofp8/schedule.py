@@ -171,12 +171,13 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     """Launches and bytes of one optimizer step at a precision level, outside the compiled graphs
     (the step as train.optimizer_step runs it, after a backward that filled the gradients), on a
     GPT-2 model of n_layer blocks; per FP8 weight value and in all. torch's AdamW (bf16, O1) runs
-    fused, as train.py runs it on a GPU: one launch per parameter group. O2's compiled update
-    (Fp8AdamW(fused=True), nanofp8/optim_fused.py) counts as the kernels inductor's CUDA rules
-    make of its graph (graph_cost) and the bytes they move, the step's other work as launches."""
+    fused, as train.py runs it on a GPU: one launch per parameter group. What a GPU runs compiled,
+    O2's fused update (Fp8AdamW(fused=True), nanofp8/optim_fused.py) and the foreach step's noise
+    hash (optim_foreach.hash_noise), counts as the kernels inductor's CUDA rules make of its graphs
+    (graph_cost) and the bytes they move; the step's other work as launches."""
     import bench
     import train
-    from nanofp8 import emulate, optim_fused
+    from nanofp8 import emulate, optim_foreach, optim_fused
     from nanofp8.fp8 import Fp8Linear
     from nanofp8.model import GPTConfig
 
@@ -188,8 +189,11 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
         opt.defaults["fused"] = True
     idx = torch.randint(0, cfg.vocab_size, (2, 64))
     keep, emulate.ENABLED = emulate.ENABLED, False  # the paths of a GPU, not the CPU's shortcuts
-    compiled = []  # the fused step's calls of its compiled function: (function, args)
+    compiled = []  # the calls of compiled functions: (function, args)
     keep_compiled, optim_fused._COMPILED = optim_fused._COMPILED, _run_uncounted(optim_fused.update_group, compiled)
+    keep_noise = optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled  # (compiled on a GPU)
+    optim_foreach.compiled_noise = lambda device: True
+    optim_foreach.hash_noise.compiled = _run_uncounted(optim_foreach.hash_noise, compiled)
     try:
         for _ in range(2):  # the second step is the one counted: state exists, the FP8 casts are warm
             with torch.autocast("cpu", torch.bfloat16):
@@ -203,6 +207,7 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
             kernels = [k for fn, args in compiled for g in graph_cost(fn, *args)[1] for k in g.kernels]
     finally:
         emulate.ENABLED, optim_fused._COMPILED = keep, keep_compiled
+        optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled = keep_noise
     counter.ops += ["compiled kernel"] * len(kernels)
     counter.bytes += sum(b for b, _ in kernels)
     fp8_values = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))

@@ -15,8 +15,8 @@ torch.optim.AdamW on the same gradient sequence:
 O3 runs on 2 gloo ranks, every scenario in one spawn."""
 
 import copy
-import math
 import io
+import math
 import os
 
 import pytest
@@ -862,3 +862,23 @@ def test_stochastic_rounding_with_the_hash_noise_is_unbiased(fmt):
     q = ((x.double().abs() - x.double().abs().div(s).floor() * s) / s)
     bound = 5 * s * (q * (1 - q) / n).sqrt() + s * 2.0**-bits
     assert ((mean - x.double()).abs() <= bound).all(), (mean - x.double()).abs() / s
+
+
+@pytest.mark.slow  # one compile of the hash (~20 s)
+def test_the_compiled_hash_makes_the_eager_bits(monkeypatch):
+    """The foreach step's noise compiled (as on a GPU: optim_foreach.compiled_noise) has the bits
+    of the eager hash, tensor by tensor (Fp8AdamW.rounding_noise), for a run of two weights of
+    different shapes and shard starts: integer operations only, no float op whose rounding could
+    differ between inductor's code and ATen's."""
+    from nanofp8 import optim_foreach
+
+    monkeypatch.setattr(optim_foreach, "compiled_noise", lambda device: True)
+    monkeypatch.setattr(optim_foreach.hash_noise, "compiled", None)
+    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(64, 96, bias=False)), Recipe()))
+    opt = Fp8AdamW(model.parameters(), model, seed=11)
+    likes, starts = [torch.empty(96, 64), torch.empty(2 * 128)], [0, 3 * 128]
+    flat = optim_foreach.rounding_noise_all(opt, [0, 5], [7, 8], likes, starts)
+    assert optim_foreach.hash_noise.compiled  # (compiled, not fallen back to eager)
+    for n, i, t, like, start in zip(flat, [0, 5], [7, 8], likes, starts):
+        eager = opt.rounding_noise(i, t, like, start)
+        assert all(torch.equal(n[k], eager[k]) for k in ("master", "m", "v"))

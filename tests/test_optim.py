@@ -649,8 +649,8 @@ def _code_distance(a, b):
     return (ordinal(a) - ordinal(b)).abs()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("v_format", ["fp16", "fp8"])
+@pytest.mark.slow  # one compile (~40 s); sqrt(v) in E4M3 is checked fused by tests/test_o2_numerics.py
+@pytest.mark.parametrize("v_format", ["fp16"])
 def test_fused_step_matches_the_loop(v_format):
     """Fp8AdamW(fused=True), the update compiled by torch.compile (nanofp8/optim_fused.py), against
     the readable loop (foreach=False), over 13 steps of adversarial gradients (_adversarial_grad)
