@@ -190,7 +190,7 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     idx = torch.randint(0, cfg.vocab_size, (2, 64))
     keep, emulate.ENABLED = emulate.ENABLED, False  # the paths of a GPU, not the CPU's shortcuts
     compiled = []  # the calls of compiled functions: (function, args)
-    keep_compiled, optim_fused._COMPILED = optim_fused._COMPILED, _run_uncounted(optim_fused.update_group, compiled)
+    keep_compiled, optim_fused.COMPILED = optim_fused.COMPILED, _run_uncounted(optim_fused.update_group, compiled)
     keep_noise = optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled  # (compiled on a GPU)
     optim_foreach.compiled_noise = lambda device: True
     optim_foreach.hash_noise.compiled = _run_uncounted(optim_foreach.hash_noise, compiled)
@@ -206,12 +206,13 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
         with torch.no_grad():  # (as the step runs it)
             kernels = [k for fn, args in compiled for g in graph_cost(fn, *args)[1] for k in g.kernels]
     finally:
-        emulate.ENABLED, optim_fused._COMPILED = keep, keep_compiled
+        emulate.ENABLED, optim_fused.COMPILED = keep, keep_compiled
         optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled = keep_noise
     counter.ops += ["compiled kernel"] * len(kernels)
     counter.bytes += sum(b for b, _ in kernels)
     fp8_values = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
     return {"level": level, "n_layer": n_layer, "launches": len(counter.ops), "MB": counter.bytes / 2**20,
+            "compiled_kernels": len(kernels),
             "fp8_values": fp8_values, "bytes_per_fp8_value": counter.bytes / max(fp8_values, 1),
             "top_ops": sorted({op: counter.ops.count(op) for op in counter.ops}.items(), key=lambda kv: -kv[1])[:12]}
 
