@@ -8,15 +8,14 @@ What one O2 weight costs the step. The loop (and its foreach twin) reads and wri
 tensor several times: dequantize the gradient, the master, m and v to fp32 copies, update them in
 a dozen elementwise passes, then quantize m, v and the master back, each through its own amax,
 scale and rounding passes, with the rounding noise made as a tensor first. Compiled, the same
-operations become a handful of kernels: the moments' update, their block amaxes (a block of 128
-values is one row of a reduction), the rounding of m and v and the new fp32 weight's amax in one
-pass; the master's rounding in a second (it needs the whole tensor's amax first). The gradient
-(1 B), m (1 B), v (2 B or 1 B) and the master (2 B) are each read once and m, v and the master
-written once: the noise is a hash computed where it is used (optim.counter_noise, integer ops
-only, so the compiled code makes the eager code's bits), never a tensor in memory. Scheduled by
-inductor's CUDA rules (nanofp8/schedule.py), a weight's update is 5 kernels moving about 37 B per
-value (fp16 v; 35 with v in E4M3): besides the 11 B of state read and written, inductor writes
-the new fp32 m and v once, for the kernels after their amaxes to read back.
+operations become a handful of kernels (the block amaxes of m and v are rows of 128 values of one
+reduction; the master's rounding waits for the whole tensor's amax), and the noise is a hash
+computed where it is used (optim.counter_noise, integer ops only, so the compiled code makes the
+eager code's bits), never a tensor in memory. Scheduled by inductor's CUDA rules
+(nanofp8/schedule.py), a weight's update is 5 kernels moving about 37 B per value (fp16 v; 35
+with v in E4M3), where the state read and written is 11 B (the gradient 1 B, m 1 B, v 2 B and the
+master 2 B read; m, v and the master written): inductor keeps the new fp32 m and v in memory
+between the kernels that take their amaxes and those that round them.
 
 The step's numbers (betas, eps, the bias corrections, the bound on m, the learning rate) enter as
 one small fp32 tensor per group and the noise keys as one int64 tensor: a new step, or another
@@ -133,9 +132,9 @@ def step(opt):
         tensors = [(mod.weight, mod.weight_scale, fp8_grad(p).data, fp8_grad(p).scale,
                     st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"])
                    for p, mod, st in zip(o2, mods, sts)]
-        # A model's group makes one graph per layout of its state (the first step's state is made
-        # eagerly, the next ones by the graph), and a process that steps many models (the tests)
-        # makes more graphs than dynamo's default limit of 8 per function.
+        # A group makes a graph per set of shapes and formats (and of its state's layouts): a
+        # process that steps many models (the tests) makes more than dynamo's default limit of 8
+        # graphs per function, which fullgraph=True turns into an error.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             new = compiled_update_group()(tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats,
                                           opt.moments)
