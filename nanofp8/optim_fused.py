@@ -60,9 +60,9 @@ def update_one(w16, w_scale, g_data, g_scale, m_data, m_scale, v_data, v_scale, 
     start: the number of w16's first element in its parameter."""
     M, V = moments["m"], moments["v"]
     one_b1, b2, one_b2, ratio_bound, decay, bias2_sqrt, step_size, eps = numbers.unbind()
-    shape = g_data.shape
+    shape = w16.shape  # (the parameter's; the FP8 gradient's data is shaped as its blocks)
     g = dequantize_blocks(g_data, g_scale).view(shape)
-    w = dequantize_blocks(w16, w_scale).view(shape)
+    w = dequantize_blocks(w16, w_scale)
     m, v = (dequantize_blocks(d.view(shape), s) for d, s in ((m_data, m_scale), (v_data, v_scale)))
     v = v.pow(2) if V.sqrt else v
     m = torch.lerp(m, g, one_b1)
@@ -76,7 +76,7 @@ def update_one(w16, w_scale, g_data, g_scale, m_data, m_scale, v_data, v_scale, 
     noise = {name: counter_noise(keys[k], element, noise_bits(fmt)).view(shape)
              for k, (name, fmt) in enumerate(formats.items())}
     master, scale = to_fp16_scaled(w, noise=noise["master"])
-    w16.copy_(master.view(w16.shape))
+    w16.copy_(master)
     w_scale.copy_(scale)
     return (quantize_blocks(m, M.fmt, noise["m"]),
             quantize_blocks(v.sqrt() if V.sqrt else v, V.fmt, noise["v"]))

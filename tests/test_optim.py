@@ -666,7 +666,7 @@ def test_fused_step_matches_the_loop(v_format):
     values an error energy of 1% x 2^-4 of the movement's, 32 dB). The fp32 parameters (biases)
     are bit-equal: both paths step them with the same foreach code."""
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 64))
+    base = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 64))  # (not square: (blocks, 128) != shape)
     twins = []
     for fused in (False, True):
         m = convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe()))
@@ -705,6 +705,7 @@ def test_fused_step_matches_the_loop(v_format):
             pairs = [(opt0.state[p0][k], opt1.state[p1][k], opt0.state[p0][k + "_scale"], opt1.state[p1][k + "_scale"])
                      for k in ("exp_avg", "exp_avg_sq")]
             for a, b, sa, sb in pairs:
+                assert a.shape == b.shape and sa.shape == sb.shape  # (the loop's layout: checkpoints load either way)
                 d = _code_distance(a, b)
                 assert d.max() <= 1, step
                 off, total = off + int((d > 0).sum()), total + d.numel()
