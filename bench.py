@@ -138,7 +138,8 @@ LEVELS = {
 WITH_RANKS = {"O3": dict(precision="O3")}  # levels build() also takes, for runs on several ranks (comm)
 # and the other recipes that throughput and kernels measure
 RECIPE_LEVELS = {"O1-delayed": dict(precision="O1", fp8_recipe="delayed"),
-                 "O1-rowwise": dict(precision="O1", fp8_recipe="rowwise")}
+                 "O1-rowwise": dict(precision="O1", fp8_recipe="rowwise"),
+                 "O2-fused": dict(precision="O2", o2_fused=True)}  # (the optimizer step compiled)
 
 
 def build(cfg, level, backend=None, device="cpu"):

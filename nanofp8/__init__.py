@@ -16,8 +16,9 @@ device.py    CUDA: what torch._scaled_mm takes, refusals and fallbacks, block-sc
 emulate.py   the CPU backend: the reference's arithmetic, bit for bit, on fast FP8 decoding
 mx.py        MXFP8 (OCP Microscaling): the shared-exponent rule, E8M0 scales, 1x32 tiles
 attention.py FP8 attention (fp8_attention=True): Q K^T and P V as FP8 GEMMs, one Function
-optim_foreach.py  Fp8AdamW's foreach twin (the default, bit-equal to the loop); o2_compile.py: the
-             per-step FP8 weight cast an O2 layer keeps for compiled forwards; memory.py: bytes
+optim_foreach.py  Fp8AdamW's foreach twin (the default, bit-equal to the loop); optim_fused.py: the
+             loop compiled (o2_fused); o2_compile.py: the per-step FP8 weight cast an O2 layer
+             keeps for compiled forwards; memory.py: bytes
 zero.py      ZeRO in FP8 (level O3); overlap.py: gradient buckets launched during backward;
              counter.py: the bytes each collective sends
 parallel.py  FP8 tensor, sequence and pipeline parallelism; layout.py: the DeviceMesh (pp x dp x tp)
@@ -34,7 +35,7 @@ The seams: the only engine names the library's core imports (tests/test_design.p
 fp8.py       device.gemm (every backend but the reference), device.cast (Triton and CPU casts),
              mx.mx_scale (the "mxfp8" preset's scale rule), o2_compile.kept_operands (compiled
              O1: the weight's cast of the step)
-optim.py     optim_foreach (the twin step), o2_compile.O2CompileParts
+optim.py     optim_foreach (the twin step), optim_fused (the compiled step), o2_compile.O2CompileParts
 dist.py      overlap.InOrder, overlap.Pending, overlap.plan_buckets, counter.COMM,
              counter.comm_stats, emulate.fp8_to_float
 model.py     attention.fp8_attention (opt-in: fp8_attention=True)

@@ -159,6 +159,9 @@ def check_train_config(cfg):
     check_choice(cfg, "precision", PRECISIONS)
     check_choice(cfg, "o2_v_format", ("fp16", "fp8"))
     check_choice(cfg, "o2_grad_accum", ("fp16", "fp8"))
+    if cfg["o2_fused"] and cfg["precision"] != "O2":
+        raise ConfigError(f"o2_fused=True compiles O2's optimizer step; precision={cfg['precision']} has no "
+                          "such step (O3 steps its shards on the foreach path): set o2_fused=False")
     check_choice(cfg, "grad_comm", ("auto", "fp32", "bf16", "e5m2", "e4m3"))
     check_choice(cfg, "grad_comm_rest", ("fp32", "bf16"))
     check_choice(cfg, "mp_comm", ("auto", "fp8", "bf16", "fp32"))

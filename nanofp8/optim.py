@@ -46,9 +46,10 @@ and the LM head (few, touchy) keep fp32 state, bit-identical to torch.optim.Adam
     rounded stochastically, to the upper neighbour with probability equal to the distance from
     the lower one, in spacings: every stored value is its fp32 value on average, and small updates
     and decay add up (tests: 1e-4 updates within 10%, 1000 steps of decay within 5% of fp32's,
-    section 6 within 2x of AdamW). The noise comes from a generator seeded by (seed, step,
-    parameter number, rank), one draw per rounded tensor: a resumed run is bit-identical to one
-    that never stopped, and no byte is stored for it.
+    section 6 within 2x of AdamW). The noise of each value is a hash of (seed, step, parameter
+    number, stream, the value's element number): a resumed run is bit-identical to one that never
+    stopped, O3's shard of a weight gets the noise O2 gives those elements, and no byte is stored
+    for it (counter_noise; integer ops only, so eager and compiled code make the same bits).
 (6) Gradient accumulation. Re-quantizing an FP8 running sum after every micro-step adds a
     rounding error of the size of the partial sum each time: 16 micro-steps come out about 9 dB
     worse than one E4M3 cast of the fp32 sum. grad_accum="fp16" (the default) sums micro-steps in
@@ -75,7 +76,9 @@ moments dequantized to fp32, Adam in torch.optim.AdamW's operations and order (F
 which O3 runs on its shards), the new m, v and master rounded into their formats. Its twin,
 nanofp8/optim_foreach.py (foreach=True, the default), makes the same operations on all tensors of a
 param group at once, in a number of launches that does not grow with depth: torch.optim's
-_single_tensor_adamw / _multi_tensor_adamw, bit-equal.
+_single_tensor_adamw / _multi_tensor_adamw, bit-equal. nanofp8/optim_fused.py (fused=True)
+compiles the loop's operations for all O2 weights of a group with torch.compile: 5 kernels per
+weight under inductor's CUDA rules, its stored m and v within one code of the loop's.
 """
 
 import math
@@ -134,6 +137,54 @@ def to_fp16_scaled(x, target=MASTER_HEADROOM, noise=None):
 
 
 MANTISSA_BITS = {torch.float16: 10, E4M3.dtype: 3}  # (for the noise of stochastic rounding)
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x, c):
+    """x * c mod 2^32 for x in [0, 2^32) and a constant c < 2^32, in int64 arithmetic that never
+    overflows (c in 16-bit halves: each product stays below 2^48), so a Python int, a CPU tensor,
+    a CUDA tensor and inductor's code of either give the same bits (signed overflow, which a plain
+    int32 or int64 product would need, is undefined in C++)."""
+    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & MASK32
+
+
+def mix32(x):
+    """A 32-bit integer hash of x in [0, 2^32): two rounds of multiply and xorshift (the constants
+    of the "lowbias32" hash, found by search for low bias: each input bit flips each output bit
+    with probability close to 1/2). x: a Python int or an int64 tensor; integer ops only."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def noise_key(seed, step, index, stream):
+    """The 32-bit key of one stream of rounding noise (a Python int, made on the host): the
+    optimizer's seed, the step, the parameter's number and the stream (0: the master, then the
+    moments in the table's order), each folded into the hash in turn."""
+    key = 0
+    for part in (seed & MASK32, (seed >> 32) & MASK32, int(step), index, stream):
+        key = mix32(key ^ (part & MASK32))
+    return key
+
+
+def counter_noise(key, element, bits):
+    """int32 noise uniform in [-2^(bits-1), 2^(bits-1)), a pure function of (key, element): the
+    top `bits` bits of a hash of the element's number within its parameter (int64, flattened
+    row-major) under the stream's key (an int, or an int64 tensor of one key per element). No
+    generator and no stored state: any shard of a tensor computes its own elements' noise, the
+    same bits as the whole tensor's. The key enters twice (xor, then add), so two streams are not
+    one sequence read at shifted elements."""
+    lo, hi = element & MASK32, element >> 32
+    h = mix32((mix32(lo ^ key) + key + hi) & MASK32)
+    return ((h >> (32 - bits)) - (1 << (bits - 1))).to(torch.int32)
+
+
+def noise_bits(fmt):
+    """Bits of the rounding noise for fmt: d = 23 - fmt's mantissa bits, the fp32 bits it drops,
+    so the noise spans one spacing of fmt in units of fp32's last bit (see round_stochastic)."""
+    return 23 - MANTISSA_BITS[fmt.dtype]
 
 
 def round_stochastic(y, noise, fmt):
@@ -358,42 +409,44 @@ class Fp8AdamW(torch.optim.Optimizer):
     State per parameter: step, and the moments of `self.moments` (ADAMW_MOMENTS[v_format]: m and
     v, or sqrt(v)), each with its scale for an O2 weight, in fp32 for the others. `seed` picks
     the stream of stochastic rounding (5). foreach: True or None (the default) steps on
-    nanofp8/optim_foreach.py, False on the loop of step()."""
+    nanofp8/optim_foreach.py, False on the loop of step(). fused=True: the O2 weights' update
+    compiled into a few kernels per weight (nanofp8/optim_fused.py)."""
 
-    rank = 0  # O3 (nanofp8/zero.py) sets its data-parallel rank: each shard rounds differently
+    rank = 0  # O3 (nanofp8/zero.py) sets its data-parallel rank
     sharded = False  # O3: each rank holds, and saves, only its shard of the O2 weights' state
 
     def __init__(self, params, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 v_format="fp16", seed=0, foreach=None):
+                 v_format="fp16", seed=0, foreach=None, fused=False):
         if v_format not in ADAMW_MOMENTS:
             raise ValueError(f"v_format={v_format!r}; expected one of {tuple(ADAMW_MOMENTS)}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.v_format, self.moments, self.seed = v_format, ADAMW_MOMENTS[v_format], seed
         self.foreach = True if foreach is None else bool(foreach)
+        self.fused = bool(fused)  # nanofp8/optim_fused.py
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         for m in self.o2.values():
             m.ensure_grad_hook()
         self.skipped_steps = 0
-        self._generators = {}  # device -> the generator re-seeded for every rounding
 
-    def rounding_noise(self, index, step, like):
+    def rounded_formats(self):
+        """The stored tensors an O2 step rounds stochastically, in the order of their noise
+        streams: {"master": FP16, then each moment of the table: its format}."""
+        return {"master": FP16, **{k: mo.fmt for k, mo in self.moments.items()}}
+
+    def shard_start(self, p):
+        """The number of the first element of p that this optimizer steps (O3: its shard's)."""
+        return 0
+
+    def rounding_noise(self, index, step, like, start=0):
         """The noise of the stochastic roundings of parameter number `index` (counted over the
         param groups) at `step`, {"master": ..., and one per moment of the table}, each shaped as
-        `like` (see round_stochastic), drawn in that order right after seeding a generator with
-        (seed, step, index, rank) alone: a resumed run draws the same numbers, whatever else used
-        the global generator."""
-        gen = self._generators.get(like.device)
-        if gen is None:
-            gen = self._generators[like.device] = torch.Generator(device=like.device)
-        key = ((self.seed * 1_000_003 + int(step)) * 1_000_003 + index) * 1_000_003 + self.rank
-        gen.manual_seed(key % 2**63)
-        # uniform in [-2^(d-1), 2^(d-1)), d = 23 - the format's mantissa bits: half a spacing of
-        # the format, in units of fp32's last bit (see round_stochastic)
-        noise = {}
-        for name, fmt in {"master": FP16, **{k: mo.fmt for k, mo in self.moments.items()}}.items():
-            half = 1 << (22 - MANTISSA_BITS[fmt.dtype])
-            noise[name] = torch.randint(-half, half, like.shape, generator=gen, device=like.device, dtype=torch.int32)
-        return noise
+        `like` and covering the parameter's elements start .. start + like.numel() (flattened):
+        counter_noise of (seed, step, index, stream) and the element's number. A resumed run gets
+        the same numbers, whatever else used the global generator, and an O3 shard its elements'
+        noise of O2's whole tensor."""
+        element = torch.arange(start, start + like.numel(), dtype=torch.int64, device=like.device)
+        return {name: counter_noise(noise_key(self.seed, step, index, stream), element, noise_bits(fmt)).view(like.shape)
+                for stream, (name, fmt) in enumerate(self.rounded_formats().items())}
 
     def state_keys(self, p):
         """What p's state holds once it has stepped: the step and every moment of the table (each
@@ -471,6 +524,10 @@ class Fp8AdamW(torch.optim.Optimizer):
         if not bool(self.grads_finite() if grads_finite is None else grads_finite):
             self.skipped_steps += 1  # a NaN or inf gradient: nothing changes
             return False
+        if self.fused:  # the loop below, compiled: nanofp8/optim_fused.py
+            from nanofp8 import optim_fused
+            optim_fused.step(self)
+            return True
         if self.foreach:  # the twin of the loop below
             _foreach().step(self)
             return True
@@ -490,7 +547,7 @@ class Fp8AdamW(torch.optim.Optimizer):
                     continue
                 mod = self.o2[p]  # an O2 weight: its gradient and master in fp32
                 g = dequantize_blocks(q.data, q.scale).view(p.shape)
-                noise = self.rounding_noise(index, st["step"].item(), g)  # (host memory: no sync)
+                noise = self.rounding_noise(index, st["step"].item(), g, self.shard_start(p))  # (host: no sync)
                 w = self.update(dequantize_blocks(mod.weight, mod.weight_scale), g, st, group, noise)
                 master, scale = to_fp16_scaled(w, noise=noise["master"])  # the new fp16 master (5)
                 mod.weight.copy_(master)

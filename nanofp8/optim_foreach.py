@@ -5,15 +5,16 @@ the loop. This is torch.optim's own pair, _multi_tensor_adamw beside _single_ten
 tests/test_optim.py holds the two bit-equal over many steps of adversarial gradients.
 
 Each elementwise operation is one torch._foreach_* call over every O2 weight (or every fp32
-parameter) of a run, so the update is ~140 operator calls whatever the model's depth, plus five per
-O2 weight: the three draws of its seeded rounding noise and the block amaxes of m and v
+parameter) of a run, so the update is ~140 operator calls whatever the model's depth, plus the
+rounding noise of the whole run (rounding_noise_all: one hash per stream, ~45 integer operations on
+a CPU, one compiled kernel on a GPU), plus two per O2 weight: the block amaxes of m and v
 (tests/test_optim.py counts them). Each tensor gets the same operations in the same order as in
 the loop, so the results are the same bits (the CPU runs a foreach op tensor by tensor with the
 ordinary kernels).
 
-The price is transient memory: the fp32 copies of w, m, v and g, the int32 rounding noise of three
-tensors and the update's intermediates come to several dozen bytes per value while a foreach call
-runs, ten times the state O2 keeps. So the step takes the O2 weights of a group in runs of at most
+The price is transient memory: the fp32 copies of w, m, v and g, the int64 element counters and
+int32 rounding noise, and the update's intermediates come to several dozen bytes per value while a
+foreach call runs, ten times the state O2 keeps. So the step takes the O2 weights of a group in runs of at most
 STEP_CHUNK = 2^25 values (a larger weight alone), which changes no bit (tests/test_optim.py): the
 step's temporaries stay a few GB whatever the model's size, at the price of ~140 more operator
 calls per run.
@@ -27,8 +28,9 @@ import torch
 
 from nanofp8.emulate import amax_each
 from nanofp8.fp8 import compute_scale
-from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, fp8_grad, fp16_scale, holds_fp8_grad,
-                           state_block)
+from nanofp8.o2_compile import compiled_or_eager
+from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, counter_noise, fp8_grad, fp16_scale,
+                           holds_fp8_grad, noise_bits, noise_key, state_block)
 
 STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls
 
@@ -203,6 +205,52 @@ def update_plain(opt, group, ps):
     torch._foreach_copy_(ps, ws)
 
 
+def rounding_noise_all(opt, numbers, ts, gs, starts):
+    """[opt.rounding_noise(i, t, g, start)] for a run of tensors, made as one flat tensor per
+    stream (the elements of all tensors side by side), so the number of operator calls does not
+    grow with the number of tensors; the same bits as the per-tensor calls."""
+    if not gs:
+        return []
+    numels = [g.numel() for g in gs]
+    device, formats = gs[0].device, opt.rounded_formats()
+    firsts = [sum(numels[:k]) for k in range(len(numels))]  # (where each tensor begins in the run)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    keys = as_tensor([[noise_key(opt.seed, t, i, stream) for stream in range(len(formats))] for i, t in zip(numbers, ts)])
+    args = (keys, as_tensor(firsts), as_tensor([s - f for s, f in zip(starts, firsts)]), sum(numels),
+            tuple(noise_bits(fmt) for fmt in formats.values()))
+    if compiled_noise(device):
+        flat = compiled_or_eager(hash_noise, "the rounding noise's hash", *args)
+    else:
+        flat = hash_noise(*args)
+    noises = [{} for _ in gs]
+    for name, noise in zip(formats, flat):
+        for n, part, g in zip(noises, noise.split(numels), gs):
+            n[name] = part.view(g.shape)
+    return noises
+
+
+def hash_noise(keys, firsts, offsets, total, bits):
+    """optim.counter_noise of a run of tensors, one int32 tensor per stream: keys (tensors,
+    streams), firsts (where each tensor begins in the run), offsets (its first element's number
+    in its parameter, less its first), total (the run's length), bits (one per stream). Every
+    element finds its tensor by a search among firsts, so nothing per element is made but the
+    noise: compiled (on a GPU), one kernel writes the streams' int32 noise, 4 B per value each;
+    eager, each of the hash's ~45 integer operations is a pass over int64 values. Integer
+    operations only: both make the same bits (tests/test_o2_numerics.py)."""
+    index = torch.arange(total, dtype=torch.int64, device=keys.device)
+    which = torch.searchsorted(firsts, index, right=True) - 1
+    element = index + offsets[which]
+    return [counter_noise(keys[which, k], element, b) for k, b in enumerate(bits)]
+
+
+hash_noise.compiled = None
+
+
+def compiled_noise(device):
+    """Does the foreach step compile the noise's hash on this device? On a GPU."""
+    return device.type == "cuda"
+
+
 def update_decoupled(opt, group, numbers, ps, ws, gs):
     """The O2 update of a run of O2 weights ps of one param group (O3: this rank's shards of them),
     numbers: their parameter numbers (the rounding noise's seed), ws and gs: their fp32 masters and
@@ -210,7 +258,11 @@ def update_decoupled(opt, group, numbers, ps, ws, gs):
     for each one's master: the caller stores the masters (O2: in the layers; O3: in the state)."""
     sts = [opt.state[p] for p in ps]
     ts = count_steps(sts)
-    noises = [opt.rounding_noise(i, t, g) for i, t, g in zip(numbers, ts, gs)]
+    starts = [opt.shard_start(p) for p in ps]
+    if opt.foreach:
+        noises = rounding_noise_all(opt, numbers, ts, gs, starts)
+    else:
+        noises = [opt.rounding_noise(i, t, g, s) for i, t, g, s in zip(numbers, ts, gs, starts)]
     if opt.foreach:
         ws = update(opt, ws, gs, sts, group, ts, noises)
     else:

@@ -170,11 +170,11 @@ class _Launches(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.ops, self.bytes = [], 0
+        self.ops, self.bytes, self.paused = [], 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+        if not self.paused and not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
             self.ops.append(func.overloadpacket.__name__)
             seen = set()
             for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
@@ -188,10 +188,13 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     """Launches and bytes of one optimizer step at a precision level, outside the compiled graphs
     (the step as train.optimizer_step runs it, after a backward that filled the gradients), on a
     GPT-2 model of n_layer blocks; per FP8 weight value and in all. torch's AdamW (bf16, O1) runs
-    fused, as train.py runs it on a GPU: one launch per parameter group."""
+    fused, as train.py runs it on a GPU: one launch per parameter group. What a GPU runs compiled,
+    O2's fused update (Fp8AdamW(fused=True), nanofp8/optim_fused.py) and the foreach step's noise
+    hash (optim_foreach.hash_noise), counts as the kernels inductor's CUDA rules make of its graphs
+    (graph_cost) and the bytes they move; the step's other work as launches."""
     import bench
     import train
-    from nanofp8 import emulate
+    from nanofp8 import emulate, optim_foreach, optim_fused
     from nanofp8.fp8 import Fp8Linear
     from nanofp8.model import GPTConfig
 
@@ -203,17 +206,47 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
         opt.defaults["fused"] = True
     idx = torch.randint(0, cfg.vocab_size, (2, 64))
     keep, emulate.ENABLED = emulate.ENABLED, False  # the paths of a GPU, not the CPU's shortcuts
+    compiled = []  # the calls of compiled functions: (function, args)
+    keep_compiled, optim_fused.COMPILED = optim_fused.COMPILED, _run_uncounted(optim_fused.update_group, compiled)
+    keep_noise = optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled  # (compiled on a GPU)
+    optim_foreach.compiled_noise = lambda device: True
+    optim_foreach.hash_noise.compiled = _run_uncounted(optim_foreach.hash_noise, compiled)
     try:
         for _ in range(2):  # the second step is the one counted: state exists, the FP8 casts are warm
             with torch.autocast("cpu", torch.bfloat16):
                 loss = model(idx, idx)[1]
             loss.backward()
             counter = _Launches()
+            compiled.clear()
             with counter:
                 train.optimizer_step(model, opt, settings)
+        with torch.no_grad():  # (as the step runs it)
+            kernels = [k for fn, args in compiled for g in graph_cost(fn, *args)[1] for k in g.kernels]
     finally:
-        emulate.ENABLED = keep
+        emulate.ENABLED, optim_fused.COMPILED = keep, keep_compiled
+        optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled = keep_noise
+    counter.ops += ["compiled kernel"] * len(kernels)
+    counter.bytes += sum(b for b, _ in kernels)
     fp8_values = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
     return {"level": level, "n_layer": n_layer, "launches": len(counter.ops), "MB": counter.bytes / 2**20,
+            "compiled_kernels": len(kernels),
             "fp8_values": fp8_values, "bytes_per_fp8_value": counter.bytes / max(fp8_values, 1),
             "top_ops": sorted({op: counter.ops.count(op) for op in counter.ops}.items(), key=lambda kv: -kv[1])[:12]}
+
+
+def _run_uncounted(fn, calls):
+    """fn as step_cost runs a compiled function: eagerly, its operators not counted as launches
+    (_Launches.paused), each call's arguments kept in `calls` for graph_cost to schedule."""
+
+    def run(*args):
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if isinstance(mode, _Launches):
+            mode.paused = True
+        try:
+            calls.append((fn, args))
+            return fn(*args)
+        finally:
+            if isinstance(mode, _Launches):
+                mode.paused = False
+    return run
+

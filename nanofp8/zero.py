@@ -16,7 +16,8 @@ the part that is only needed by the update, and keeps only what the GEMMs need e
                                             the scales of the FP8 gradient, m and v (1/32 B each)
 
 The update is O2's (nanofp8/optim.py): the same bound on m, and stochastic rounding into the
-fp16 master shard and the moments, seeded by (step, parameter, rank).
+fp16 master shard and the moments, with the noise O2 gives the same elements of the whole weight
+(its counter_noise is a function of each element's number: shard_start).
 
 One step: reduce-scatter the FP8 gradients (their bytes go out as they are, with their block
 scales: 1 + 1/32 B per parameter on the wire, and the receiver sums in fp32), run AdamW on the
@@ -126,6 +127,9 @@ class ZeroFp8AdamW(Fp8AdamW):
     sharded = True  # (Fp8AdamW.sharded)
 
     def __init__(self, params, model, group=None, v_format="fp16", **kw):
+        if kw.get("fused"):
+            raise ValueError("fused=True compiles O2's step; O3 steps its shards on the foreach path: "
+                             "leave fused unset")
         self.group, self.world = group, dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         super().__init__(params, model, v_format=v_format, **kw)
@@ -139,6 +143,9 @@ class ZeroFp8AdamW(Fp8AdamW):
 
     def state_keys(self, p):
         return super().state_keys(p) | ({"master", "master_scale"} if p in self.o2 else set())
+
+    def shard_start(self, p):
+        return self.rank * held_shard_len(p, self.world) if p in self.o2 else 0
 
     def state_dict(self):
         sd = super().state_dict()

@@ -16,7 +16,8 @@ CORE_MODULES = {os.path.splitext(os.path.basename(f))[0] for f in CORE}
 # lists out for readers (checked below).
 SEAMS = {
     "nanofp8/fp8.py": {("device", "gemm"), ("device", "cast"), ("mx", "mx_scale"), ("o2_compile", "kept_operands")},
-    "nanofp8/optim.py": {("optim_foreach", "optim_foreach"), ("o2_compile", "O2CompileParts")},
+    "nanofp8/optim.py": {("optim_foreach", "optim_foreach"), ("optim_fused", "optim_fused"),
+                         ("o2_compile", "O2CompileParts")},
     "nanofp8/dist.py": {("overlap", "InOrder"), ("overlap", "Pending"), ("overlap", "plan_buckets"),
                         ("counter", "COMM"), ("counter", "comm_stats"), ("emulate", "fp8_to_float")},
     "nanofp8/model.py": {("attention", "fp8_attention")},

@@ -16,6 +16,7 @@ O3 runs on 2 gloo ranks, every scenario in one spawn."""
 
 import copy
 import io
+import math
 import os
 
 import pytest
@@ -25,7 +26,8 @@ import torch.nn as nn
 
 from conftest import spawn
 from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, dequantize, quantize, sqnr
-from nanofp8.optim import Fp8AdamW, O2Linear, adam_ratio_bound, convert_to_o2, fp8_grad, to_fp16_scaled
+from nanofp8.optim import (FP16, Fp8AdamW, O2Linear, adam_ratio_bound, convert_to_o2, counter_noise, fp8_grad,
+                           noise_bits, noise_key, to_fp16_scaled)
 from nanofp8.optim_foreach import adam_moments
 
 N = 128
@@ -37,10 +39,12 @@ def fresh_linear(seed=0, n=N):
     return nn.Linear(n, n, bias=False)
 
 
-def o2_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS):
+def o2_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS, fused=False):
+    """O2 of a copy of lin: (its O2Linear, its Fp8AdamW), the step the foreach one, or with
+    fused=True the compiled one (nanofp8/optim_fused.py)."""
     model = convert_to_o2(convert_to_fp8(nn.Sequential(copy.deepcopy(lin)), Recipe()))
     return model[0], Fp8AdamW(model.parameters(), model, lr=lr, betas=betas, weight_decay=wd,
-                              v_format=v_format)
+                              v_format=v_format, fused=fused)
 
 
 def o3_of(lin, v_format="fp16", lr=1e-3, wd=0.0, betas=BETAS):
@@ -155,14 +159,19 @@ def adversarial_grads(seed, steps=30, shape=(32, 64)):
 # 1. Moments that cannot disagree
 
 
+# the step's paths: foreach (the default), and compiled (a compile of a few dozen seconds: slow)
+PATHS = ["foreach", pytest.param("fused", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("v_format", ["fp16", "fp8"])
 @pytest.mark.parametrize("size,at", [(1e5, (0, 40)), (2e5, (0, 50))])
-def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at):
+def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at, path):
     lin = fresh_linear()
     grads = spike_grads(size, at)
     t = at[1]
     _, ref, ref_at = adamw_run(lin.weight.detach(), grads, keep=(t,))
-    mod, opt = o2_of(lin, v_format)
+    mod, opt = o2_of(lin, v_format, fused=path == "fused")
     largest, finite, at_t = run_updates(mod, opt, grads, keep=(t,))
     print(f"spike {size:g} at {at}, v {v_format}: update of [1,1] at step {t}: AdamW "
           f"{ref_at[t][1, 1].item():.3g}, O2 {at_t[t].view(N, N)[1, 1].item():.3g}; largest update "
@@ -172,8 +181,9 @@ def test_spike_never_gives_a_step_larger_than_adamw(v_format, size, at):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["foreach", "fused"])
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999)])
-def test_fuzz_adversarial_sequences_o2(betas):
+def test_fuzz_adversarial_sequences_o2(betas, path):
     worst = 0.0
     for seed in range(20):
         grads = adversarial_grads(seed)
@@ -181,13 +191,13 @@ def test_fuzz_adversarial_sequences_o2(betas):
         lin = nn.Linear(64, 32, bias=False)
         _, ref, _ = adamw_run(lin.weight.detach(), grads, betas=betas, wd=0.1)
         for v_format in ("fp16", "fp8"):
-            mod, opt = o2_of(lin, v_format, betas=betas, wd=0.1)
+            mod, opt = o2_of(lin, v_format, betas=betas, wd=0.1, fused=path == "fused")
             largest, finite, _ = run_updates(mod, opt, grads)
             assert finite, (seed, v_format)
             ratio = (largest - sr_slack(lin.weight)) / ref
             worst = max(worst, ratio)
             assert ratio <= 2, (seed, v_format, largest, ref)
-    print(f"fuzz O2 betas {betas}: largest O2 update / largest AdamW update = {worst:.3f}")
+    print(f"fuzz O2 ({path}) betas {betas}: largest O2 update / largest AdamW update = {worst:.3f}")
 
 
 def test_adam_ratio_bound_holds_and_is_met():
@@ -220,14 +230,15 @@ def test_fp16_scale_of_a_tiny_tensor_is_finite():
 
 
 @pytest.mark.slow
-def test_weight_decay_survives_the_fp16_master():
+@pytest.mark.parametrize("path", ["foreach", "fused"])
+def test_weight_decay_survives_the_fp16_master(path):
     """Decay only (zero gradients), GPT-2's lr and weight decay: 1000 steps shrink the weights by
     0.60% in fp32 AdamW; the fp16 master must shrink within 5% of that (relative)."""
     lin = fresh_linear(n=64)
     w0 = lin.weight.detach().clone()
     zeros = [torch.zeros(64, 64)] * 1000
     ref = adamw_run(w0, zeros, lr=6e-5, wd=0.1)[0]
-    mod, opt = o2_of(lin, lr=6e-5, wd=0.1)
+    mod, opt = o2_of(lin, lr=6e-5, wd=0.1, fused=path == "fused")
     start = mod.hp_weight().norm()
     run_updates(mod, opt, zeros)
     shrink_ref = 1 - (ref.norm() / w0.norm()).item()
@@ -236,7 +247,8 @@ def test_weight_decay_survives_the_fp16_master():
     assert abs(shrink - shrink_ref) <= 0.05 * shrink_ref
 
 
-def test_small_relative_updates_survive_the_fp16_master():
+@pytest.mark.parametrize("path", PATHS)
+def test_small_relative_updates_survive_the_fp16_master(path):
     """Updates of 1e-4 relative to the weight (a fifth of the fp16 spacing): kept on average to
     within 10%."""
     gen = torch.Generator().manual_seed(5)
@@ -246,7 +258,7 @@ def test_small_relative_updates_survive_the_fp16_master():
         lin.weight.copy_(w0)
     grads = [-torch.sign(w0)] * 50  # every step moves every |w| up by lr (m_hat / sqrt(v_hat) = 1)
     ref = adamw_run(w0, grads, lr=1e-4)[0] - w0
-    mod, opt = o2_of(lin, lr=1e-4)
+    mod, opt = o2_of(lin, lr=1e-4, fused=path == "fused")
     start = mod.hp_weight()
     run_updates(mod, opt, grads)
     kept = ((mod.hp_weight() - start) * torch.sign(w0)).mean() / (ref * torch.sign(w0)).mean()
@@ -752,3 +764,121 @@ def test_o3_moves_as_adamw(case, o3_moves):
     """The same for O3 on 2 gloo ranks (sharded masters and moments, gradients reduce-scattered),
     v in fp16."""
     _check_moves(o3_moves, MOVE_TESTS[case], "O3")
+
+
+# -----------------------------------------------------------------------------
+# 7. The rounding noise: a counter-based hash, no generator, no stored tensor
+
+
+def _chi_square(values, bins):
+    """Pearson's chi-square of integer values in [0, bins) against the uniform distribution."""
+    counts = torch.bincount(values.reshape(-1), minlength=bins).double()
+    expected = values.numel() / bins
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# chi-square with 63 degrees of freedom (64 bins): mean 63, std sqrt(126) = 11.2; above 130 (six
+# stds) with a chance of about 2e-6 (Wilson-Hilferty) for uniform, independent noise
+CHI2_63_BOUND = 130.0
+
+
+@pytest.mark.parametrize("fmt", [FP16, E4M3], ids=["fp16", "e4m3"])
+def test_rounding_noise_is_uniform_and_its_streams_independent(fmt):
+    """counter_noise spans [-2^(d-1), 2^(d-1)) (d = 23 - the format's mantissa bits) and is
+    uniform there: chi-square over 64 bins of its top bits and of its low 6 bits, for three keys
+    (steps, parameters); and independent: the joint 8 x 8 bins of two streams at the same element
+    (master and m) and of neighbouring elements of one stream, each under CHI2_63_BOUND."""
+    bits, n = noise_bits(fmt), 2**17
+    element = torch.arange(n, dtype=torch.int64) + 2**31 - 2**16  # (across bit 31 of the counter)
+    for step, index in ((1, 0), (2, 0), (1, 7)):
+        a = counter_noise(noise_key(0, step, index, 0), element, bits).long() + 2 ** (bits - 1)
+        b = counter_noise(noise_key(0, step, index, 1), element, bits).long() + 2 ** (bits - 1)
+        assert a.min() >= 0 and a.max() < 2**bits
+        assert _chi_square(a >> (bits - 6), 64) < CHI2_63_BOUND
+        assert _chi_square(a & 63, 64) < CHI2_63_BOUND
+        assert _chi_square((a >> (bits - 3)) * 8 + (b >> (bits - 3)), 64) < CHI2_63_BOUND
+        assert _chi_square((a[:-1] >> (bits - 3)) * 8 + (a[1:] >> (bits - 3)), 64) < CHI2_63_BOUND
+
+
+def test_an_o3_shard_gets_the_noise_of_o2s_whole_weight():
+    """The noise of an element depends on its number in the whole (flattened) weight, not on who
+    holds it: O3's shard starting at element `start` (ZeroFp8AdamW.shard_start: rank x the held
+    shard length) gets the slice of O2's whole-tensor noise, on the loop's path and on the
+    foreach path (one flat hash for a run of tensors), for every stream; another step, another
+    parameter or another seed gets other noise."""
+    from nanofp8.dist import held_shard_len
+    from nanofp8.optim_foreach import rounding_noise_all
+    from nanofp8.zero import ZeroFp8AdamW
+
+    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(64, 96, bias=False)), Recipe()))
+    opt = Fp8AdamW(model.parameters(), model, seed=3)
+    p = model[0].weight
+    whole = opt.rounding_noise(5, 9, torch.empty(p.shape))
+
+    class Rank1Of2(ZeroFp8AdamW):
+        def __init__(self):  # (no process group: only the shard's position is asked)
+            self.world, self.rank, self.o2, self.seed, self.moments = 2, 1, {p: model[0]}, 3, opt.moments
+
+    o3 = Rank1Of2()
+    c = held_shard_len(p, 2)
+    start = o3.shard_start(p)
+    assert start == c == 64 * 96 // 2
+    shard = o3.rounding_noise(5, 9, torch.empty(c), start)
+    flat = rounding_noise_all(o3, [5, 5], [9, 10], [torch.empty(c), torch.empty(c)], [start, 0])
+    for name in ("master", "m", "v"):
+        assert torch.equal(shard[name], whole[name].reshape(-1)[start:])
+        assert torch.equal(flat[0][name], shard[name])
+        assert torch.equal(flat[1][name], opt.rounding_noise(5, 10, torch.empty(c))[name])
+    for other in (opt.rounding_noise(5, 10, p), opt.rounding_noise(4, 9, p),
+                  Fp8AdamW(model.parameters(), model, seed=4).rounding_noise(5, 9, p)):
+        assert (other["master"] != whole["master"]).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("fmt", [FP16, E4M3], ids=["fp16", "e4m3"])
+def test_stochastic_rounding_with_the_hash_noise_is_unbiased(fmt):
+    """round_stochastic with counter_noise (4096 steps' keys) rounds each value to its lower or
+    upper neighbour in fmt with the right probability: the mean of the roundings lies within
+    5 standard errors of the exact value, s * sqrt(q (1 - q) / N) for spacing s and fraction q,
+    plus s / 2^d for the dither's resolution (a value on a grid point may tie to its even
+    neighbour with that chance). Values at fractions 0, 0.1, 0.25, 0.5, 0.9 of a spacing, both
+    signs, normal and subnormal."""
+    from nanofp8.optim import round_stochastic
+
+    n, bits = 4096, noise_bits(fmt)
+    mant = {torch.float16: 10, E4M3.dtype: 3}[fmt.dtype]
+    lows = [1.0, 5.0, fmt.min_normal * 2, fmt.min_normal / 4]  # (the last one subnormal)
+    xs, spacing = [], []
+    for low in lows:
+        s = max(2.0 ** (math.floor(math.log2(low)) - mant), fmt.min_normal * 2.0**-mant)
+        for q in (0.0, 0.1, 0.25, 0.5, 0.9):
+            for sign in (1, -1):
+                xs.append(sign * (low + q * s))
+                spacing.append(s)
+    x = torch.tensor(xs, dtype=torch.float32)
+    s = torch.tensor(spacing, dtype=torch.float64)
+    keys = torch.tensor([noise_key(0, t, 0, 0) for t in range(n)], dtype=torch.int64)[:, None]
+    noise = counter_noise(keys, torch.arange(len(xs), dtype=torch.int64), bits)
+    mean = round_stochastic(x.expand(n, -1), noise, fmt).double().mean(0)
+    q = ((x.double().abs() - x.double().abs().div(s).floor() * s) / s)
+    bound = 5 * s * (q * (1 - q) / n).sqrt() + s * 2.0**-bits
+    assert ((mean - x.double()).abs() <= bound).all(), (mean - x.double()).abs() / s
+
+
+@pytest.mark.slow  # one compile of the hash (~20 s)
+def test_the_compiled_hash_makes_the_eager_bits(monkeypatch):
+    """The foreach step's noise compiled (as on a GPU: optim_foreach.compiled_noise) has the bits
+    of the eager hash, tensor by tensor (Fp8AdamW.rounding_noise), for a run of two weights of
+    different shapes and shard starts: integer operations only, no float op whose rounding could
+    differ between inductor's code and ATen's."""
+    from nanofp8 import optim_foreach
+
+    monkeypatch.setattr(optim_foreach, "compiled_noise", lambda device: True)
+    monkeypatch.setattr(optim_foreach.hash_noise, "compiled", None)
+    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(64, 96, bias=False)), Recipe()))
+    opt = Fp8AdamW(model.parameters(), model, seed=11)
+    likes, starts = [torch.empty(96, 64), torch.empty(2 * 128)], [0, 3 * 128]
+    flat = optim_foreach.rounding_noise_all(opt, [0, 5], [7, 8], likes, starts)
+    assert optim_foreach.hash_noise.compiled  # (compiled, not fallen back to eager)
+    for n, i, t, like, start in zip(flat, [0, 5], [7, 8], likes, starts):
+        eager = opt.rounding_noise(i, t, like, start)
+        assert all(torch.equal(n[k], eager[k]) for k in ("master", "m", "v"))

@@ -227,7 +227,7 @@ def test_a_state_of_another_optimizer_is_refused_in_one_line():
 
 def test_the_rounding_noise_follows_the_table():
     """One noise per stored low-precision tensor: the master, then each moment of the optimizer's
-    table in its order, from the one seeded stream: an optimizer with one moment draws the same
+    table in its order, one hash stream each: an optimizer with one moment draws the same
     master and m noise as Fp8AdamW, and no third."""
     model = convert_to_o2(convert_to_fp8(mlp(), Recipe()))
     like = torch.empty(64, 256)
@@ -324,9 +324,8 @@ def test_weight_cast_once_per_step_and_activation_bytes():
 
 def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
     """The step launches a number of kernels that does not grow with the number of tensors, but
-    for each O2 weight's rounding noise (its own seeded draws, one per rounded tensor: master, m,
-    v) and the block amaxes of its moments (one reduction each): every other operation is one
-    foreach call over all tensors of a kind. Counted as
+    for the block amaxes of each O2 weight's moments (one reduction each): every other operation,
+    the rounding noise's hash included, is one call over all tensors of a kind. Counted as
     dispatched operators (views and allocations launch nothing) on models of 2 and 8 blocks of
     4 O2 weights. (The old tensor-by-tensor step took about 550 per block of 4 O2 weights and 8
     small fp32 tensors: 617 operators for one block, 2261 for four.) No operator reads
@@ -372,9 +371,10 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
     (small, ops), (big, _) = count(2, monkeypatch), count(8, monkeypatch)
     per_weight = (big - small) / (4 * 6)
     print(f"O2 step: {small} operators (8 O2 weights), {big} (32): {per_weight:g} per O2 weight")
-    # per O2 weight: the three draws of its rounding noise (master, m, v) and the block amaxes of m and v
-    assert per_weight <= 5 and ops["randint"] == 3 * 8 and ops["amax"] == 2 * 8
-    assert small < 190
+    # per O2 weight: the block amaxes of m and v; the rounding noise of a run is one integer hash
+    # per stream (master, m, v: ~45 operators each) over all its tensors, and no generator draw
+    assert per_weight <= 2 and ops["amax"] == 2 * 8 and "randint" not in ops
+    assert small < 320
 
 
 def test_step_bounds_its_temporaries_by_running_in_chunks(monkeypatch):
@@ -553,12 +553,6 @@ def test_loop_and_foreach_steps_are_bit_equal(v_format, grad_accum, steps):
         twins.append((m, Fp8AdamW(groups, m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
                                   v_format=v_format, foreach=foreach)))
     assert twins[0][1].foreach is False and twins[1][1].foreach is True
-    draws = {False: [], True: []}  # (parameter number, step, shape) of every noise drawn
-    for _, opt in twins:
-        def spy(index, step, like, opt=opt, draw=opt.rounding_noise):
-            draws[opt.foreach].append((index, step, tuple(like.shape)))
-            return draw(index, step, like)
-        opt.rounding_noise = spy
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         grads = [[_adversarial_grad(p.shape, step, gen) for p in twins[0][0].parameters()] for _ in range(2)]
@@ -586,7 +580,6 @@ def test_loop_and_foreach_steps_are_bit_equal(v_format, grad_accum, steps):
             for k in st0:
                 assert _same_bits(st0[k], st1[k]), (step, k)
     assert opt0.skipped_steps == opt1.skipped_steps == 1
-    assert sorted(draws[False]) == sorted(draws[True]) and len(draws[False]) == 2 * (steps - 1)
     assert opt0.state[m0[0].weight]["exp_avg_sq"].dtype == (torch.float16 if v_format == "fp16" else E4M3.dtype)
 
 
@@ -642,3 +635,85 @@ def test_the_readable_step_casts_the_next_weight():
         print(*f)
     assert ("nanofp8/optim.py", "Fp8AdamW.step") in own and ("nanofp8/o2_compile.py", "O2CompileParts.refresh_fp8_weight") in cast
     assert ("nanofp8/fp8.py", "Fp8Linear.cast_weight") in cast
+
+
+def _code_distance(a, b):
+    """How many codes of their format apart a and b (fp16 or E4M3 tensors of one shape) lie,
+    elementwise: their bit patterns as sign-magnitude integers, subtracted."""
+    bits = {torch.float16: (torch.int16, 0x7FFF), E4M3.dtype: (torch.int8, 0x7F)}[a.dtype]
+
+    def ordinal(t):
+        i = t.view(bits[0]).int()
+        return torch.where(i < 0, -(i & bits[1]), i)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+@pytest.mark.slow  # one compile (~40 s); sqrt(v) in E4M3 is checked fused by tests/test_o2_numerics.py
+@pytest.mark.parametrize("v_format", ["fp16"])
+def test_fused_step_matches_the_loop(v_format):
+    """Fp8AdamW(fused=True), the update compiled by torch.compile (nanofp8/optim_fused.py), against
+    the readable loop (foreach=False), over 13 steps of adversarial gradients (_adversarial_grad)
+    summed over 2 micro-steps, clipping every third step, a NaN step both skip. The operations and
+    their order are the loop's and the rounding noise the same integer hash, so the two differ
+    only where inductor's code rounds an fp32 intermediate differently (a multiply and add fused
+    into one rounding): a value then lands on the other side of its stochastic rounding's
+    threshold and is stored one code of its format away, and a block's amax, hence its scale,
+    moves by an fp32 ulp. Bounds, at every step: every stored m and v value within one code of
+    the loop's and at most 1% of them off at all; every scale within 2^-20 of the loop's; the
+    weights' movement from their start at more than 32 dB SQNR against the loop's (a moment one
+    E4M3 code off moves its update by at most 2^-3, m and sqrt(v) together 2^-2: for 1% of the
+    values an error energy of 1% x 2^-4 of the movement's, 32 dB). The fp32 parameters (biases)
+    are bit-equal: both paths step them with the same foreach code."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 64))  # (not square: (blocks, 128) != shape)
+    twins = []
+    for fused in (False, True):
+        m = convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe()))
+        twins.append((m, Fp8AdamW(m.parameters(), m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                                  v_format=v_format, foreach=False, fused=fused)))
+    (m0, opt0), (m1, opt1) = twins
+    start = {n: m.hp_weight().clone() for n, m in ((n, m0[int(n.split(".")[0])]) for n, p in m0.named_parameters()
+                                                  if holds_fp8_grad(p))}
+    off, total = 0, 0
+    for step in range(13):
+        gen = torch.Generator().manual_seed(step)
+        grads = [[_adversarial_grad(p.shape, step, gen) for p in m0.parameters()] for _ in range(2)]
+        if step == 8:
+            grads[1][0][5, 7] = float("nan")
+        taken = []
+        for m, opt in twins:
+            for micro in grads:
+                for (name, p), g in zip(m.named_parameters(), micro):
+                    if holds_fp8_grad(p):
+                        m[int(name.split(".")[0])].take_wgrad(g)
+                    else:
+                        p.grad = g.clone() if p.grad is None else p.grad + g
+            if step % 3 == 0:
+                clip_grad_norm(m, 1.0)
+            taken.append(opt.step())
+            opt.zero_grad()
+        assert taken == [step != 8] * 2
+        for p0, p1 in zip(m0.parameters(), m1.parameters()):
+            if not holds_fp8_grad(p0):
+                assert _same_bits(p0, p1) and all(_same_bits(opt0.state[p0][k], opt1.state[p1][k]) for k in opt0.state[p0])
+                continue
+            mod0, mod1 = (m[int(n.split(".")[0])] for m, n in ((m0, _name(m0, p0)), (m1, _name(m1, p1))))
+            if step:
+                w0 = start[_name(m0, p0)]
+                assert sqnr(mod0.hp_weight() - w0, mod1.hp_weight() - w0) > 32, step
+            pairs = [(opt0.state[p0][k], opt1.state[p1][k], opt0.state[p0][k + "_scale"], opt1.state[p1][k + "_scale"])
+                     for k in ("exp_avg", "exp_avg_sq")]
+            for a, b, sa, sb in pairs:
+                assert a.shape == b.shape and sa.shape == sb.shape  # (the loop's layout: checkpoints load either way)
+                d = _code_distance(a, b)
+                assert d.max() <= 1, step
+                off, total = off + int((d > 0).sum()), total + d.numel()
+                assert torch.allclose(sa, sb, rtol=2.0**-20, atol=0), step
+            assert float(opt0.state[p0]["step"]) == float(opt1.state[p1]["step"])
+    print(f"fused vs loop, v {v_format}: {off} of {total} stored m and v values one code apart")
+    assert off <= 0.01 * total
+
+
+def _name(model, p):
+    return next(n for n, q in model.named_parameters() if q is p)

@@ -180,6 +180,8 @@ def test_skipped_steps_stop_the_run_and_never_save(tmp_path, capsys):
     (["dist_timeout=0"], "'dist_timeout' must be > 0"),
     (["out_dir="], "'out_dir' must be a directory name"),
     (["out_dir=README.md"], "'out_dir' must be a directory \\(it is an existing file\\)"),
+    (["precision=O3", "o2_fused=True"], "o2_fused=True compiles O2's optimizer step; precision=O3 has no such "
+                                        "step .*: set o2_fused=False"),
 ])
 def test_config_values(args, match):
     with pytest.raises(ConfigError, match=match):

@@ -210,3 +210,18 @@ def test_a_recast_that_cannot_compile_runs_eagerly(monkeypatch):
         warnings.simplefilter("error")
         cast_for_step(model)  # eagerly, without a second warning
     _kept_matches_weight(model)
+
+
+@pytest.mark.slow  # ~1 min: a GPT step twice, the fused update's graph scheduled
+def test_the_fused_o2_step_launches_and_moves_less_than_the_foreach_step():
+    """bench.py kernels' step measure at O2: the fused step (o2_fused, its compiled update counted
+    as the kernels inductor's CUDA rules make of its graph) launches fewer kernels and moves fewer
+    bytes per FP8 value than the foreach step (its noise hash also counted compiled, as a GPU
+    runs it), on a one-layer GPT-2; and the compiled update is a few kernels per O2 weight (at most
+    10: the foreach update makes ~140 operator calls for a group, two more per weight)."""
+    fused, foreach = schedule.step_cost("O2-fused", n_layer=1), schedule.step_cost("O2", n_layer=1)
+    print(f"O2 step, 1 layer: foreach {foreach['launches']} launches, {foreach['bytes_per_fp8_value']:.0f} B per "
+          f"FP8 value; fused {fused['launches']}, {fused['bytes_per_fp8_value']:.0f}")
+    assert fused["launches"] < foreach["launches"]
+    assert fused["bytes_per_fp8_value"] < foreach["bytes_per_fp8_value"]
+    assert 0 < fused["compiled_kernels"] <= 4 * 10  # (4 O2 weights in a block)

@@ -212,6 +212,12 @@ def test_o3_refuses_state_of_another_world_size():
         Fake().load_state_dict(sd)
 
 
+def test_o3_refuses_the_fused_step():
+    """fused=True is O2's compiled step; O3 refuses it in one line (before any process group)."""
+    with pytest.raises(ValueError, match="^fused=True compiles O2's step; O3 steps its shards on the foreach path"):
+        ZeroFp8AdamW([nn.Parameter(torch.zeros(2))], nn.Linear(1, 1), fused=True)
+
+
 def o2_dp_worker(rank, world, outdir):
     from nanofp8.zero import sync_fp8_wgrads
 

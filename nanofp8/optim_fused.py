@@ -1,0 +1,143 @@
+"""
+Fp8AdamW's fused step: the O2 update of all O2 weights of a param group as one torch.compile'd
+function, which inductor fuses into a few kernels per weight. Fp8AdamW(fused=True) runs it; the
+readable loop of nanofp8/optim.py (foreach=False) stays the reference, and tests/test_optim.py
+holds the two equal.
+
+What one O2 weight costs the step. The loop (and its foreach twin) reads and writes each stored
+tensor several times: dequantize the gradient, the master, m and v to fp32 copies, update them in
+a dozen elementwise passes, then quantize m, v and the master back, each through its own amax,
+scale and rounding passes, with the rounding noise made as a tensor first. Compiled, the same
+operations become a handful of kernels (the block amaxes of m and v are rows of 128 values of one
+reduction; the master's rounding waits for the whole tensor's amax), and the noise is a hash
+computed where it is used (optim.counter_noise, integer ops only, so the compiled code makes the
+eager code's bits), never a tensor in memory. Scheduled by inductor's CUDA rules
+(nanofp8/schedule.py), a weight's update is 5 kernels moving about 37 B per value (fp16 v; 35
+with v in E4M3), where the state read and written is 11 B (the gradient 1 B, m 1 B, v 2 B and the
+master 2 B read; m, v and the master written): inductor keeps the new fp32 m and v in memory
+between the kernels that take their amaxes and those that round them.
+
+The step's numbers (betas, eps, the bias corrections, the bound on m, the learning rate) enter as
+one small fp32 tensor per group and the noise keys as one int64 tensor: a new step, or another
+group, reuses the compiled code (a graph keyed on values would recompile every step). Each is the
+fp32 number eager code computes from its Python float (a Python scalar meets an fp32 tensor as
+fp32), and each elementwise operation is eager's, in eager's order (ATen's addcmul and addcdiv
+as self + value * t1 * t2 and self + value * t1 / t2): where inductor's code makes the same
+fp32 operations the bits are the reference's. Where its generated code rounds an intermediate
+otherwise than ATen's kernel (a multiply and an add fused into one rounding in one of them, say),
+an fp32 value differs by an ulp, and a value that lands on the other side of a stochastic rounding's threshold goes to the other
+neighbour of its stored format; tests/test_optim.py bounds that (test_fused_step_matches_the_loop).
+
+Each weight's FP8 cast for the next forward (O2Linear.refresh_fp8_weight) follows the compiled
+update, as in the loop. The ordinary parameters (fp32 state) take the foreach step
+(optim_foreach.update_plain).
+"""
+
+import math
+
+import torch
+
+from nanofp8.optim import (adam_ratio_bound, counter_noise, dequantize_blocks, fp8_grad, holds_fp8_grad, noise_bits,
+                           noise_key, quantize_blocks, to_fp16_scaled)
+
+# the numbers of a step, in update_one's order
+NUMBERS = ("1 - b1", "b2", "1 - b2", "ratio_bound", "decay", "bias2_sqrt", "step_size", "eps")
+
+
+def step_numbers(t, group):
+    """The numbers of step t that Fp8AdamW.update computes as Python floats, in NUMBERS' order
+    (all of them, betas and eps too: a graph keyed on none of them serves every group and step)."""
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    return [1 - b1, b2, 1 - b2, adam_ratio_bound(t, b1, b2), 1 - lr * wd, math.sqrt(1 - b2**t), -lr / (1 - b1**t), eps]
+
+
+def update_one(w16, w_scale, g_data, g_scale, m_data, m_scale, v_data, v_scale, numbers, keys, start,
+               formats, moments):
+    """Fp8AdamW.update (with noise) and the master's rounding for one O2 weight, in the same
+    operations and order: writes the new fp16 master and its scale into w16 and w_scale and
+    returns ((m data, m scale), (v data, v scale)). numbers: an fp32 tensor (NUMBERS); keys:
+    an int64 tensor of the noise keys of `formats` (Fp8AdamW.rounded_formats: the master, m, v);
+    start: the number of w16's first element in its parameter."""
+    M, V = moments["m"], moments["v"]
+    one_b1, b2, one_b2, ratio_bound, decay, bias2_sqrt, step_size, eps = numbers.unbind()
+    shape = w16.shape  # (the parameter's; the FP8 gradient's data is shaped as its blocks)
+    g = dequantize_blocks(g_data, g_scale).view(shape)
+    w = dequantize_blocks(w16, w_scale)
+    m, v = (dequantize_blocks(d.view(shape), s) for d, s in ((m_data, m_scale), (v_data, v_scale)))
+    v = v.pow(2) if V.sqrt else v
+    m = torch.lerp(m, g, one_b1)
+    v = v * b2 + one_b2 * g * g
+    lim = v.sqrt() * ratio_bound
+    m = m.minimum(lim).maximum(lim.neg())
+    w = w * decay
+    denom = v.sqrt() / bias2_sqrt + eps
+    w = w + step_size * m / denom
+    element = torch.arange(start, start + g.numel(), dtype=torch.int64, device=g.device)
+    noise = {name: counter_noise(keys[k], element, noise_bits(fmt)).view(shape)
+             for k, (name, fmt) in enumerate(formats.items())}
+    master, scale = to_fp16_scaled(w, noise=noise["master"])
+    w16.copy_(master)
+    w_scale.copy_(scale)
+    return (quantize_blocks(m, M.fmt, noise["m"]),
+            quantize_blocks(v.sqrt() if V.sqrt else v, V.fmt, noise["v"]))
+
+
+def update_group(tensors, numbers, keys, starts, formats, moments):
+    """update_one for every O2 weight of a group: tensors, one 8-tuple per weight (update_one's
+    first eight arguments); numbers (weights, 8) fp32, keys (weights, 3) int64. The function
+    torch.compile fuses (one graph per group)."""
+    return [update_one(*ts, numbers[i], keys[i], starts[i], formats, moments) for i, ts in enumerate(tensors)]
+
+
+def compiled_update_group():
+    """update_group compiled, one function for every optimizer of the process: dynamo's cache
+    keeps its graphs by their guards (the shapes, the formats), so a second optimizer over the
+    same shapes reuses the first one's compiled code. Static shapes: a block's length
+    (optim.state_block, a gcd) is a Python number of the trace."""
+    global COMPILED
+    if COMPILED is None:
+        COMPILED = torch.compile(update_group, fullgraph=True, dynamic=False)
+    return COMPILED
+
+
+COMPILED = None
+RECOMPILE_LIMIT = 64  # graphs of update_group per process
+
+
+def step(opt):
+    """Fp8AdamW.step's update on the fused path (the gradients are known to be finite)."""
+    from nanofp8.optim_foreach import count_steps, update_plain
+
+    number = {p: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+    for group in opt.param_groups:
+        o2, plain = [], []
+        for p in group["params"]:
+            q = fp8_grad(p)
+            if q is None and (holds_fp8_grad(p) or p.grad is None):
+                continue
+            if not opt.state[p]:
+                opt.init_state(p)
+            (plain if q is None else o2).append(p)
+        update_plain(opt, group, plain)
+        if not o2:
+            continue
+        M, V = opt.moments["m"], opt.moments["v"]
+        sts, mods = [opt.state[p] for p in o2], [opt.o2[p] for p in o2]
+        ts = count_steps(sts)
+        device = o2[0].device
+        formats = opt.rounded_formats()
+        numbers = torch.tensor([step_numbers(t, group) for t in ts], dtype=torch.float32, device=device)
+        keys = torch.tensor([[noise_key(opt.seed, t, number[p], k) for k in range(len(formats))]
+                             for p, t in zip(o2, ts)], dtype=torch.int64, device=device)
+        tensors = [(mod.weight, mod.weight_scale, fp8_grad(p).data, fp8_grad(p).scale,
+                    st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"])
+                   for p, mod, st in zip(o2, mods, sts)]
+        # A group makes a graph per set of shapes and formats (and of its state's layouts): a
+        # process that steps many models (the tests) makes more than dynamo's default limit of 8
+        # graphs per function, which fullgraph=True turns into an error.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            new = compiled_update_group()(tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats,
+                                          opt.moments)
+        for st, mod, ((m, m_scale), (v, v_scale)) in zip(sts, mods, new):
+            st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
+            mod.refresh_fp8_weight()  # its FP8 cast for the next forward
