@@ -261,26 +261,27 @@ def test_load_state_across_precisions():
         load_model_state(GPT(tiny(n_layer=2)), bf16.state_dict())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_attention_and_mlp_run_on_a_shard(arch):
+@pytest.mark.parametrize("arch, n_kv_head", [("gpt2", 0), ("llama", 0), ("gpt2", 2), ("llama", 2)])
+def test_attention_and_mlp_run_on_a_shard(arch, n_kv_head):
     """Attention and MLP read their head count and width from the tensors, so tensor parallelism
     only swaps their Linears (nanofp8/parallel.py): with the Linears cut as the plan says, the
     ranks' partial outputs (+ the row-parallel bias, once) sum to the whole module's output. In
-    fp64 the two differ only by summation order."""
+    fp64 the two differ only by summation order. With grouped-query attention a rank holds
+    n_kv_head / tp key/value heads and the query heads that read them."""
     import copy
 
-    from nanofp8.parallel import shard_linears, tp_plan
+    from nanofp8.parallel import merge_tp_state_dicts, shard_linears, tp_plan
 
     torch.manual_seed(0)
-    cfg = tiny(arch=arch, n_embd=64, n_head=4, mlp_hidden=512 if arch == "gpt2" else 256)
+    cfg = tiny(arch=arch, n_embd=64, n_head=4, n_kv_head=n_kv_head, mlp_hidden=512 if arch == "gpt2" else 256)
     m = GPT(cfg).double()
     for p in m.parameters():  # biases off zero, so that adding the row bias once is checked
         nn.init.normal_(p, std=0.1)
     blk, T = m.blocks[0], 32
     rope = (m.rope_cos[:T].double(), m.rope_sin[:T].double()) if arch == "llama" else None
     x = torch.randn(2, T, cfg.n_embd, dtype=torch.float64)
-    for tp in (2, 4):
-        attn, mlp = torch.zeros_like(x), torch.zeros_like(x)
+    for tp in (t for t in (2, 4) if cfg.kv_heads % t == 0):
+        attn, mlp, states = torch.zeros_like(x), torch.zeros_like(x), []
         for rank in range(tp):
             shard = copy.deepcopy(blk)
 
@@ -293,9 +294,14 @@ def test_attention_and_mlp_run_on_a_shard(arch):
                 return lin
 
             shard_linears(shard, tp_plan(cfg), rank, tp, make)
-            assert shard.attn.c_attn.out_features == 3 * cfg.n_embd // tp
+            assert shard.attn.c_attn.out_features == sum(cfg.qkv_rows) // tp
             attn += shard.attn(x, rope)
             mlp += shard.mlp(x)
+            states.append({f"blocks.0.{k}": v for k, v in shard.state_dict().items()})
+        whole = merge_tp_state_dicts(states, cfg)  # the shards glue back into the block, bit for bit
+        want = {f"blocks.0.{k}": v for k, v in blk.state_dict().items()}  # (the shards here: no row bias)
+        assert whole.keys() == want.keys() - {"blocks.0.attn.c_proj.bias", "blocks.0.mlp.c_proj.bias"}
+        assert all(torch.equal(v, want[k]) for k, v in whole.items())
         if cfg.has_bias:
             attn, mlp = attn + blk.attn.c_proj.bias, mlp + blk.mlp.c_proj.bias
         for got, want in ((attn, blk.attn(x, rope)), (mlp, blk.mlp(x))):
