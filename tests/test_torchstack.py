@@ -157,10 +157,11 @@ def _full(model, optimizer):
 
 
 def _train_and_save(rank, world, out):
-    """Two steps on 2 ranks (each its own batch), then a DCP save and the whole state for comparison."""
+    """Two steps on 2 ranks, then a DCP save and the whole state for comparison. Both ranks take the
+    same batch: the mean of their gradients is one process's, exactly."""
     model, opt, layout = _fsdp(world)
     for step in range(2):
-        _, loss = model(*_batch(10 * step + rank))
+        _, loss = model(*_batch(10 * step))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -190,10 +191,18 @@ def _same(a, b):
 def test_dcp_recuts_weights_and_moments_for_another_world_size(tmp_path):
     """An FSDP2 checkpoint of 2 ranks, read by 3 ranks (uneven shards of every parameter) and by
     one process without a process group: weights and Adam's moments, bit for bit the state the 2
-    ranks held."""
+    ranks held. FSDP2 (its FP8 all-gather included) of this grouped-query model trains to the
+    weights of one process, bit for bit."""
     out = str(tmp_path)
     spawn(_train_and_save, 2, out)
     saved = torch.load(os.path.join(out, "full.pt"), weights_only=False)
+    one = _model()
+    opt = torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        one(*_batch(10 * step))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(p, saved[0][k]) for k, p in one.named_parameters())
     spawn(_load_and_compare, 3, out)
     assert _same(torch.load(os.path.join(out, "got3.pt"), weights_only=False), saved)
     model = _model()
