@@ -27,10 +27,10 @@ nanofp8/checkpoint.py turns any training checkpoint into the fp32 state_dict the
    LlamaForCausalLM. Its Linears are nn.Linear, (out, in) like ours; what differs is that ours
    fuse GEMMs that share an input: c_attn's rows are [q | k | v] and c_fc's are [gate | up], which
    HF keeps as separate matrices (LLAMA_BLOCK below). Both rotate the channel pairs (i, i + d/2) of
-   each head ("rotate half"), with the same frequencies, so no row is permuted. Grouped-query
-   attention carries over as num_key_value_heads = n_kv_head: k and v then hold fewer rows than q.
-   A config nanofp8 does not compute (scaled RoPE, biases, another activation) is refused, never
-   loaded as something else.
+   each head ("rotate half"), with the same frequencies, so no row is permuted. A config nanofp8
+   does not compute (scaled RoPE, biases, another activation) is refused,
+   never loaded as something else. Grouped-query attention carries over: num_key_value_heads is
+   n_kv_head, and k and v hold fewer rows than q.
 """
 
 import json

@@ -217,8 +217,9 @@ class CausalSelfAttention(nn.Module):
     shard and writes only that rank's heads, and this same module runs on them.
 
     Grouped-query attention (n_kv_head < n_head) keeps fewer key/value heads than query heads:
-    query head h reads key/value head h // group, group = n_head / n_kv_head. Training costs
-    about the same; what shrinks is the KV cache a server keeps per token, by the factor group."""
+    query head h reads key/value head h // group, group = n_head / n_kv_head. The q/k/v GEMM
+    narrows from 3 to 1 + 2 / group times n_embd outputs; the KV cache a server keeps per token
+    shrinks by the factor group."""
 
     def __init__(self, config):
         super().__init__()
@@ -252,7 +253,7 @@ class CausalSelfAttention(nn.Module):
             # PyTorch's CPU flash-attention kernel is ~5x slower in bf16 than in fp32 (its
             # backward especially), so on a CPU attention runs in fp32, autocast or not.
             q, k, v = q.float(), k.float(), v.float()
-        # enable_gqa: the kernel reads key/value head h // group for query head h, no copies
+        # enable_gqa: query head h reads key/value head h // group
         gqa = {"enable_gqa": True} if self.group > 1 else {}
         with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
