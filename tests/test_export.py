@@ -538,13 +538,16 @@ def test_hf_llama_out_and_back(hf_llama, tmp_path, tied, n_kv_head):
 
 
 def test_hf_llama_cli_and_finetune(hf_llama, tmp_path, capsys):
-    """export.py --format=hf of a llama (here a portable export of one), and train.py init_from=<HF
-    Llama dir> fine-tunes it in FP8."""
+    """export.py --format=hf of a llama (here a portable export of one, with grouped-query
+    attention), read back bit for bit, and train.py init_from=<HF Llama dir> fine-tunes it in FP8."""
     _, _, d = hf_llama
-    model = trained_like(arch="llama")
+    model = trained_like(arch="llama", n_kv_head=1)  # grouped-query attention: num_key_value_heads=1
     export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "portable"), fp8=False)
     export.main([f"--out_dir={tmp_path / 'portable'}", f"--to={tmp_path / 'hf'}", "--format=hf"])
-    assert json.load(open(tmp_path / "hf" / "config.json"))["architectures"] == ["LlamaForCausalLM"]
+    hf_config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert hf_config["architectures"] == ["LlamaForCausalLM"] and hf_config["num_key_value_heads"] == 1
+    state, model_args = load_hf_llama(str(tmp_path / "hf"))
+    assert model_args["n_kv_head"] == 1 and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     hist = train.main(TINY + ["precision=O1", "arch=llama", f"init_from={d}", f"out_dir={tmp_path / 'ft'}",
                               "max_iters=2"])
     out = capsys.readouterr().out
