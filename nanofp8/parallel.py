@@ -17,7 +17,8 @@ collective per pair, mirrored in backward:
 
 The fused qkv weight has rows [q | k | v]: a rank takes its heads from each of the three, not a
 contiguous third. With grouped-query attention k and v hold fewer heads than q; a rank takes
-n_kv_head / tp of them and the query heads that read them (tp must divide n_kv_head). LLaMA's fused [gate | up] is cut the same way, so gate i and up i share a rank.
+n_kv_head / tp of them and the query heads that read them (tp must divide n_kv_head). LLaMA's
+fused [gate | up] is cut the same way, so gate i and up i share a rank.
 Nothing else in a block changes: attention reads its number of heads from the width its qkv shard
 writes, so tensor parallelism only swaps Linears, as the plan of section 4 (tp_plan) says.
 

@@ -530,8 +530,8 @@ def test_hf_llama_out_and_back(hf_llama, tmp_path, tied, n_kv_head):
     print(f"nanofp8 -> HF Llama (tied={tied}): logits relative error {err:.1e}")
     assert err < 1e-5
     state, model_args = load_hf_llama(str(tmp_path))
-    arch = lambda c: (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.kv_heads, c.n_embd, c.hidden, c.has_bias,  # noqa: E731
-                      c.tie_embeddings, c.rope_theta, c.norm_eps)
+    arch = lambda c: (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.kv_heads, c.n_embd, c.hidden,  # noqa: E731
+                      c.has_bias, c.tie_embeddings, c.rope_theta, c.norm_eps)
     assert arch(GPTConfig(**model_args)) == arch(ours.config)
     assert state.keys() == ours.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
