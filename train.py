@@ -96,6 +96,7 @@ block_size = 1024
 arch = "gpt2"  # "gpt2" | "llama"
 n_layer = 12
 n_head = 12
+n_kv_head = 0  # key/value heads: 0 = n_head; fewer (dividing n_head) = grouped-query attention
 n_embd = 768
 dropout = 0.0
 bias = True

@@ -187,7 +187,18 @@ class Fp8AttentionFunction(torch.autograd.Function):
 
 
 def fp8_attention(q, k, v, recipe):
-    """Causal attention of q, k, v (B, H, T, d) in FP8 by `recipe` (an fp8.Recipe): the output
-    (B, H, T, d) in q's dtype. Drop-in for F.scaled_dot_product_attention(q, k, v,
-    is_causal=True) without dropout."""
+    """Causal attention of q (B, H, T, d) and k, v (B, H_kv, T, d) in FP8 by `recipe` (an
+    fp8.Recipe): the output (B, H, T, d) in q's dtype. Drop-in for
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) without dropout.
+
+    Grouped-query attention (H_kv < H, dividing it): query head h reads key/value head
+    h // (H / H_kv). Each key/value head is repeated for the query heads of its group before the
+    casts: every per-head GEMM above then has its own operands, and autograd sums the group's dK
+    and dV back into the one head (in the gradients' dtype, after the FP8 GEMMs)."""
+    if k.shape[1] != q.shape[1]:
+        if q.shape[1] % k.shape[1] or k.shape != v.shape:
+            raise ValueError(f"fp8_attention: {q.shape[1]} query heads cannot share {k.shape[1]} key and "
+                             f"{v.shape[1]} value heads (grouped-query attention needs H_kv to divide H)")
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return Fp8AttentionFunction.apply(q, k, v, recipe)

@@ -28,9 +28,10 @@ nanofp8/checkpoint.py turns any training checkpoint into the fp32 state_dict the
    fuse GEMMs that share an input: c_attn's rows are [q | k | v] and c_fc's are [gate | up], which
    HF keeps as separate matrices (LLAMA_BLOCK below). Both rotate the channel pairs (i, i + d/2) of
    each head ("rotate half"), with the same frequencies (Llama 3.1's rescaled ones too:
-   GPTConfig.rope_scaling), so no row is permuted. A config nanofp8 does not compute (grouped-query
-   attention, RoPE scaled otherwise, biases, another activation) is refused, never loaded as
-   something else. Both readers take the weights in any file layout save_pretrained writes
+   GPTConfig.rope_scaling), so no row is permuted. A config nanofp8 does not compute (RoPE scaled
+   otherwise, biases, another activation) is refused, never loaded as something else.
+   Grouped-query attention carries over: num_key_value_heads is n_kv_head, and k and v hold fewer
+   rows than q. Both readers take the weights in any file layout save_pretrained writes
    (read_hf_weights).
 """
 
@@ -326,6 +327,9 @@ def export_hf_gpt2(state, model_args, out_dir):
     if c.arch != "gpt2":
         raise ValueError(f"the Hugging Face GPT-2 layout needs arch='gpt2', this model is {c.arch!r} "
                          "(use the portable export)")
+    if c.kv_heads != c.n_head:
+        raise ValueError(f"the Hugging Face GPT-2 layout has no grouped-query attention, this model has "
+                         f"n_kv_head={c.n_kv_head} (use the portable export)")
     with torch.device("meta"):
         keys = GPT(c).state_dict().keys()  # the weights only: no FP8 scaling buffers of an O1 run
     missing = [k for k in keys if k not in state]
@@ -359,7 +363,8 @@ def export_hf_gpt2(state, model_args, out_dir):
 # -----------------------------------------------------------------------------
 # 3. LLaMA in the Hugging Face layout
 
-# Each block's tensors: ours -> HF's, a fused matrix split row-wise into equal parts, in this order.
+# Each block's tensors: ours -> HF's, a fused matrix split row-wise in this order (into equal parts,
+# but for c_attn: GPTConfig.qkv_rows).
 LLAMA_BLOCK = [("attn.c_attn", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                ("attn.c_proj", ("self_attn.o_proj",)),
                ("mlp.c_fc", ("mlp.gate_proj", "mlp.up_proj")),
@@ -393,8 +398,9 @@ def _llama_model_args(c, path):
         raise CheckpointError(f"{path}/config.json: {key}={c.get(key)!r}: {why}")
 
     heads = c.get("num_attention_heads")
-    if c.get("num_key_value_heads", heads) != heads:
-        refuse("num_key_value_heads", f"grouped-query attention (num_attention_heads={heads}) is not implemented")
+    kv_heads = c.get("num_key_value_heads") or heads  # (absent or null: one per query head)
+    if heads and kv_heads and heads % kv_heads:
+        refuse("num_key_value_heads", f"it must divide num_attention_heads={heads}")
     if c.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "the SwiGLU MLP here gates with silu only")
     for key in ("attention_bias", "mlp_bias"):
@@ -420,6 +426,7 @@ def _llama_model_args(c, path):
     try:
         return GPTConfig(arch="llama", block_size=c["max_position_embeddings"], vocab_size=c["vocab_size"],
                          n_layer=c["num_hidden_layers"], n_head=heads, n_embd=c["hidden_size"], bias=False,
+                         n_kv_head=0 if kv_heads == heads else kv_heads,
                          tie_embeddings=c.get("tie_word_embeddings", False), mlp_hidden=c["intermediate_size"],
                          rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
                          rope_scaling=scaling,
@@ -498,10 +505,11 @@ def export_hf_llama(state, model_args, out_dir, fp8=None, margin=0):
     c = GPTConfig(**model_args)
     if c.arch != "llama":
         raise ValueError(f"the Hugging Face LLaMA layout needs arch='llama', this model is {c.arch!r}")
-    if fp8 == "block" and (c.n_embd % BLOCK or c.hidden % BLOCK):
-        raise ValueError(f"blockwise FP8 in the HF layout needs n_embd ({c.n_embd}) and the MLP width "
-                         f"({c.hidden}) to be multiples of {BLOCK}: a {BLOCK}x{BLOCK} tile would straddle two "
-                         "of the matrices HF keeps apart (q/k/v, gate/up)")
+    kv_rows = c.qkv_rows[1]  # k's and v's (n_kv_head * head dim)
+    if fp8 == "block" and (c.n_embd % BLOCK or c.hidden % BLOCK or kv_rows % BLOCK):
+        raise ValueError(f"blockwise FP8 in the HF layout needs n_embd ({c.n_embd}), the MLP width "
+                         f"({c.hidden}) and the key/value width ({kv_rows}) to be multiples of {BLOCK}: a "
+                         f"{BLOCK}x{BLOCK} tile would straddle two of the matrices HF keeps apart (q/k/v, gate/up)")
     tensors = {}
     for ours, theirs in LLAMA_TOP:
         if not (ours == "lm_head" and c.tie_embeddings):
@@ -510,12 +518,14 @@ def export_hf_llama(state, model_args, out_dir, fp8=None, margin=0):
         for ours, parts in LLAMA_BLOCK:
             w = _exportable(state, f"blocks.{i}.{ours}.weight")
             names = [f"model.layers.{i}.{p}" for p in parts]
+            rows = c.qkv_rows if ours == "attn.c_attn" else [w.shape[0] // len(parts)] * len(parts)
             if fp8 is None or w.dim() == 1:  # (a norm's weight: never FP8)
-                tensors.update({f"{n}.weight": piece.contiguous() for n, piece in zip(names, w.chunk(len(parts)))})
+                tensors.update({f"{n}.weight": piece.contiguous() for n, piece in zip(names, w.split(rows))})
                 continue
             q = quantize(w, E4M3, fp8, block=(BLOCK, BLOCK), margin=margin)
             scale = q.inv_scale.float()  # the dequantization factor: (N, 1) per row, (N/128, K/128) per tile
-            for n, data, s in zip(names, q.data.chunk(len(parts)), scale.chunk(len(parts))):
+            scale_rows = [r * scale.shape[0] // w.shape[0] for r in rows]  # a row's, or a tile row's
+            for n, data, s in zip(names, q.data.split(rows), scale.split(scale_rows)):
                 tensors[f"{n}.weight"] = data.contiguous()
                 tensors[f"{n}.{HF_FP8[fp8][0]}"] = s.contiguous()
     config = llama_hf_config(c)
@@ -529,7 +539,7 @@ def llama_hf_config(c):
     """config.json of LlamaForCausalLM for our GPTConfig c (arch llama)."""
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
             "hidden_size": c.n_embd, "intermediate_size": c.hidden, "num_hidden_layers": c.n_layer,
-            "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head,  # no grouped-query attention
+            "num_attention_heads": c.n_head, "num_key_value_heads": c.kv_heads,
             "head_dim": c.n_embd // c.n_head, "hidden_act": "silu", "max_position_embeddings": c.block_size,
             "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
             # transformers 5 reads rope_parameters, older versions rope_theta and rope_scaling

@@ -48,6 +48,9 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+    # key/value heads: 0 = n_head (multi-head attention); fewer = grouped-query attention, where
+    # n_head / n_kv_head query heads share each key/value head (Llama 2 70B, Llama 3)
+    n_kv_head: int = 0
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms (gpt2 only; llama never has them)
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix
@@ -71,12 +74,26 @@ class GPTConfig:
             raise ValueError(f"mlp_hidden must be >= 0 (0 = the default width), got {self.mlp_hidden}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.n_kv_head < 0 or self.n_kv_head and self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (0: n_head key/value "
+                             f"heads, multi-head attention)")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
             raise ValueError("RoPE rotates pairs of channels: the head dim must be even")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling, self.arch)
+
+    @property
+    def kv_heads(self):
+        """The number of key/value heads: n_kv_head, or n_head where it is 0."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def qkv_rows(self):
+        """Rows of the fused q/k/v weight [q | k | v]: n_head, n_kv_head and n_kv_head heads."""
+        head_dim = self.n_embd // self.n_head
+        return self.n_head * head_dim, self.kv_heads * head_dim, self.kv_heads * head_dim
 
     @property
     def hidden(self):
@@ -196,23 +213,34 @@ FP32_ATTENTION_ON_CPU = True
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention. The number of heads is read from the tensors, not the
-    config: under tensor parallelism (nanofp8/parallel.py) c_attn is one rank's shard and writes
-    only that rank's heads, and this same module runs on them."""
+    """Causal self-attention, multi-head or grouped-query. The number of heads is read from the
+    tensors, not the config: under tensor parallelism (nanofp8/parallel.py) c_attn is one rank's
+    shard and writes only that rank's heads, and this same module runs on them.
+
+    Grouped-query attention (n_kv_head < n_head) keeps fewer key/value heads than query heads:
+    query head h reads key/value head h // group, group = n_head / n_kv_head. The q/k/v GEMM
+    narrows from 3 to 1 + 2 / group times n_embd outputs; the KV cache a server keeps per token
+    shrinks by the factor group."""
 
     def __init__(self, config):
         super().__init__()
         d, b = config.n_embd, config.has_bias
         self.head_dim = d // config.n_head
-        self.c_attn = nn.Linear(d, 3 * d, bias=b)  # q, k, v in one GEMM: bigger is faster
+        self.group = config.n_head // config.kv_heads  # query heads per key/value head
+        # q, k, v in one GEMM (bigger is faster): n_head, n_kv_head and n_kv_head heads of outputs
+        self.c_attn = nn.Linear(d, sum(config.qkv_rows), bias=b)
         self.c_proj = nn.Linear(d, d, bias=b)  # back into the residual stream
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.fp8_recipe = None  # set by apply_fp8(..., attention=True): Q K^T and P V in FP8
 
     def forward(self, x, rope=None):
-        # (B, T, 3 * heads * head_dim): the columns are [q | k | v], each head after head
-        q, k, v = rearrange(self.c_attn(x), "b t (qkv h d) -> qkv b h t d", qkv=3, d=self.head_dim)
+        # (B, T, (q heads + 2 kv heads) * head_dim): the columns are [q | k | v], each head after
+        # head; a shard holds group query heads per key/value head as the whole layer does
+        qkv = self.c_attn(x)
+        kv_width = qkv.shape[-1] // (self.group + 2)
+        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)
+                   for t in qkv.split([self.group * kv_width, kv_width, kv_width], dim=-1))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.fp8_recipe is not None:  # opt-in: nanofp8/attention.py (no dropout: refused there)
@@ -226,9 +254,11 @@ class CausalSelfAttention(nn.Module):
             # PyTorch's CPU flash-attention kernel is ~5x slower in bf16 than in fp32 (its
             # backward especially), so on a CPU attention runs in fp32, autocast or not.
             q, k, v = q.float(), k.float(), v.float()
+        # enable_gqa: query head h reads key/value head h // group
+        gqa = {"enable_gqa": True} if self.group > 1 else {}
         with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+                                               dropout_p=self.dropout if self.training else 0.0, **gqa)
         y = rearrange(y.to(dtype), "b h t d -> b t (h d)")
         return self.resid_dropout(self.c_proj(y))
 

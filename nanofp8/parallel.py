@@ -16,7 +16,9 @@ collective per pair, mirrored in backward:
     row-parallel     forward: all-reduce partial y           backward: dy replicated, nothing to do
 
 The fused qkv weight has rows [q | k | v]: a rank takes its heads from each of the three, not a
-contiguous third. LLaMA's fused [gate | up] is cut the same way, so gate i and up i share a rank.
+contiguous third. With grouped-query attention k and v hold fewer heads than q; a rank takes
+n_kv_head / tp of them and the query heads that read them (tp must divide n_kv_head). LLaMA's
+fused [gate | up] is cut the same way, so gate i and up i share a rank.
 Nothing else in a block changes: attention reads its number of heads from the width its qkv shard
 writes, so tensor parallelism only swaps Linears, as the plan of section 4 (tp_plan) says.
 
@@ -427,23 +429,25 @@ class TPLinearPlain(nn.Module):
 def tp_plan(config):
     """Block submodule -> (cut, pieces). "column": output features, i.e. the weight's rows and
     the bias; "row": input features, the weight's columns (its bias is whole, added after the
-    sum). pieces: the matrices stacked in a fused weight; each is cut on its own, so that a rank
-    holds the same heads of q, k and v (section 1), and the same units of gate and up."""
-    return {"attn.c_attn": ("column", ("q", "k", "v")),
+    sum). pieces: (name, rows) of the matrices stacked in a fused weight; each is cut on its own,
+    so that a rank holds the same heads of q, k and v (section 1), and the same units of gate and up."""
+    q, k, v = config.qkv_rows
+    return {"attn.c_attn": ("column", (("q", q), ("k", k), ("v", v))),
             "attn.c_proj": ("row", ()),
-            "mlp.c_fc": ("column", ("gate", "up") if config.arch == "llama" else ("fc",)),
+            "mlp.c_fc": ("column", (("gate", config.hidden), ("up", config.hidden)) if config.arch == "llama"
+                         else (("fc", config.hidden),)),
             "mlp.c_proj": ("row", ())}
 
 
 def _shard_rows(t, pieces, rank, tp):
     """Rows of the fused matrix t = [piece_0 | piece_1 | ...]: this rank's share of each piece."""
-    return torch.cat([p.chunk(tp, dim=0)[rank] for p in t.chunk(pieces, dim=0)], dim=0)
+    return torch.cat([p.chunk(tp, dim=0)[rank] for p in t.split([rows for _, rows in pieces], dim=0)], dim=0)
 
 
 def _merge_rows(shards, pieces):
     """The inverse of _shard_rows, given every rank's share."""
-    cut = [s.chunk(pieces, dim=0) for s in shards]
-    return torch.cat([torch.cat([c[i] for c in cut], dim=0) for i in range(pieces)], dim=0)
+    cut = [s.split([rows // len(shards) for _, rows in pieces], dim=0) for s in shards]
+    return torch.cat([torch.cat([c[i] for c in cut], dim=0) for i in range(len(pieces))], dim=0)
 
 
 def shard_linears(block, plan, rank, tp, make):
@@ -453,8 +457,8 @@ def shard_linears(block, plan, rank, tp, make):
         parent, attr = name.rsplit(".", 1)
         lin = block.get_submodule(name)
         if cut == "column":
-            w = _shard_rows(lin.weight, len(pieces), rank, tp)
-            b = None if lin.bias is None else _shard_rows(lin.bias, len(pieces), rank, tp)
+            w = _shard_rows(lin.weight, pieces, rank, tp)
+            b = None if lin.bias is None else _shard_rows(lin.bias, pieces, rank, tp)
         else:
             w, b = lin.weight.chunk(tp, dim=1)[rank], lin.bias
         setattr(block.get_submodule(parent), attr, make(w, b, cut, name))
@@ -514,8 +518,9 @@ def parallelize(model, tp_group, sp=False, recipe=None, comm="fp8", comm_fmts=No
     if tp == 1:
         return model
     cfg = model.config
-    if cfg.n_head % tp or cfg.hidden % tp:
-        raise ValueError(f"n_head={cfg.n_head} and MLP width {cfg.hidden} must divide by tp={tp}")
+    if cfg.n_head % tp or cfg.kv_heads % tp or cfg.hidden % tp:
+        raise ValueError(f"n_head={cfg.n_head}, n_kv_head={cfg.kv_heads} and MLP width {cfg.hidden} must "
+                         f"divide by tp={tp}")
     plan = tp_plan(cfg)
     for i, blk in enumerate(model.blocks):
         rec = recipe or getattr(blk.attn.c_attn, "recipe", None)
@@ -767,7 +772,7 @@ def merge_tp_state_dicts(states, config):
         cut, pieces = tp_cut(k, plan)
         shards = [s[k] for s in states]
         if cut == "column":
-            out[k] = _merge_rows(shards, len(pieces))
+            out[k] = _merge_rows(shards, pieces)
         elif cut == "row":
             out[k] = torch.cat(shards, dim=1)
         else:

@@ -107,6 +107,9 @@ def shard_model(model, cfg, layout):
     if c.n_head % tp or c.hidden % tp:
         raise ConfigError(f"tensor_parallel={tp} must divide n_head ({c.n_head}) and the MLP width "
                           f"({c.hidden}, mlp_hidden=0: the architecture's default)")
+    if c.kv_heads % tp:  # a rank holds whole key/value heads, each with the query heads that read it
+        raise ConfigError(f"tensor_parallel={tp} must divide n_kv_head ({c.kv_heads}, the key/value heads); "
+                          f"set tensor_parallel to a divisor of it")
     if c.n_layer < pp:
         raise ConfigError(f"pipeline_parallel={pp} stages need n_layer >= {pp}, got {c.n_layer}")
     if layout.engine == "torch":  # DTensor TP, FSDP2 (nanofp8/torchstack.py)

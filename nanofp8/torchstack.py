@@ -47,10 +47,16 @@ The fused q/k/v weight (3 * n_embd, n_embd) holds [q | k | v]. A rank needs the 
 three: rows that are three slices of the fused matrix, not one DTensor placement. Held as
 (3, n_embd, n_embd) and cut along dim 1, they are Shard(1): the checkpoint knows the cut, and a
 one-process reader gets the fused matrix back by a reshape. LLaMA's [gate | up] likewise,
-(2, hidden, n_embd). Under sequence parallelism the block norms are torch's SequenceParallel style:
-each reads its rank's tokens, so its weight gradient is a Partial sum, summed over the TP ranks
-in sync_gradients (parallel.py's sp_partial, here said by the DTensor's placement). Embeddings,
-final norm and LM head are replicated DTensors that read and write plain tensors.
+(2, hidden, n_embd). With grouped-query attention q has more rows than k and v, and no such
+view cuts all three: the whole q/k/v weight is held grouped by key/value head instead,
+(n_kv_head, (group + 2) * head_dim, n_embd), each entry a key/value head's query heads, key and
+value, and cut along dim 0, Shard(0): a rank's key/value heads with the query heads that read them.
+The GEMM reads the local shard regrouped into [q | k | v] rows (a copy of the shard at each
+forward), and a one-process reader regroups the whole (grouped_to_rows). Under sequence
+parallelism the block norms are torch's SequenceParallel style: each reads its rank's tokens, so
+its weight gradient is a Partial sum, summed over the TP ranks in sync_gradients (parallel.py's
+sp_partial, here said by the DTensor's placement). Embeddings, final norm and LM head are
+replicated DTensors that read and write plain tensors.
 
 3. Checkpoints: DCP
 -------------------
@@ -109,16 +115,37 @@ def local(t):
 # Tensor parallelism (section 2 above)
 
 
+def rows_to_grouped(t, group, head_dim):
+    """[q | k | v] rows of grouped-query attention (n_kv * group, n_kv and n_kv heads of head_dim;
+    a weight or its bias) -> (n_kv, (group + 2) * head_dim, ...): per key/value head, its query
+    heads, its key and its value."""
+    kv_rows = t.shape[0] // (group + 2)
+    q, k, v = t.split([group * kv_rows, kv_rows, kv_rows])
+    n_kv, rest = kv_rows // head_dim, t.shape[1:]
+    return torch.cat([q.view(n_kv, group * head_dim, *rest), k.view(n_kv, head_dim, *rest),
+                      v.view(n_kv, head_dim, *rest)], dim=1)
+
+
+def grouped_to_rows(t, group):
+    """The inverse of rows_to_grouped."""
+    head_dim = t.shape[1] // (group + 2)
+    return torch.cat([x.reshape(-1, *t.shape[2:]) for x in t.split([group * head_dim, head_dim, head_dim], dim=1)])
+
+
 class _DTensorShard:
     """What engine=torch adds to parallel.py's TP layers: DTensor parameters. The GEMM reads their
     local shards, fused pieces flattened back into rows."""
 
     bias_grad = None  # placements of the bias gradient: Partial for a row bias under SP
+    q_per_kv = 0  # grouped-query attention's q/k/v, held grouped: query heads per key/value head
 
     def shard(self):
         w = self.weight.to_local()
         b = None if self.bias is None else self.bias.to_local(grad_placements=self.bias_grad)
-        return w.reshape(-1, w.shape[-1]), None if b is None else b.reshape(-1)
+        w = grouped_to_rows(w, self.q_per_kv) if self.q_per_kv else w.reshape(-1, w.shape[-1])
+        if b is not None:
+            b = grouped_to_rows(b, self.q_per_kv) if self.q_per_kv else b.reshape(-1)
+        return w, b
 
 
 class TorchTPLinear(_DTensorShard, parallel.TPLinear):
@@ -126,21 +153,27 @@ class TorchTPLinear(_DTensorShard, parallel.TPLinear):
 
     def hp_weight(self):  # (the weight's local rows only: the bias is not cast)
         w = self.weight.to_local()
-        return w.reshape(-1, w.shape[-1])
+        return grouped_to_rows(w, self.q_per_kv) if self.q_per_kv else w.reshape(-1, w.shape[-1])
 
 
 class TorchTPLinearPlain(_DTensorShard, parallel.TPLinearPlain):
     """parallel.TPLinearPlain with DTensor parameters (bf16)."""
 
 
-def _as_dtensors(mod, mesh, pieces):
-    """Replace a TP layer's own shards by DTensors of the whole tensors over `mesh` (section 2)."""
+def _as_dtensors(mod, mesh, pieces, head_dim):
+    """Replace a TP layer's own shards by DTensors of the whole tensors over `mesh` (section 2).
+    pieces: tp_plan's (name, rows) of the fused matrices in the layer's weight."""
     w, b = mod.weight.detach(), None if mod.bias is None else mod.bias.detach()
+    n = len(pieces)
     if mod.parallel == "row":
         w_place, b_place = Shard(1), Replicate()  # the bias is added once, after the sum
         mod.bias_grad = [Partial()] if mod.sp else None  # under SP a rank sees its own tokens' share
-    elif pieces > 1:  # [q | k | v] or [gate | up]: this rank's rows of each piece, Shard(1)
-        w, b, w_place, b_place = w.view(pieces, -1, w.shape[-1]), b if b is None else b.view(pieces, -1), Shard(1), Shard(1)
+    elif len({rows for _, rows in pieces}) > 1:  # grouped-query q/k/v: per key/value head, Shard(0)
+        mod.q_per_kv = pieces[0][1] // pieces[1][1]
+        w, b = (None if t is None else rows_to_grouped(t, mod.q_per_kv, head_dim) for t in (w, b))
+        w_place = b_place = Shard(0)
+    elif n > 1:  # [q | k | v] or [gate | up]: this rank's rows of each piece, Shard(1)
+        w, b, w_place, b_place = w.view(n, -1, w.shape[-1]), b if b is None else b.view(n, -1), Shard(1), Shard(1)
     else:
         w_place = b_place = Shard(0)
     mod.weight = nn.Parameter(DTensor.from_local(w, mesh, [w_place], run_check=False))
@@ -168,7 +201,7 @@ def tensor_parallel(model, mesh, sp, comm):
                 mod = TorchTPLinearPlain(w, b, cut, group, sp, comm)
             else:
                 mod = TorchTPLinear(w, b, cut, group, sp, recipe, comm, f"blocks.{i}.{name}")
-            _as_dtensors(mod, mesh, len(plan[name][1]))
+            _as_dtensors(mod, mesh, plan[name][1], model.config.n_embd // model.config.n_head)
             return mod
 
         parallel.shard_linears(block, plan, rank, tp, make)
@@ -415,12 +448,21 @@ def _read_whole(found, prefix):
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
-def _rows(name, v):
+def _rows(name, v, group):
     """A parameter (or its moment) as the single-device GPT holds it: [q | k | v] pieces, held as
-    (3, n_embd, n_embd) under TP, back into the fused rows."""
+    (3, n_embd, n_embd) under TP (grouped by key/value head with `group` > 1 query heads per
+    key/value head), back into the fused rows."""
     if name.endswith(".weight") and v.dim() == 3 or name.endswith(".bias") and v.dim() == 2:
-        v = v.reshape(-1, *v.shape[2:])
+        v = grouped_to_rows(v, group) if group > 1 and ".attn.c_attn." in name else v.reshape(-1, *v.shape[2:])
     return v.float() if v.is_floating_point() else v
+
+
+def _group(meta):
+    """Query heads per key/value head of the model a set's ckpt.pt describes."""
+    from .model import GPTConfig
+
+    c = GPTConfig(**meta["model_args"])
+    return c.n_head // c.kv_heads
 
 
 def read_dcp_set(found):
@@ -428,7 +470,7 @@ def read_dcp_set(found):
     one process: every model tensor read whole from its shards, fused pieces reshaped to rows.
     The files are checked against the manifest first (check_dcp): CheckpointError otherwise."""
     meta = load_checkpoint(found.file(META), map_location="cpu", expect=found.expected(META))
-    return {k: _rows(k, v) for k, v in _read_whole(found, "model.").items()}, meta
+    return {k: _rows(k, v, _group(meta)) for k, v in _read_whole(found, "model.").items()}, meta
 
 
 def read_dcp_moments(found):
@@ -436,9 +478,9 @@ def read_dcp_moments(found):
     engine's: {parameter name: {step, and each moment under its name in optim.ADAMW_MOMENTS}}
     (torch.optim.AdamW's names), fp32, whole, in the single-device GPT's shapes (DCP holds whole
     tensors whatever the TP and FSDP2 cut, so every layout's carry over)."""
-    out = {}
+    out, meta = {}, load_checkpoint(found.file(META), map_location="cpu", expect=found.expected(META))
     for key, v in _read_whole(found, "optimizer.state.").items():
         name, what = key.rsplit(".", 1)
-        out.setdefault(name, {})[what] = v.float().cpu() if what == "step" else _rows(name, v)
+        out.setdefault(name, {})[what] = v.float().cpu() if what == "step" else _rows(name, v, _group(meta))
     keys = {"step"} | {mo.key for mo in ADAMW_MOMENTS["fp16"].values()}
     return {k: st for k, st in out.items() if keys <= st.keys()}

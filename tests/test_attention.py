@@ -107,6 +107,26 @@ def test_gradients_against_float64(case, granularity, formats):
             assert torch.equal(x[:, 0], torch.zeros_like(x[:, 0]))
 
 
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_grouped_query_against_float64(granularity):
+    """Grouped-query attention: 4 query heads read 2 key/value heads (query head h reads h // 2),
+    against float64 SDPA with enable_gqa; dK and dV sum their group's gradients. The floors are
+    those of multi-head attention: a head read by the wrong queries is off by ~0 dB."""
+    q, k, v, do = inputs("row_scales")  # (2, 2, 48, 32)
+    q, do = torch.cat([q, q.flip(2)], dim=1), torch.cat([do, do.flip(2)], dim=1)  # 4 query heads
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    o.backward(do.double())
+    ref = o, q.grad, k.grad, v.grad
+    got = run_fp8(*(x.detach().float() for x in (q, k, v)), do, Recipe(granularity=granularity, backend="cpu"))
+    assert got[2].shape == k.shape and got[3].shape == v.shape
+    for what, r, x in zip(("out", "dq", "dk", "dv"), ref, got):
+        floor = budget_db(what, granularity, "hybrid") - MARGIN
+        assert sqnr(r, x) > floor, f"{what}: {sqnr(r, x):.1f} dB, floor {floor:.1f} dB"
+    with pytest.raises(ValueError, match="4 query heads cannot share 3 key"):
+        fp8_attention(q.detach().float(), *(torch.randn(2, 3, 48, 32) for _ in range(2)), Recipe(backend="cpu"))
+
+
 @pytest.mark.parametrize("preset", list(RECIPES))
 def test_every_recipe_preset(preset):
     """Every named recipe runs attention with its own tiles, formats and scale rule (delayed: current

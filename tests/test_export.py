@@ -15,7 +15,8 @@ What is checked, on tiny models:
     download): logits agree to 1e-4 in fp32 both ways; init_from=<dir> fine-tunes it;
   * Hugging Face LLaMA in and out against transformers' LlamaForCausalLM: logits within 1e-5
     relative in fp32 both ways, nanofp8 -> HF -> nanofp8 bit for bit, init_from=<dir> fine-tunes
-    it, and a config our model does not compute is refused in one line naming the key;
+    it, and a config our model does not compute is refused in one line naming the key; grouped-query
+    attention both ways (num_key_value_heads), a Llama-3-shaped model (128,256 tokens) included;
   * FP8 LLaMA exports that transformers loads as FP8: compressed-tensors' float-quantized (row
     scales) and transformers' fp8 (128x128 tiles), holding the bytes the FP8 GEMMs read in
     training; their logits match nanofp8's own FP8 models within bounds derived in the tests;
@@ -244,9 +245,9 @@ def logits(model, x):
         return model(x, x)[0]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_export_import_identical_logits(tmp_path, arch):
-    model = trained_like(arch=arch, tie_embeddings=arch == "gpt2")
+@pytest.mark.parametrize("arch, n_kv_head", [("gpt2", 0), ("llama", 0), ("llama", 1)])
+def test_export_import_identical_logits(tmp_path, arch, n_kv_head):
+    model = trained_like(arch=arch, tie_embeddings=arch == "gpt2", n_kv_head=n_kv_head)
     x = torch.randint(0, ARGS["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
     # fp32: lossless
     export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "fp32"), fp8=False)
@@ -415,6 +416,10 @@ def test_hf_bad_inputs(hf_gpt2, tmp_path):
         load_hf_gpt2(str(tmp_path))
     with pytest.raises(ValueError, match="arch='gpt2'"):
         export_hf_gpt2({}, GPTConfig(**ARGS, arch="llama").__dict__, str(tmp_path / "x"))
+    gqa = trained_like(n_kv_head=1)  # a gpt2 with grouped-query attention: HF's GPT-2 has none
+    with pytest.raises(ValueError, match="no grouped-query attention, this model has n_kv_head=1") as e:
+        export_hf_gpt2(gqa.state_dict(), gqa.config.__dict__, str(tmp_path / "y"))
+    assert "\n" not in str(e.value)
 
 
 def test_finetune_hf_gpt2(hf_gpt2, tmp_path, capsys):
@@ -451,6 +456,46 @@ def hf_llama(tmp_path_factory):
     return transformers, model, d
 
 
+@pytest.fixture(scope="module")
+def hf_llama3(tmp_path_factory):
+    """A Llama-3-shaped LlamaForCausalLM made by transformers (random init, no download): its
+    vocabulary of 128,256 tokens, RoPE base 500000, grouped-query attention (4 query heads, 2
+    key/value heads), an untied head; tiny everywhere else."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   rms_norm_eps=1e-5, rope_theta=500000.0,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    d = str(tmp_path_factory.mktemp("hf-llama3"))
+    model.save_pretrained(d)
+    return transformers, model, d
+
+
+def test_hf_llama3_grouped_query_in_and_out(hf_llama3, tmp_path):
+    """A Llama-3-shaped model imports with n_kv_head=2 and computes transformers' logits to fp32
+    rounding (token ids above 65,535 included); exported again, transformers reads
+    num_key_value_heads=2 and the very tensors it wrote."""
+    transformers, hf, d = hf_llama3
+    state, model_args = load_hf_llama(d)
+    assert (model_args["n_kv_head"], model_args["vocab_size"], model_args["rope_theta"]) == (2, 128256, 500000.0)
+    ours = GPT(GPTConfig(**model_args)).eval()
+    load_model_state(ours, state)
+    x = torch.randint(0, 128256, (2, 32), generator=torch.Generator().manual_seed(2))
+    assert x.max() > 65535
+    with torch.no_grad():
+        err = rel_err(hf(x).logits, logits(ours, x))
+    print(f"HF Llama-3-shaped GQA -> nanofp8: logits relative error {err:.1e}")
+    assert err < 1e-5
+    export_hf_llama(ours.state_dict(), ours.config.__dict__, str(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["num_key_value_heads"] == 2
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert back.state_dict().keys() == hf.state_dict().keys()
+    assert all(torch.equal(v, hf.state_dict()[k]) for k, v in back.state_dict().items())
+
+
 def test_hf_llama_in(hf_llama):
     """transformers' own Llama imports (init_from=<dir> and sample.py read it the same way), and
     computes the same logits here to fp32 rounding."""
@@ -469,36 +514,41 @@ def test_hf_llama_in(hf_llama):
     assert "Hugging Face LLaMA" in info["source"] and torch.equal(logits(model, x), logits(ours, x))
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_hf_llama_out_and_back(hf_llama, tmp_path, tied):
+@pytest.mark.parametrize("tied, n_kv_head", [(True, 0), (False, 0), (False, 1)])
+def test_hf_llama_out_and_back(hf_llama, tmp_path, tied, n_kv_head):
     """nanofp8 -> LlamaForCausalLM: every tensor of the HF model is loaded (none missing, none left
-    over), logits within 1e-5 relative in fp32; and back to nanofp8 bit for bit."""
+    over), logits within 1e-5 relative in fp32; and back to nanofp8 bit for bit. With grouped-query
+    attention (n_kv_head=1 for 2 query heads) num_key_value_heads carries it both ways."""
     transformers, _, _ = hf_llama
-    ours = trained_like(arch="llama", tie_embeddings=tied, rope_theta=5000.0)
+    ours = trained_like(arch="llama", tie_embeddings=tied, rope_theta=5000.0, n_kv_head=n_kv_head)
     export_hf_llama(ours.state_dict(), ours.config.__dict__, str(tmp_path))
     hf, loading = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
     assert not any(loading.values()), loading  # missing, unexpected, mismatched: none
+    assert hf.config.num_key_value_heads == ours.config.kv_heads
     x = torch.randint(0, 84, (3, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         err = rel_err(logits(ours, x), hf.eval()(x).logits)
     print(f"nanofp8 -> HF Llama (tied={tied}): logits relative error {err:.1e}")
     assert err < 1e-5
     state, model_args = load_hf_llama(str(tmp_path))
-    arch = lambda c: (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, c.hidden, c.has_bias,  # noqa: E731
-                      c.tie_embeddings, c.rope_theta, c.norm_eps)
+    arch = lambda c: (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.kv_heads, c.n_embd, c.hidden,  # noqa: E731
+                      c.has_bias, c.tie_embeddings, c.rope_theta, c.norm_eps)
     assert arch(GPTConfig(**model_args)) == arch(ours.config)
     assert state.keys() == ours.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
 
 
 def test_hf_llama_cli_and_finetune(hf_llama, tmp_path, capsys):
-    """export.py --format=hf of a llama (here a portable export of one), and train.py init_from=<HF
-    Llama dir> fine-tunes it in FP8."""
+    """export.py --format=hf of a llama (here a portable export of one, with grouped-query
+    attention), read back bit for bit, and train.py init_from=<HF Llama dir> fine-tunes it in FP8."""
     _, _, d = hf_llama
-    model = trained_like(arch="llama")
+    model = trained_like(arch="llama", n_kv_head=1)  # grouped-query attention: num_key_value_heads=1
     export_portable(model.state_dict(), model.config.__dict__, str(tmp_path / "portable"), fp8=False)
     export.main([f"--out_dir={tmp_path / 'portable'}", f"--to={tmp_path / 'hf'}", "--format=hf"])
-    assert json.load(open(tmp_path / "hf" / "config.json"))["architectures"] == ["LlamaForCausalLM"]
+    hf_config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert hf_config["architectures"] == ["LlamaForCausalLM"] and hf_config["num_key_value_heads"] == 1
+    state, model_args = load_hf_llama(str(tmp_path / "hf"))
+    assert model_args["n_kv_head"] == 1 and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     hist = train.main(TINY + ["precision=O1", "arch=llama", f"init_from={d}", f"out_dir={tmp_path / 'ft'}",
                               "max_iters=2"])
     out = capsys.readouterr().out
@@ -604,7 +654,7 @@ def test_hf_weights_in_shards_and_pickles(hf_llama, tmp_path):
 
 
 @pytest.mark.parametrize("key,value,says", [
-    ("num_key_value_heads", 2, "num_key_value_heads=2: grouped-query attention"),
+    ("num_key_value_heads", 3, "num_key_value_heads=3: it must divide num_attention_heads=4"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
      "rope_parameters={.*}: RoPE of type 'yarn' is not implemented"),
     ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling={.*}: RoPE of type 'linear'"),
@@ -635,9 +685,9 @@ def test_hf_llama_refused(hf_llama, tmp_path, key, value, says):
 # ---------------------------------------------------------------- FP8 in the Hugging Face layout
 
 
-def fp8_llama():
+def fp8_llama(**kw):
     """A llama whose fused matrices split on 128-row tile edges (n_embd 128, MLP width 512)."""
-    return trained_like(arch="llama", n_embd=128, n_head=2, tie_embeddings=False)
+    return trained_like(**{"arch": "llama", "n_embd": 128, "n_head": 2, "tie_embeddings": False, **kw})
 
 
 def trained_bytes(model, recipe):
@@ -670,7 +720,8 @@ def check_fp8_file(d, model, recipe, scale_name):
                or k.endswith("layernorm.weight"))  # embeddings, norms, LM head (if untied)
 
 
-def test_hf_fp8_rowwise_compressed_tensors(hf_llama, tmp_path):
+@pytest.mark.parametrize("n_kv_head", [0, 1])
+def test_hf_fp8_rowwise_compressed_tensors(hf_llama, tmp_path, n_kv_head):
     """--format=hf-fp8 of a rowwise run: compressed-tensors' float-quantized, which transformers
     loads with the weights still float8_e4m3fn, and runs as nanofp8's rowwise FP8 model runs: the
     same weight bytes and scales, activations cast to E4M3 per token at run time.
@@ -682,7 +733,7 @@ def test_hf_fp8_rowwise_compressed_tensors(hf_llama, tmp_path):
     of the signal, SQNR 18 - 10 log10(p) dB: 60 dB allows fewer than 1 value in ~10^4 flipped.
     Measured: ~130 dB (no flip)."""
     transformers, _, _ = hf_llama
-    model = fp8_llama()
+    model = fp8_llama(n_kv_head=n_kv_head)  # 1: grouped-query attention, k and v half of q's rows
     export_hf_llama(model.state_dict(), model.config.__dict__, str(tmp_path), fp8="row")
     check_fp8_file(str(tmp_path), model, "rowwise", "weight_scale")
     q = json.load(open(tmp_path / "config.json"))["quantization_config"]
@@ -694,6 +745,7 @@ def test_hf_fp8_rowwise_compressed_tensors(hf_llama, tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn  # kept FP8 on load
     assert hf.model.layers[0].self_attn.q_proj.weight_scale.shape == (128, 1)
+    assert hf.model.layers[0].self_attn.k_proj.weight_scale.shape == (128 // (2 // model.config.kv_heads), 1)
     assert hf.lm_head.weight.dtype == torch.float32
     ours = copy.deepcopy(model)
     trained_bytes(ours, "rowwise")  # (converts ours to the rowwise FP8 model)
@@ -730,6 +782,9 @@ def test_hf_fp8_blockwise_finegrained(hf_llama, tmp_path):
     with pytest.raises(ValueError, match="multiples of 128"):  # a 128x128 tile would straddle q and k
         export_hf_llama(trained_like(arch="llama").state_dict(), GPTConfig(**ARGS, arch="llama").__dict__,
                         str(tmp_path / "x"), fp8="block")
+    gqa = fp8_llama(n_kv_head=1)  # k and v of 64 rows each: a tile would straddle k and v
+    with pytest.raises(ValueError, match=r"the key/value width \(64\) to be multiples of 128"):
+        export_hf_llama(gqa.state_dict(), gqa.config.__dict__, str(tmp_path / "y"), fp8="block")
 
 
 def test_hf_fp8_cli(tmp_path, capsys):

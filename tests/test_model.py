@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import Recipe
+from nanofp8.fp8 import Recipe, sqnr
 from nanofp8.model import GPT, GPTConfig, LayerNorm, RMSNorm, apply_fp8, apply_rope, rope_inv_freq, rope_tables
 from nanofp8.ckptfile import CheckpointError, load_model_state
 
@@ -49,6 +49,68 @@ def test_llama_architecture():
     loss.backward()
     with pytest.raises(ValueError, match="arch"):
         GPTConfig(arch="mamba")
+
+
+def reference_attention(attn, x, n_head, n_kv_head, inv_freq=None):
+    """Causal grouped-query attention written out in float64 from the module's weights: query head
+    h reads key/value head h // (n_head / n_kv_head); RoPE from the fp64 frequencies."""
+    B, T, C = x.shape
+    d = C // n_head
+    w, x = attn.c_attn.weight.double(), x.double()
+    q, k, v = (x @ part.T for part in w.split([n_head * d, n_kv_head * d, n_kv_head * d]))
+    q, k, v = q.view(B, T, n_head, d), k.view(B, T, n_kv_head, d), v.view(B, T, n_kv_head, d)
+    if inv_freq is not None:
+        angle = torch.outer(torch.arange(T, dtype=torch.float64), inv_freq)[:, None]  # (T, 1, d/2)
+
+        def rotate(t):
+            a, b = t[..., : d // 2], t[..., d // 2:]
+            return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], dim=-1)
+
+        q, k = rotate(q), rotate(k)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    heads = []
+    for h in range(n_head):
+        j = h // (n_head // n_kv_head)
+        s = (q[:, :, h] @ k[:, :, j].mT / math.sqrt(d)).masked_fill(future, float("-inf"))
+        heads.append(s.softmax(-1) @ v[:, :, j])
+    return torch.cat(heads, dim=-1) @ attn.c_proj.weight.double().T
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_grouped_query_attention_against_float64(arch, n_kv_head):
+    """n_kv_head key/value heads for 4 query heads: c_attn writes 4 + 2 * n_kv_head heads, and the
+    attention equals the float64 one written out (fp32 rounding: > 100 dB; a query head that reads
+    the wrong key/value head is off by a few dB). The FP8 attention (nanofp8/attention.py) runs the
+    same grouping."""
+    torch.manual_seed(0)
+    cfg = tiny(arch=arch, n_kv_head=n_kv_head, bias=False)
+    m = GPT(cfg)
+    attn, T, d = m.blocks[0].attn, 32, cfg.n_embd // cfg.n_head
+    assert attn.c_attn.weight.shape == ((4 + 2 * n_kv_head) * d, cfg.n_embd)
+    rope = (m.rope_cos[:T], m.rope_sin[:T]) if arch == "llama" else None
+    x = torch.randn(2, T, cfg.n_embd)
+    want = reference_attention(attn, x, 4, n_kv_head, rope_inv_freq(d, cfg.rope_theta) if rope else None)
+    assert sqnr(want, attn(x, rope)) > 100
+    attn.fp8_recipe = Recipe(backend="cpu")
+    assert 20 < sqnr(want, attn(x, rope)) < 60  # FP8 rounding, of the same function
+
+
+def test_n_kv_head_equal_to_n_head_is_multi_head_attention():
+    """n_kv_head = n_head is the multi-head model of n_kv_head = 0: the same parameters from the
+    same seed, the same logits, bit for bit. n_kv_head must divide n_head: one line naming both."""
+    x = torch.randint(0, 96, (2, 32))
+    for arch in ("gpt2", "llama"):
+        torch.manual_seed(0)
+        mha = GPT(tiny(arch=arch))
+        torch.manual_seed(0)
+        same = GPT(tiny(arch=arch, n_kv_head=4))
+        assert {k: v.shape for k, v in mha.state_dict().items()} == {k: v.shape for k, v in same.state_dict().items()}
+        assert all(torch.equal(v, same.state_dict()[k]) for k, v in mha.state_dict().items())
+        assert torch.equal(mha(x, x)[0], same(x, x)[0])
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match=f"n_kv_head={bad} must divide n_head=4"):
+            tiny(n_kv_head=bad)
 
 
 def test_rope_depends_only_on_distance():
@@ -199,26 +261,27 @@ def test_load_state_across_precisions():
         load_model_state(GPT(tiny(n_layer=2)), bf16.state_dict())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_attention_and_mlp_run_on_a_shard(arch):
+@pytest.mark.parametrize("arch, n_kv_head", [("gpt2", 0), ("llama", 0), ("gpt2", 2), ("llama", 2)])
+def test_attention_and_mlp_run_on_a_shard(arch, n_kv_head):
     """Attention and MLP read their head count and width from the tensors, so tensor parallelism
     only swaps their Linears (nanofp8/parallel.py): with the Linears cut as the plan says, the
     ranks' partial outputs (+ the row-parallel bias, once) sum to the whole module's output. In
-    fp64 the two differ only by summation order."""
+    fp64 the two differ only by summation order. With grouped-query attention a rank holds
+    n_kv_head / tp key/value heads and the query heads that read them."""
     import copy
 
-    from nanofp8.parallel import shard_linears, tp_plan
+    from nanofp8.parallel import merge_tp_state_dicts, shard_linears, tp_plan
 
     torch.manual_seed(0)
-    cfg = tiny(arch=arch, n_embd=64, n_head=4, mlp_hidden=512 if arch == "gpt2" else 256)
+    cfg = tiny(arch=arch, n_embd=64, n_head=4, n_kv_head=n_kv_head, mlp_hidden=512 if arch == "gpt2" else 256)
     m = GPT(cfg).double()
     for p in m.parameters():  # biases off zero, so that adding the row bias once is checked
         nn.init.normal_(p, std=0.1)
     blk, T = m.blocks[0], 32
     rope = (m.rope_cos[:T].double(), m.rope_sin[:T].double()) if arch == "llama" else None
     x = torch.randn(2, T, cfg.n_embd, dtype=torch.float64)
-    for tp in (2, 4):
-        attn, mlp = torch.zeros_like(x), torch.zeros_like(x)
+    for tp in (t for t in (2, 4) if cfg.kv_heads % t == 0):
+        attn, mlp, states = torch.zeros_like(x), torch.zeros_like(x), []
         for rank in range(tp):
             shard = copy.deepcopy(blk)
 
@@ -231,9 +294,14 @@ def test_attention_and_mlp_run_on_a_shard(arch):
                 return lin
 
             shard_linears(shard, tp_plan(cfg), rank, tp, make)
-            assert shard.attn.c_attn.out_features == 3 * cfg.n_embd // tp
+            assert shard.attn.c_attn.out_features == sum(cfg.qkv_rows) // tp
             attn += shard.attn(x, rope)
             mlp += shard.mlp(x)
+            states.append({f"blocks.0.{k}": v for k, v in shard.state_dict().items()})
+        whole = merge_tp_state_dicts(states, cfg)  # the shards glue back into the block, bit for bit
+        want = {f"blocks.0.{k}": v for k, v in blk.state_dict().items()}  # (the shards here: no row bias)
+        assert whole.keys() == want.keys() - {"blocks.0.attn.c_proj.bias", "blocks.0.mlp.c_proj.bias"}
+        assert all(torch.equal(v, want[k]) for k, v in whole.items())
         if cfg.has_bias:
             attn, mlp = attn + blk.attn.c_proj.bias, mlp + blk.mlp.c_proj.bias
         for got, want in ((attn, blk.attn(x, rope)), (mlp, blk.mlp(x))):

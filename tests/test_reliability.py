@@ -442,6 +442,39 @@ def test_checkpoints_keep_rope_scaling_and_old_ones_without_it_load(tmp_path, ca
     assert model.config.rope_scaling is None
 
 
+@pytest.mark.slow
+def test_checkpoints_keep_n_kv_head_and_old_ones_without_it_load(tmp_path, capsys):
+    """model_args holds n_kv_head: a resume builds the checkpoint's grouped-query attention whatever
+    the command line says (with a note, as for every model key), and so does sample.py's loader; a
+    checkpoint from before the field (no n_kv_head in model_args or config) resumes and loads as
+    multi-head attention, one key/value head per query head."""
+    from nanofp8.checkpoint import load_for_inference
+
+    llama = TINY + ["arch=llama", "eval_interval=2"]  # n_head=2
+    with pytest.raises(ConfigError, match=r"^n_kv_head=3 must divide n_head=2 \(0: n_head key/value heads"):
+        train.load_config(llama + ["n_kv_head=3"])
+    out = tmp_path / "gqa"
+    train.main(llama + ["max_iters=2", f"out_dir={out}", "n_kv_head=1"])
+    assert load_checkpoint(newest_checkpoint(out))["model_args"]["n_kv_head"] == 1
+    train.main(llama + ["max_iters=4", f"out_dir={out}", "init_from=resume"])
+    assert "note: n_kv_head=1 from the checkpoint overrides 0" in capsys.readouterr().out
+    ckpt = load_checkpoint(newest_checkpoint(out))
+    assert ckpt["iter_num"] == 4 and ckpt["model_args"]["n_kv_head"] == 1
+    model, _ = load_for_inference(str(out), "cpu")
+    assert model.config.kv_heads == 1 and model.blocks[0].attn.c_attn.weight.shape == (64, 32)  # 2 + 1 + 1 heads
+
+    def before_the_field(ckpt):
+        del ckpt["model_args"]["n_kv_head"], ckpt["config"]["n_kv_head"]
+
+    train.main(llama + ["max_iters=2", f"out_dir={tmp_path / 'mha'}"])
+    old = copy_run(tmp_path / "mha", tmp_path / "old", before_the_field)
+    train.main(llama + ["max_iters=4", f"out_dir={old}", "init_from=resume"])
+    assert load_checkpoint(newest_checkpoint(old))["model_args"]["n_kv_head"] == 0
+    copy_run(tmp_path / "mha", tmp_path / "old2", before_the_field)
+    model, _ = load_for_inference(str(tmp_path / "old2"), "cpu")
+    assert model.config.kv_heads == 2 and model.blocks[0].attn.c_attn.weight.shape == (96, 32)
+
+
 # ---------------------------------------------------------------- 11, 12: checkpoint files
 
 

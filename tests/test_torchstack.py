@@ -4,7 +4,8 @@ parallelism and DCP checkpoints, on CPU (gloo), checked against the hand-written
 What is checked:
   * DTensor TP + SP at O1 trains to the very weights of the hand-written engine's TP + SP (bit
     for bit after 8 steps: the same GEMMs and FP8 collectives on the local shards), and the
-    fused q/k/v bias is not weight-decayed although engine=torch holds it as a matrix;
+    fused q/k/v bias is not weight-decayed although engine=torch holds it as a matrix; so does
+    it with grouped-query attention (q/k/v held grouped by key/value head, read back as rows);
   * FSDP2 at O1 logs the losses of the hand-written engine's data parallelism (grad_comm=fp32)
     and ends within 60 dB of its weights (the gradient mean rounds in another order);
   * DCP: stopping and resuming FSDP2 x TP + SP (4 ranks) reproduces the run that never stopped,
@@ -12,6 +13,7 @@ What is checked:
     conversion), and at another tensor_parallel through the conversion, which says so and carries
     the Adam moments (DCP holds them whole); DCP
     re-cuts the shards of weights and Adam moments for 1 and 3 ranks (uneven shards), bit for bit;
+    both with grouped-query attention (4 query heads, 2 key/value heads);
   * FSDP2 with delayed scaling resumes exactly too: ckpt.pt holds each rank's amax histories;
   * sample.py and export.py read a DCP set in one process;
   * a checkpoint of either engine resumed by the other, at 1 and 2 ranks, holds the source's Adam
@@ -41,6 +43,7 @@ pytestmark = pytest.mark.usefixtures("shakespeare")
 
 TINY = conftest.TINY + ["gradient_accumulation_steps=2", "max_iters=8", "lr_decay_iters=8", "eval_interval=4"]
 TP2, SP, O1, TORCH = "tensor_parallel=2", "sequence_parallel=True", "precision=O1", "engine=torch"
+GQA = ("n_head=4", "n_kv_head=2")  # grouped-query attention: 2 query heads per key/value head
 
 
 def torchrun(nproc, *args):
@@ -53,12 +56,14 @@ def weights(out_dir):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_dtensor_tp_is_the_hand_written_tp_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("model", [(), GQA], ids=["mha", "gqa"])
+def test_dtensor_tp_is_the_hand_written_tp_bit_for_bit(tmp_path, model):
     """Both engines run parallel.py's TPLinear GEMMs and FP8 collectives on the same shards; the
     optimizer and the clipping see DTensors on one side, plain shards on the other, with the same
-    arithmetic. A fused bias held as (3, n_embd) once got weight decay (matrices do): 20 dB apart."""
-    ours = torchrun(2, O1, TP2, SP, TORCH, f"out_dir={tmp_path / 'torch'}")
-    ref = torchrun(2, O1, TP2, SP, f"out_dir={tmp_path / 'ref'}")
+    arithmetic. A fused bias held as (3, n_embd) once got weight decay (matrices do): 20 dB apart.
+    With grouped-query attention the q/k/v weight and bias are held grouped by key/value head."""
+    ours = torchrun(2, O1, TP2, SP, TORCH, *model, f"out_dir={tmp_path / 'torch'}")
+    ref = torchrun(2, O1, TP2, SP, *model, f"out_dir={tmp_path / 'ref'}")
     assert logged_losses(ours.stdout) == logged_losses(ref.stdout) and len(logged_losses(ref.stdout)) == 8
     a, b = weights(tmp_path / "torch"), weights(tmp_path / "ref")
     assert a.keys() == b.keys()
@@ -89,8 +94,10 @@ def test_dcp_resume_is_exact_at_any_data_parallel_size(tmp_path):
     """FSDP2 x TP + SP (2 x 2 ranks, O1, dropout): resume from the checkpoint of step 4
     (conftest.stopped_at): the losses and weights of never stopping, bit for bit (every rank's shards, Adam's moments and
     the dropout streams restored). The same checkpoint on 2 ranks (TP only): loaded as it is, no
-    conversion; on 1 process (another TP): converted, and the log says so. sample.py reads it."""
-    common = [O1, TP2, SP, TORCH, "dropout=0.1"]
+    conversion; on 1 process (another TP): converted, and the log says so. sample.py reads it.
+    The model has grouped-query attention: its q/k/v held grouped by key/value head under TP, cut
+    again by FSDP2, read back as rows by export.py and by the conversion."""
+    common = [O1, TP2, SP, TORCH, "dropout=0.1", *GQA]
     full = torchrun(4, *common, f"out_dir={tmp_path / 'full'}")
     conftest.stopped_at(tmp_path / "full", tmp_path / "stopped", 4)
     rest = torchrun(4, *common, "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
@@ -104,10 +111,10 @@ def test_dcp_resume_is_exact_at_any_data_parallel_size(tmp_path):
     narrower = torchrun(2, *common, "max_iters=10", "init_from=resume", f"out_dir={tmp_path / 'stopped'}")
     assert "resuming at iter 8" in narrower.stdout and "converting" not in narrower.stdout
     assert len(logged_losses(narrower.stdout)) == 2
-    # export.py reads the TP set in one process: the fused (3, n_embd, n_embd) pieces as rows again
+    # export.py reads the TP set in one process: the grouped q/k/v as rows again (4 + 2 + 2 heads of 8)
     export.main([f"--out_dir={tmp_path / 'stopped'}", f"--to={tmp_path / 'fp32'}", "--format=fp32"])
     exported, state = load_portable(str(tmp_path / "fp32"))[0], weights(tmp_path / "stopped")
-    assert state["blocks.0.attn.c_attn.weight"].shape == (96, 32) and state["blocks.0.attn.c_attn.bias"].shape == (96,)
+    assert state["blocks.0.attn.c_attn.weight"].shape == (64, 32) and state["blocks.0.attn.c_attn.bias"].shape == (64,)
     assert exported.keys() <= state.keys() and all(torch.equal(v, state[k]) for k, v in exported.items())
     one = conftest.run("train.py", *TINY, O1, TORCH, "max_iters=12", "init_from=resume",
                        f"out_dir={tmp_path / 'stopped'}")
@@ -151,7 +158,7 @@ def test_hsdp_trains_as_fsdp2_and_checkpoints_resume_across_them(tmp_path):
 
 # -------------------------------------------------------------------- DCP re-cuts the shards
 
-ARGS = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
+ARGS = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True)
 
 
 def _model():
@@ -182,10 +189,11 @@ def _full(model, optimizer):
 
 
 def _train_and_save(rank, world, out):
-    """Two steps on 2 ranks (each its own batch), then a DCP save and the whole state for comparison."""
+    """Two steps on 2 ranks, then a DCP save and the whole state for comparison. Both ranks take the
+    same batch: the mean of their gradients is one process's, exactly."""
     model, opt, layout = _fsdp(world)
     for step in range(2):
-        _, loss = model(*_batch(10 * step + rank))
+        _, loss = model(*_batch(10 * step))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -215,10 +223,18 @@ def _same(a, b):
 def test_dcp_recuts_weights_and_moments_for_another_world_size(tmp_path):
     """An FSDP2 checkpoint of 2 ranks, read by 3 ranks (uneven shards of every parameter) and by
     one process without a process group: weights and Adam's moments, bit for bit the state the 2
-    ranks held."""
+    ranks held. FSDP2 (its FP8 all-gather included) of this grouped-query model trains to the
+    weights of one process, bit for bit."""
     out = str(tmp_path)
     spawn(_train_and_save, 2, out)
     saved = torch.load(os.path.join(out, "full.pt"), weights_only=False)
+    one = _model()
+    opt = torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        one(*_batch(10 * step))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(p, saved[0][k]) for k, p in one.named_parameters())
     spawn(_load_and_compare, 3, out)
     assert _same(torch.load(os.path.join(out, "got3.pt"), weights_only=False), saved)
     model = _model()

@@ -6,7 +6,8 @@ What is checked:
     1% at every step and (without data parallelism: replicas draw their own evaluation batches)
     to its validation losses within 0.3% at every evaluation, on the same
     batches (a step's batches do not depend on the layout), in bf16 and in O1 (TP=2 + SP and
-    PP=2 at both levels, with train.py's default mp_comm);
+    PP=2 at both levels, with train.py's default mp_comm); TP=2 + SP at O1 with grouped-query
+    attention (4 query heads, 2 key/value heads: one of each per rank, the query heads with theirs);
   * replicated tensors are bit-identical where several ranks hold them: in the checkpoints (the
     TP ranks' unsharded tensors, the two copies of the tied embedding under PP) and, for the
     data-parallel replicas, by train.py's own check at every evaluation (which is shown to fire);
@@ -47,10 +48,12 @@ pytestmark = pytest.mark.usefixtures("shakespeare")
 TINY = conftest.TINY + ["gradient_accumulation_steps=2", "max_iters=8", "lr_decay_iters=8", "eval_interval=4"]
 TP2, SP, PP2 = "tensor_parallel=2", "sequence_parallel=True", "pipeline_parallel=2"
 
-# name: (processes, layout, precision)
+GQA = ("n_head=4", "n_kv_head=2")  # grouped-query attention: 2 query heads per key/value head
+
+# name: (processes, layout, precision); a layout's model keys (GQA) go to its single-device run too
 LAYOUTS = {
     "tp2": (2, [TP2], "bf16"),
-    "tp2_sp": (2, [TP2, SP], "O1"),
+    "tp2_sp": (2, [TP2, SP, *GQA], "O1"),
     "tp2_sp_bf16": (2, [TP2, SP], "bf16"),
     "pp2": (2, [PP2], "bf16"),
     "pp2_o1": (2, [PP2], "O1"),
@@ -89,15 +92,20 @@ def run(tmp_path_factory):
 
 
 @functools.cache
-def single_device_run(precision):
+def single_device_run(precision, model=()):
     """The same config on one process: the reference history (unrounded losses)."""
     import tempfile
 
-    return train.main(TINY + [f"precision={precision}", f"out_dir={tempfile.mkdtemp()}"])
+    return train.main(TINY + [*model, f"precision={precision}", f"out_dir={tempfile.mkdtemp()}"])
 
 
-def single_device(precision):
-    return [loss for _, loss in single_device_run(precision)["losses"]]
+def single_device(precision, model=()):
+    return [loss for _, loss in single_device_run(precision, model)["losses"]]
+
+
+def model_keys(name):
+    """The model keys a layout sets (its single-device run sets them too)."""
+    return tuple(arg for arg in LAYOUTS[name][1] if arg in GQA)
 
 
 # ---------------------------------------------------------------- the layouts against one device
@@ -108,7 +116,7 @@ def single_device(precision):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_device(run, name):
     losses, out_dir = run(name)
-    ref = single_device(LAYOUTS[name][2])
+    ref = single_device(LAYOUTS[name][2], model_keys(name))
     assert len(losses) == len(ref) == 8
     gaps = [abs(a - b) / b for a, b in zip(losses, ref)]
     print(f"{name} ({LAYOUTS[name][2]}): loss {losses[0]:.4f} -> {losses[-1]:.4f}, single device "
@@ -123,7 +131,7 @@ def test_layout_matches_single_device(run, name):
                                                 + ["manifest.json"])
     if nproc > tp * pp:
         return  # data-parallel replicas evaluate other batches (seeded by replica): not comparable
-    ref_val = [v for _, _, v in single_device_run(LAYOUTS[name][2])["evals"]]
+    ref_val = [v for _, _, v in single_device_run(LAYOUTS[name][2], model_keys(name))["evals"]]
     val = run.val[name]
     assert len(val) == len(ref_val) == 3  # steps 0, 4, 8 (the log rounds to 4 decimals)
     val_gaps = [abs(a - b) / b for a, b in zip(val, ref_val)]
@@ -369,6 +377,9 @@ def test_config_errors(tmp_path):
     cfg = load(TINY + ["n_head=2", "tensor_parallel=4", "precision=O1"])
     with pytest.raises(ConfigError, match=r"tensor_parallel=4 must divide n_head \(2\)"):
         shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
+                    SimpleNamespace(tp=4, pp=1))
+    with pytest.raises(ConfigError, match=r"tensor_parallel=4 must divide n_kv_head \(2, the key/value heads\)"):
+        shard_model(GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32)), cfg,
                     SimpleNamespace(tp=4, pp=1))
     with pytest.raises(ConfigError, match=r"pipeline_parallel=3 stages need n_layer >= 3, got 2"):
         shard_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)), cfg,
