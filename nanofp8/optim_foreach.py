@@ -285,22 +285,29 @@ def grads_finite(opt):
     return torch.isfinite(torch.stack(amaxes or [torch.zeros(())])).all()
 
 
+def sort_group(opt, group):
+    """A group's parameters that have a gradient this step, their state made where it is the
+    first: (O2 weights, their FP8 gradients, the other parameters)."""
+    o2, grads, plain = [], [], []
+    for p in group["params"]:
+        q = fp8_grad(p)
+        if q is None and (holds_fp8_grad(p) or p.grad is None):
+            continue
+        if not opt.state[p]:
+            opt.init_state(p)
+        if q is None:
+            plain.append(p)
+        else:
+            o2.append(p)
+            grads.append(q)
+    return o2, grads, plain
+
+
 def step(opt):
     """Fp8AdamW.step's update on the foreach path (the gradients are known to be finite)."""
     number = {p: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
     for group in opt.param_groups:
-        o2, grads, plain = [], [], []
-        for p in group["params"]:
-            q = fp8_grad(p)
-            if q is None and (holds_fp8_grad(p) or p.grad is None):
-                continue
-            if not opt.state[p]:
-                opt.init_state(p)
-            if q is None:
-                plain.append(p)
-            else:
-                o2.append(p)
-                grads.append(q)
+        o2, grads, plain = sort_group(opt, group)
         update_plain(opt, group, plain)
         for i, j in step_chunks(o2):  # the FP8 gradients, dequantized (foreach), run by run
             ps, mods = o2[i:j], [opt.o2[p] for p in o2[i:j]]

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from nanofp8.optim import (adam_ratio_bound, counter_noise, dequantize_blocks, fp8_grad, holds_fp8_grad, noise_bits,
+from nanofp8.optim import (adam_ratio_bound, counter_noise, dequantize_blocks, noise_bits,
                            noise_key, quantize_blocks, to_fp16_scaled)
 
 # the numbers of a step, in update_one's order
@@ -106,18 +106,11 @@ RECOMPILE_LIMIT = 64  # graphs of update_group per process
 
 def step(opt):
     """Fp8AdamW.step's update on the fused path (the gradients are known to be finite)."""
-    from nanofp8.optim_foreach import count_steps, update_plain
+    from nanofp8.optim_foreach import count_steps, sort_group, update_plain
 
     number = {p: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
     for group in opt.param_groups:
-        o2, plain = [], []
-        for p in group["params"]:
-            q = fp8_grad(p)
-            if q is None and (holds_fp8_grad(p) or p.grad is None):
-                continue
-            if not opt.state[p]:
-                opt.init_state(p)
-            (plain if q is None else o2).append(p)
+        o2, grads, plain = sort_group(opt, group)
         update_plain(opt, group, plain)
         if not o2:
             continue
@@ -129,9 +122,9 @@ def step(opt):
         numbers = torch.tensor([step_numbers(t, group) for t in ts], dtype=torch.float32, device=device)
         keys = torch.tensor([[noise_key(opt.seed, t, number[p], k) for k in range(len(formats))]
                              for p, t in zip(o2, ts)], dtype=torch.int64, device=device)
-        tensors = [(mod.weight, mod.weight_scale, fp8_grad(p).data, fp8_grad(p).scale,
+        tensors = [(mod.weight, mod.weight_scale, q.data, q.scale,
                     st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"])
-                   for p, mod, st in zip(o2, mods, sts)]
+                   for q, mod, st in zip(grads, mods, sts)]
         # A group makes a graph per set of shapes and formats (and of its state's layouts): a
         # process that steps many models (the tests) makes more than dynamo's default limit of 8
         # graphs per function, which fullgraph=True turns into an error.
