@@ -350,16 +350,30 @@ def cmd_state(args):
 COMM_CFG = GPTConfig(arch="gpt2", n_layer=2, n_head=4, n_embd=128, vocab_size=256, block_size=64)
 
 
-def _comm_worker(rank, world, port, level, out):
-    """Three training steps of COMM_CFG at `level` on `world` gloo ranks, counting the bytes of
-    the FP8 layers (their weight gradients, and under O3 their gathered weights) apart from the
-    bytes of every other parameter (embeddings, LM head, norms, biases: fp32 gradients)."""
+def _comm_worker(rank, world, port, out):
+    """Every measure of `bench.py comm` on `world` gloo ranks, in one process group (a spawn of
+    the ranks costs more than the measures): the hand-written engine's levels, engine=torch's,
+    and at 2 ranks the model-parallel cuts. Rank 0 saves them to out."""
     import torch.distributed as dist
-    from nanofp8 import dist as fdist
-    from nanofp8.zero import sync_fp8_wgrads
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {"dp": {level: _comm_level(rank, level) for level in ("bf16", "O1", "O2", "O3")},
+           "torch": {level: _comm_torch_level(rank, world, level) for level in ("bf16", "O1")},
+           "mp": _comm_mp(world) if world == 2 else None}
+    if rank == 0:
+        torch.save(res, out)
+    dist.destroy_process_group()
+    leave_process(0)  # (the worker's end: see nanofp8/layout.py)
+
+
+def _comm_level(rank, level):
+    """Three training steps of COMM_CFG at `level` on the gloo ranks, counting the bytes of the
+    FP8 layers (their weight gradients, and under O3 their gathered weights) apart from the bytes
+    of every other parameter (embeddings, LM head, norms, biases: fp32 gradients)."""
+    from nanofp8 import dist as fdist
+    from nanofp8.zero import sync_fp8_wgrads
+
     model, opt, _ = build(COMM_CFG, level, "torch")  # as train.py builds them
     # The FP8 layers' weights (bf16: the same block Linears, whose gradients go in fp32).
     lin = [m.weight for fqn, m in model.named_modules()
@@ -391,11 +405,8 @@ def _comm_worker(rank, world, port, level, out):
         opt.zero_grad()  # (Fp8AdamW's clears the FP8 gradients too)
     n = sum(p.numel() for p in model.parameters())
     n_lin = sum(p.numel() for p in lin)
-    if rank == 0:
-        torch.save({"fp8_layers": lin_bytes / steps / n_lin, "rest": rest_bytes / steps / (n - n_lin),
-                    "model": (lin_bytes + rest_bytes) / steps / n, "params": n, "linear_params": n_lin}, out)
-    dist.destroy_process_group()
-    leave_process(0)  # (the worker's end: see nanofp8/layout.py)
+    return {"fp8_layers": lin_bytes / steps / n_lin, "rest": rest_bytes / steps / (n - n_lin),
+            "model": (lin_bytes + rest_bytes) / steps / n, "params": n, "linear_params": n_lin}
 
 
 # Model parallelism: what the cut model sends per token, FP8 against BF16 (2 gloo ranks).
@@ -407,7 +418,7 @@ COMM_MP = {  # name: (tensor_parallel, sequence_parallel, pipeline_parallel, wha
 }
 
 
-def _comm_mp_worker(rank, world, port, out):
+def _comm_mp(world):
     """One forward and one training step of COMM_CFG, cut as in COMM_MP, with FP8 layers and FP8
     communication, then with the BF16 layers of the same cut (bf16 GEMMs and collectives);
     bytes from nanofp8/dist.py's COMM counter."""
@@ -416,8 +427,6 @@ def _comm_mp_worker(rank, world, port, out):
     from nanofp8 import parallel as P
     from nanofp8.fp8 import E4M3, E5M2
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     batch = torch.randint(0, COMM_CFG.vocab_size, (4, COMM_CFG.block_size + 1),
                           generator=torch.Generator().manual_seed(0))  # the same on every rank
     micro = [(batch[:, :-1], batch[:, 1:])]
@@ -447,22 +456,12 @@ def _comm_mp_worker(rank, world, port, out):
                 if pp > 1:  # activations go one way, gradients the other: count both ranks
                     dist.all_reduce(sent)
                 res[name, comm, train] = {"bytes": sent.item(), "ops": sorted(set(sum(names, [])))}
-    if rank == 0:
-        torch.save(res, out)
-    dist.destroy_process_group()
-    leave_process(0)  # (the worker's end: see nanofp8/layout.py)
+    return res
 
 
-def comm_model_parallel():
-    """Rows of bytes per token (per block for TP, per stage boundary for PP), FP8 vs BF16."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = os.path.join(tempfile.mkdtemp(), "comm_mp.pt")
-    mp.spawn(_comm_mp_worker, args=(2, port, out), nprocs=2, join=True)
-    res = torch.load(out, weights_only=False)
+def comm_model_parallel(res):
+    """Rows of bytes per token (per block for TP, per stage boundary for PP), FP8 vs BF16, from
+    _comm_mp's counts."""
     tokens = 4 * COMM_CFG.block_size
     rows = []
     for name, (tp, sp, pp, what) in COMM_MP.items():
@@ -476,7 +475,7 @@ def comm_model_parallel():
     return rows
 
 
-def _comm_torch_worker(rank, world, port, level, out):
+def _comm_torch_level(rank, world, level):
     """engine=torch: three training steps of COMM_CFG sharded by FSDP2 as train.py shards it
     (nanofp8/torchstack.py; at O1 the block Linears' weights gathered in FP8, nanofp8/fsdp.py),
     counting what FSDP2 hands its all-gathers and reduce-scatters (its custom-collective hooks,
@@ -489,8 +488,6 @@ def _comm_torch_worker(rank, world, port, level, out):
     from nanofp8.fsdp import agree_after_steps
     from nanofp8.layout import make_layout
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     model, _, _ = build(COMM_CFG, level, "torch")
     model = torchstack.shard_model(model, {"precision": level, "sequence_parallel": False, "fsdp_param_dtype": "fp32"},
                                    make_layout(device="cpu", engine="torch"), "fp8")
@@ -532,12 +529,9 @@ def _comm_torch_worker(rank, world, port, level, out):
         opt.zero_grad()
     ours = fdist.comm_stats(reset=True)["by_op"]
     n = sum(p.numel() for p in model.parameters())
-    if rank == 0:
-        torch.save({k: v / steps / n for k, v in sent.items()} | {
-            "fp8_all_gather": ours.get("fsdp_all_gather_fp8", {}).get("bytes_sent", 0) / steps / n,
-            "amax": ours.get("fsdp_amax_all_reduce", {}).get("bytes_sent", 0) / steps / n}, out)
-    dist.destroy_process_group()
-    leave_process(0)  # (the worker's end: see nanofp8/layout.py)
+    return {k: v / steps / n for k, v in sent.items()} | {
+        "fp8_all_gather": ours.get("fsdp_all_gather_fp8", {}).get("bytes_sent", 0) / steps / n,
+        "amax": ours.get("fsdp_amax_all_reduce", {}).get("bytes_sent", 0) / steps / n}
 
 
 def _on_ranks(worker, world, *args):
@@ -552,13 +546,12 @@ def _on_ranks(worker, world, *args):
     return torch.load(out, weights_only=False)
 
 
-def comm_torch(worlds):
+def comm_torch(results):
     """Rows of bytes per parameter per step under engine=torch's FSDP2, bf16 and O1."""
     rows = []
-    for world in worlds:
+    for world, res in results.items():
         base = None
-        for level in ("bf16", "O1"):
-            r = _on_ranks(_comm_torch_worker, world, level)
+        for level, r in res["torch"].items():
             total = r["all_gather"] + r["reduce_scatter"] + r["amax"]
             base = base or total
             rows.append({"world": world, "engine": "torch (FSDP2)", "level": level,
@@ -569,11 +562,11 @@ def comm_torch(worlds):
 
 
 def cmd_comm(args):
+    results = {world: _on_ranks(_comm_worker, world) for world in args.worlds}
     rows = []
-    for world in args.worlds:
+    for world, res in results.items():
         base = None
-        for level in ("bf16", "O1", "O2", "O3"):
-            r = _on_ranks(_comm_worker, world, level)
+        for level, r in res["dp"].items():
             base = base or r
             rows.append({"world": world, "level": level,
                          "fp8_layers_B_per_param": r["fp8_layers"],
@@ -588,14 +581,15 @@ def cmd_comm(args):
     emit("comm", rows, ["world", "level", "fp8_layers_B_per_param", "fp8_layers_vs_fp32", "rest_B_per_param",
                         "model_B_per_param", "model_vs_fp32", "fp8_layer_share"],
          argparse.Namespace(json=None))  # printed; written below
-    torch_rows = comm_torch(args.worlds)
+    torch_rows = comm_torch(results)
     print("\nengine=torch (FSDP2), same GPT and steps: bytes each rank puts on the wire per parameter per "
           "step; all-gathers run before each block's forward and again before its backward, gradients are "
           "reduce-scattered in fp32; O1 gathers the block Linears' weights in FP8 (of_which_fp8)")
     emit("comm_torch", torch_rows, ["world", "engine", "level", "all_gather_B_per_param", "of_which_fp8",
                                     "reduce_scatter_B_per_param", "amax_B_per_param", "model_B_per_param",
                                     "model_vs_bf16"], argparse.Namespace(json=None))
-    mp_rows = comm_model_parallel()
+    # (measured on 2 ranks: a cut of the model into 2; a run without world 2 measures it there too)
+    mp_rows = comm_model_parallel(results[2]["mp"] if 2 in results else _on_ranks(_comm_worker, 2)["mp"])
     print(f"\nModel parallelism on 2 gloo ranks, same GPT, batch 4 x {COMM_CFG.block_size}: bytes on the "
           "wire per token, FP8 layers and payloads (+ scales) vs BF16 layers of the same cut")
     emit("comm_model_parallel", mp_rows, ["parallel", "pass", "unit", "fp8_B_per_token", "bf16_B_per_token",
