@@ -328,7 +328,7 @@ def estimate_loss(model, data, cfg, autocast, layout):
                 loss = pipeline_loss(model, [(x, y)], layout, autocast, cfg, train=False)
             else:
                 with autocast:
-                    _, loss = model(x, y)
+                    loss = model(x, y)[1]  # (the logits, unheld, are freed at once)
             total += loss.float()
         if layout.dp > 1:
             torch.distributed.all_reduce(total, group=layout.dp_group)
@@ -456,7 +456,9 @@ def main(argv=None):
                 # The replicas sum gradients during the last micro-step's backward only (FSDP2: every one).
                 with model.no_sync() if hasattr(model, "no_sync") and micro_step < accum - 1 else nullcontext():
                     with autocast:
-                        _, micro_loss = model(x, y)
+                        # the loss only: logits held in a name would outlive this backward and
+                        # sit beside the next micro-step's (GPT-2: 2 B x tokens x 50,304 each)
+                        micro_loss = model(x, y)[1]
                     (micro_loss / accum).backward()  # the step's gradient: the mean over micro-steps
                 if compile_model:  # delayed scaling: the amaxes the graphs recorded, into the histories
                     push_amaxes(raw_model)

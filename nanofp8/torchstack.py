@@ -277,7 +277,7 @@ def forward_backward(model, batches, layout, autocast, train=True):
     loss = torch.zeros((), device=layout.device)
     for x, y in batches:
         with autocast:
-            _, micro = model(x, y)
+            micro = model(x, y)[1]  # (the logits not held: see train.py)
         if train:
             (micro / len(batches)).backward()
         loss += micro.detach().float()

@@ -97,7 +97,7 @@ def forced_all_gather(smoke, steps=10):
             losses[sharded] = []
             for _ in range(steps):
                 with torch.autocast(device, torch.bfloat16):
-                    _, loss = model(x, y)
+                    loss = model(x, y)[1]
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -477,3 +477,26 @@ def test_activation_checkpointing_refuses_what_records_every_forward_cast():
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert train.load_config([*TINY, "activation_checkpointing=block", "fp8_recipe=delayed", "precision=O1",
                               "activation_checkpointing=off"])["activation_checkpointing"] == "off"
+
+
+def test_no_logits_outlive_their_micro_step(tmp_path, monkeypatch):
+    """train.py keeps the loss of a micro-step, never its logits (2 B x tokens x vocab: 0.77 GiB at
+    GPT-2 124M's 8 x 1024 tokens): a logits tensor still referenced when the next forward starts
+    (the next micro-step's, or an evaluation batch's) would sit beside the new one at the peak."""
+    import weakref
+
+    from nanofp8.model import GPT
+
+    forward, alive = GPT.forward, []
+
+    def watched(self, idx, targets=None):
+        held = [r for r in alive if r() is not None]
+        assert not held, f"{len(held)} logits of an earlier forward still referenced"
+        logits, loss = forward(self, idx, targets)
+        alive.append(weakref.ref(logits))
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", watched)
+    train.main(TINY + ["gradient_accumulation_steps=3", "max_iters=2", "eval_interval=2",
+                       f"out_dir={tmp_path}"])
+    assert len(alive) >= 3 * 2 + 2 * 2  # every micro-step and evaluation batch was watched
