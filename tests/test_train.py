@@ -500,3 +500,39 @@ def test_no_logits_outlive_their_micro_step(tmp_path, monkeypatch):
     train.main(TINY + ["gradient_accumulation_steps=3", "max_iters=2", "eval_interval=2",
                        f"out_dir={tmp_path}"])
     assert len(alive) >= 3 * 2 + 2 * 2  # every micro-step and evaluation batch was watched
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_weight_check_reads_the_weights_not_their_fp8_casts(level):
+    """run.weights_finite (every step) reads the weights and scales, not the FP8 W and W^T the
+    step cast from them (a float copy each, more bytes than the weights): a non-finite weight is
+    still seen, in any parameter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import bench
+    from nanofp8.layout import Layout
+    from nanofp8.model import GPTConfig
+    from nanofp8.run import weights_finite
+
+    model, opt, _ = bench.build(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64), level)
+    assert any(b.element_size() == 1 for b in model.buffers())  # the kept casts exist
+
+    class Fp8Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            self.n += any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() == 1
+                          for t in leaves)
+            return func(*args, **(kwargs or {}))
+
+    layout = Layout(device="cpu")
+    with Fp8Reads() as reads:
+        assert weights_finite(model, layout).item() == 1.0
+    assert reads.n == 0
+    for p in model.parameters():
+        with torch.no_grad():
+            keep = p.view(-1)[0].clone()
+            p.view(-1)[0] = float("nan")
+            assert weights_finite(model, layout).item() == 0.0
+            p.view(-1)[0] = keep
