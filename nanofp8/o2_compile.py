@@ -119,8 +119,27 @@ def _recast(layers, record):
         for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
             for suffix, t in (("", q.data), ("_scale", q.scale), ("_inv", q.inv_scale)):
                 getattr(m, name + suffix).copy_(t)
-        if m.bias is not None:
+        if m.bias is not None and m.cache_weight:  # (O1's bf16 bias; O2's steps after its weight)
             m.gemm_bias_kept.copy_(m.bias)
+
+
+@torch.no_grad()
+def refresh_all(layers):
+    """refresh_fp8_weight for every O2/O3 layer an optimizer step just wrote, in one call: on a GPU
+    compiled, as cast_for_step's casts (a weight's cast is a handful of small operators: a loop
+    of them per layer launched ~60 kernels per weight). Layers without kept casts yet (a first
+    step after a copy) take refresh_fp8_weight itself."""
+    kept = [m for m in layers if getattr(m, "_fp8_meta", None) is not None]
+    if kept and _compiled_casts(kept[0]):
+        compiled_or_eager(_recast, "the FP8 weight casts of a step", kept, True)
+        push_amaxes(kept)
+    elif kept:
+        _recast(kept, True)
+    for m in layers:
+        if getattr(m, "_fp8_meta", None) is None:
+            m.refresh_fp8_weight()
+        else:
+            m._fp8_key, m._w_cache = (m.weight._version, m.weight.data_ptr()), None
 
 
 _recast.compiled = None

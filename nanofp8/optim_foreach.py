@@ -28,7 +28,7 @@ import torch
 
 from nanofp8.emulate import amax_each
 from nanofp8.fp8 import compute_scale
-from nanofp8.o2_compile import compiled_or_eager
+from nanofp8.o2_compile import compiled_or_eager, refresh_all
 from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, counter_noise, fp8_grad, fp16_scale,
                            holds_fp8_grad, noise_bits, noise_key, state_block)
 
@@ -118,8 +118,7 @@ def set_weights(mods, ws, noises):
     ys, scales = _scaled_all(ws, MASTER_HEADROOM)
     round_stochastic_all(ys, [n.view(y.shape) for n, y in zip(noises, ys)], FP16, out=[m.weight for m in mods])
     torch._foreach_copy_([m.weight_scale for m in mods], scales)
-    for m in mods:
-        m.refresh_fp8_weight()
+    refresh_all(mods)  # each one's refresh_fp8_weight, in one call (on a GPU compiled)
 
 
 def adam_moments(m, v, g, betas):

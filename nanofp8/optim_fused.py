@@ -29,7 +29,7 @@ an fp32 value differs by an ulp, and a value that lands on the other side of a s
 neighbour of its stored format; tests/test_optim.py bounds that (test_fused_step_matches_the_loop).
 
 Each weight's FP8 cast for the next forward (O2Linear.refresh_fp8_weight) follows the compiled
-update, as in the loop. The ordinary parameters (fp32 state) take the foreach step
+update, as in the loop, all weights in one call (o2_compile.refresh_all: on a GPU compiled). The ordinary parameters (fp32 state) take the foreach step
 (optim_foreach.update_plain).
 """
 
@@ -37,6 +37,7 @@ import math
 
 import torch
 
+from nanofp8.o2_compile import refresh_all
 from nanofp8.optim import (adam_ratio_bound, counter_noise, dequantize_blocks, noise_bits,
                            noise_key, quantize_blocks, to_fp16_scaled)
 
@@ -131,6 +132,6 @@ def step(opt):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             new = compiled_update_group()(tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats,
                                           opt.moments)
-        for st, mod, ((m, m_scale), (v, v_scale)) in zip(sts, mods, new):
+        for st, ((m, m_scale), (v, v_scale)) in zip(sts, new):
             st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
-            mod.refresh_fp8_weight()  # its FP8 cast for the next forward
+        refresh_all(mods)  # the FP8 casts for the next forward, every weight in one call

@@ -333,6 +333,7 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
     Counted with the CPU emulation off (emulate.handles), as a GPU runs the step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from nanofp8 import optim_foreach
     from nanofp8.model import GPT, GPTConfig, apply_fp8
 
     free = {"empty", "view", "detach", "unbind", "alias", "lift_fresh"}
@@ -361,8 +362,9 @@ def test_step_is_foreach_and_reads_no_device_value(monkeypatch):
             with monkeypatch.context() as patch, counter:
                 patch.setattr(emulate, "handles", lambda t: False)
                 # Not counted: each weight's FP8 cast for the next forward, which the step makes
-                # (O2Linear.refresh_fp8_weight), as the first forward of a step used to.
-                patch.setattr(O2Linear, "refresh_fp8_weight", lambda self, record=True: None)
+                # (O2Linear.refresh_fp8_weight, all of them in one call: o2_compile.refresh_all;
+                # on a GPU compiled), as the first forward of a step used to.
+                patch.setattr(optim_foreach, "refresh_all", lambda layers: None)
                 assert opt.step(grads_finite=True)
             opt.zero_grad()
         assert "_local_scalar_dense" not in counter.ops
@@ -717,3 +719,36 @@ def test_fused_step_matches_the_loop(v_format):
 
 def _name(model, p):
     return next(n for n, q in model.named_parameters() if q is p)
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_a_step_casts_every_fp8_weight_in_one_call(foreach, monkeypatch):
+    """After the update, the FP8 W and W^T of the next forward: every O2 weight in one call
+    (o2_compile.refresh_all; on a GPU one compiled call, as O1's cast_for_step, where a loop of
+    per-layer casts launched ~60 small kernels per weight), with the bytes and scales each layer's
+    own refresh_fp8_weight makes. Run here as a GPU runs it (the compiled call stood in for by
+    the eager one); the readable loop (foreach=False) keeps the layer's own call."""
+    from nanofp8 import o2_compile
+    from nanofp8.o2_compile import cast_now
+
+    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64)), Recipe()))
+    opt = Fp8AdamW(model.parameters(), model, foreach=foreach)
+    calls = []
+
+    def compiled(layers, record):
+        calls.append(len(layers))
+        return o2_compile._recast(layers, record)
+
+    monkeypatch.setattr(o2_compile, "_compiled_casts", lambda layer: True)
+    monkeypatch.setattr(o2_compile._recast, "compiled", compiled)
+    for _ in range(2):
+        model(torch.randn(8, 64)).square().sum().backward()
+        assert opt.step()
+        opt.zero_grad()
+    assert calls == ([2, 2] if foreach else [])
+    for m in (model[0], model[2]):
+        qw, qwt = cast_now(m, record=False)  # (current scaling: what the step's cast made)
+        for name, q in (("fp8_w", qw), ("fp8_wt", qwt)):
+            assert torch.equal(getattr(m, name).view(torch.uint8), q.data.view(torch.uint8))
+            assert torch.equal(getattr(m, name + "_scale"), q.scale)
+        assert m._fp8_key == (m.weight._version, m.weight.data_ptr()) and m._w_cache is None
