@@ -125,9 +125,9 @@ def fake_step_counts():
     every operator of the step is recorded as it runs, the counters' foreach add included."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from nanofp8 import optim_foreach
+    from nanofp8 import optim_foreach, optim_fused
 
-    real = optim_foreach.count_steps
+    real, compiled = optim_foreach.count_steps, optim_fused.COMPILED
 
     def count(sts):
         try:
@@ -136,10 +136,11 @@ def fake_step_counts():
             return [1.0] * len(sts)
 
     optim_foreach.count_steps = count
+    optim_fused.COMPILED = optim_fused.update_group  # O2's fused step: its operators, as compiled on a GPU
     try:
         yield
     finally:
-        optim_foreach.count_steps = real
+        optim_foreach.count_steps, optim_fused.COMPILED = real, compiled
 
 
 def count_step(model_args, level, batch, seq, recipe=()):
@@ -218,6 +219,16 @@ def price(ops, hw, eager=False):
     return t
 
 
+def step_compiled(level, recipe=()):
+    """Does a CUDA run compile this level's optimizer step? torch's fused AdamW (bf16, O1: a few
+    kernels) and O2's fused step (o2_fused: the default where the model is compiled) are priced
+    as compiled code; O3's shards step on the foreach path, as eager code."""
+    import train
+
+    cfg = train.load_config([f"precision={level}", *recipe])
+    return level in ("bf16", "O1") or (level == "O2" and cfg["o2_fused"] is not False)
+
+
 def price_layers(model_args, level, batch, seq, recipe, hw):
     """price() of a micro-step and of an optimizer step. Every block issues the same operators,
     so a deep model is priced from its 1- and 2-block versions: t(L) = t(1) + (L - 1)(t(2) - t(1))
@@ -225,7 +236,7 @@ def price_layers(model_args, level, batch, seq, recipe, hw):
     n = model_args["n_layer"]
     if n <= 2:
         micro, step = count_step(model_args, level, batch, seq, recipe)
-        return price(micro, hw), price(step, hw, eager=level in ("O2", "O3"))  # (Fp8AdamW: not compiled)
+        return price(micro, hw), price(step, hw, eager=not step_compiled(level, recipe))
     one, two = (price_layers(model_args | {"n_layer": k}, level, batch, seq, recipe, hw) for k in (1, 2))
     return tuple({k: a[k] + (n - 1) * (b[k] - a[k]) for k in a} for a, b in zip(one, two))
 

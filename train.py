@@ -124,7 +124,8 @@ min_lr = 6e-5
 precision = "bf16"  # "bf16" | "O1" | "O2" | "O3"
 o2_v_format = "fp16"  # O2/O3: Adam v in "fp16" (FP8-LM) or "fp8" (sqrt(v) in E4M3)
 o2_grad_accum = "fp16"  # O2: micro-steps' FP8 weight gradients summed in "fp16" (scaled) or "fp8"
-o2_fused = False  # O2: the step's O2 update compiled, a few kernels per weight (nanofp8/optim_fused.py)
+o2_fused = None  # O2: the step's O2 update compiled, a few kernels per weight (nanofp8/optim_fused.py);
+#                  None = where the model is compiled on CUDA (compile=None or True), else the foreach step
 grad_comm = "auto"  # data parallel, weight gradients of the FP8 layers: "auto" (e4m3 at FP8 levels)
 #                     | "e4m3" | "e5m2" | "bf16" | "fp32"; at bf16 (no FP8 layers): every gradient,
 #                     "auto" = fp32 with torch's DDP
@@ -233,7 +234,10 @@ def build_optimizer(model, cfg, device_type):
               {"params": [p for p, matrix in named if not matrix], "weight_decay": 0.0}]
     kw = dict(lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]))
     if cfg["precision"] == "O2":
-        return Fp8AdamW(groups, model, v_format=cfg["o2_v_format"], fused=cfg["o2_fused"], **kw)
+        fused = cfg["o2_fused"]
+        if fused is None:  # the fast step where a run compiles anyway (its compile, ~40 s, is a CPU's loss)
+            fused = device_type == "cuda" and cfg["compile"] is not False
+        return Fp8AdamW(groups, model, v_format=cfg["o2_v_format"], fused=fused, **kw)
     if cfg["precision"] == "O3":
         return ZeroFp8AdamW(groups, model, v_format=cfg["o2_v_format"], **kw)
     # The fused CUDA kernel updates all parameters in a few launches instead of several per tensor.

@@ -106,9 +106,10 @@ def cast_for_step(model, written=(), record=True):
         m._w_cache = ((m.weight._version, m.weight.data_ptr()), kept_operands(m))  # (eager's key)
 
 
-def _compiled_casts(layer):
-    """Does cast_for_step compile its casts for this model? On a GPU."""
-    return layer.weight.is_cuda
+def _compiled_casts(x):
+    """Are the step's casts of this layer (or of this tensor's kind: optim.fp8_grads) compiled?
+    On a GPU."""
+    return (x.weight if isinstance(x, torch.nn.Module) else x).is_cuda
 
 
 def _recast(layers, record):

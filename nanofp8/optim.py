@@ -423,6 +423,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         self.v_format, self.moments, self.seed = v_format, ADAMW_MOMENTS[v_format], seed
         self.foreach = True if foreach is None else bool(foreach)
         self.fused = bool(fused)  # nanofp8/optim_fused.py
+        self.fused_compiled = False  # (whether its compiled step has run: a later failure is an error)
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         for m in self.o2.values():
             m.ensure_grad_hook()
@@ -605,10 +606,12 @@ def clip_grad_norm(model, max_norm):
     norm is over every .grad and every dequantized FP8 gradient; clipping multiplies the .grads
     and divides the FP8 gradients' scales (exact: the FP8 bytes stay as they are). Returns the
     norm before clipping (non-finite if any gradient is)."""
+    from nanofp8 import optim_foreach  # (the twin: every FP8 gradient at once, on a GPU compiled)
+
     params = [p for p in model.parameters() if p.grad is not None]
-    fp8 = [q for q in map(fp8_grad, model.parameters()) if q is not None]
+    fp8 = [q for q in optim_foreach.fp8_grads(model.parameters()) if q is not None]  # fp8_grad(p) of each
     norms = [torch.nn.utils.get_total_norm([p.grad for p in params])] if params else []
-    norms += [dequantize(q, torch.float32).norm() for q in fp8]
+    norms += optim_foreach.fp8_norms(fp8)  # the norm of each dequantized FP8 gradient
     if not norms:
         return torch.zeros(())
     norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))

@@ -26,11 +26,12 @@ import math
 
 import torch
 
+from nanofp8 import o2_compile
 from nanofp8.emulate import amax_each
-from nanofp8.fp8 import compute_scale
+from nanofp8.fp8 import Fp8Tensor, compute_scale, dequantize
 from nanofp8.o2_compile import compiled_or_eager, refresh_all
-from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, counter_noise, fp8_grad, fp16_scale,
-                           holds_fp8_grad, noise_bits, noise_key, state_block)
+from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, WGRAD, adam_ratio_bound, counter_noise, dequantize_blocks,
+                           fp8_grad, fp16_scale, holds_fp8_grad, noise_bits, noise_key, quantize_wgrad, state_block)
 
 STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls
 
@@ -315,3 +316,44 @@ def step(opt):
             ws = dequantize_blocks_all([m.weight for m in mods], [m.weight_scale for m in mods])
             ws, noises = update_decoupled(opt, group, [number[p] for p in ps], ps, ws, gs)
             set_weights(mods, ws, noises)
+
+
+# -----------------------------------------------------------------------------
+# The gradients' casts and norms of clip_grad_norm, every O2 weight at once
+
+
+def fp8_grads(params):
+    """fp8_grad of each of params (None where it has none), the pending fp16 sums cast to E4M3
+    all together: on a GPU in one compiled call (a cast is a dozen small operators: a loop of
+    them launched ~30 kernels per weight), with fp8_grad's bytes and scales."""
+    params = list(params)
+    held = [p._held_grad for p in params if holds_fp8_grad(p) and p._held_grad.acc is not None]
+    if held and o2_compile._compiled_casts(held[0].acc[0]):
+        cast = compiled_or_eager(_cast_sums, "the FP8 casts of the summed weight gradients", [h.acc for h in held])
+        for h, (data, scale, amax) in zip(held, cast):  # (quantize_wgrad's Fp8Tensor)
+            shape = h.acc[0].shape
+            h.q, h.acc = Fp8Tensor(data, scale, WGRAD, "row", (1, data.shape[-1]), shape, torch.float32, amax), None
+    return [fp8_grad(p) for p in params]
+
+
+def _cast_sums(accs):
+    """quantize_wgrad of each dequantized fp16 sum, as tensors (data, scale, amax)."""
+    return [(q.data, q.scale, q.amax) for q in (quantize_wgrad(dequantize_blocks(*acc)) for acc in accs)]
+
+
+_cast_sums.compiled = None
+
+
+def fp8_norms(qs):
+    """The 2-norm of each dequantized FP8 gradient of qs: on a GPU in one compiled call."""
+    if qs and o2_compile._compiled_casts(qs[0].data):
+        return compiled_or_eager(_norms, "the norms of the FP8 gradients", [(q.data, q.scale) for q in qs])
+    return [dequantize(q, torch.float32).norm() for q in qs]
+
+
+def _norms(qs):
+    """The 2-norm of each dequantized FP8 gradient (data, scale)."""
+    return [dequantize_blocks(data, scale).norm() for data, scale in qs]
+
+
+_norms.compiled = None

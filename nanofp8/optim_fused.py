@@ -34,6 +34,7 @@ update, as in the loop, all weights in one call (o2_compile.refresh_all: on a GP
 """
 
 import math
+import warnings
 
 import torch
 
@@ -129,9 +130,18 @@ def step(opt):
         # A group makes a graph per set of shapes and formats (and of its state's layouts): a
         # process that steps many models (the tests) makes more than dynamo's default limit of 8
         # graphs per function, which fullgraph=True turns into an error.
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            new = compiled_update_group()(tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats,
-                                          opt.moments)
+        args = tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats, opt.moments
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                new = compiled_update_group()(*args)
+        except Exception as e:  # a compiler's failure (a GPU's toolchain, say) costs speed, not the run
+            if opt.fused_compiled:
+                raise
+            warnings.warn(f"nanofp8: the fused O2 step could not be compiled ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); this step runs its code eagerly, "
+                          "the next ones the foreach step")
+            new, opt.fused = update_group(*args), False
+        opt.fused_compiled = opt.fused
         for st, ((m, m_scale), (v, v_scale)) in zip(sts, new):
             st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
         refresh_all(mods)  # the FP8 casts for the next forward, every weight in one call

@@ -211,12 +211,14 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     keep_noise = optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled  # (compiled on a GPU)
     optim_foreach.compiled_noise = lambda device: True
     optim_foreach.hash_noise.compiled = _run_uncounted(optim_foreach.hash_noise, compiled)
-    # the FP8 weight casts after a step (O1's cast_for_step, O2's refresh_all) and delayed
-    # scaling's history pushes: one compiled call for all layers on a GPU (o2_compile._compiled_casts)
-    keep_casts = o2_compile._compiled_casts, o2_compile._recast.compiled, o2_compile._push_histories.compiled
-    o2_compile._compiled_casts = lambda layer: True
-    o2_compile._recast.compiled = _run_uncounted(o2_compile._recast, compiled)
-    o2_compile._push_histories.compiled = _run_uncounted(o2_compile._push_histories, compiled)
+    # What a GPU runs as one compiled call for all layers (o2_compile._compiled_casts): the FP8
+    # weight casts after a step (O1's cast_for_step, O2's refresh_all), delayed scaling's history
+    # pushes, O2's casts of the summed gradients and their norms (optim_foreach.fp8_grads, fp8_norms)
+    on_gpu = (o2_compile._recast, o2_compile._push_histories, optim_foreach._cast_sums, optim_foreach._norms)
+    keep_casts = o2_compile._compiled_casts, [fn.compiled for fn in on_gpu]
+    o2_compile._compiled_casts = lambda x: True
+    for fn in on_gpu:
+        fn.compiled = _run_uncounted(fn, compiled)
     try:
         for _ in range(2):  # the second step is the one counted: state exists, the FP8 casts are warm
             with torch.autocast("cpu", torch.bfloat16):
@@ -231,7 +233,9 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     finally:
         emulate.ENABLED, optim_fused.COMPILED = keep, keep_compiled
         optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled = keep_noise
-        o2_compile._compiled_casts, o2_compile._recast.compiled, o2_compile._push_histories.compiled = keep_casts
+        o2_compile._compiled_casts = keep_casts[0]
+        for fn, was in zip(on_gpu, keep_casts[1]):
+            fn.compiled = was
     counter.ops += ["compiled kernel"] * len(kernels)
     counter.bytes += sum(b for b, _ in kernels)
     fp8_values = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))

@@ -752,3 +752,92 @@ def test_a_step_casts_every_fp8_weight_in_one_call(foreach, monkeypatch):
             assert torch.equal(getattr(m, name).view(torch.uint8), q.data.view(torch.uint8))
             assert torch.equal(getattr(m, name + "_scale"), q.scale)
         assert m._fp8_key == (m.weight._version, m.weight.data_ptr()) and m._w_cache is None
+
+
+def test_o2_takes_the_fused_step_where_the_run_compiles():
+    """train.py's o2_fused=None (the default): the fused step where a run compiles its model on
+    CUDA (compile=None or True), the foreach step elsewhere; o2_fused=True/False as given."""
+    import train
+    from nanofp8.model import GPT, GPTConfig, apply_fp8
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    apply_fp8(model, Recipe())
+    convert_to_o2(model)
+    for args, device, fused in (([], "cuda", True), (["compile=True"], "cuda", True), (["compile=False"], "cuda", False),
+                                ([], "cpu", False), (["o2_fused=True"], "cpu", True), (["o2_fused=False"], "cuda", False)):
+        cfg = train.load_config(["precision=O2", *args])
+        assert train.build_optimizer(model, cfg, device).fused is fused, (args, device)
+
+
+def test_a_fused_step_that_cannot_compile_runs_and_hands_over_to_foreach(monkeypatch):
+    """A compiler's failure on the fused step's first call (a GPU toolchain, say) costs speed, not
+    the run: one warning, that step's update run eagerly (the fused step's own code: the loop's
+    result within test_fused_step_matches_the_loop's bounds, here at 30 dB), the next steps on the
+    foreach path. After a compiled step has run, a failure is an error."""
+    from nanofp8 import optim_fused
+
+    def broken(*args):
+        raise RuntimeError("no compiler here\nsecond line")
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 64))
+    ref, mine = (convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe())) for _ in range(2))
+    opt_ref = Fp8AdamW(ref.parameters(), ref, lr=1e-2, foreach=False)
+    opt = Fp8AdamW(mine.parameters(), mine, lr=1e-2, fused=True)
+    monkeypatch.setattr(optim_fused, "COMPILED", broken)
+    x = torch.randn(16, 128)
+    start = mine[0].hp_weight().clone()
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (mine, opt)):
+            m(x).square().mean().backward()
+            if step == 0 and o is opt:
+                with pytest.warns(UserWarning, match=r"fused O2 step could not be compiled \(RuntimeError: no "
+                                                     r"compiler here\); this step runs its code eagerly"):
+                    assert o.step()
+            else:
+                assert o.step()
+            o.zero_grad()
+        assert opt.fused is False
+    moved, err = ref[0].hp_weight() - start, mine[0].hp_weight() - ref[0].hp_weight()
+    assert sqnr(moved, moved + err) > 30
+    opt.fused, opt.fused_compiled = True, True  # a compiled step ran: now a failure is an error
+    mine(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        opt.step()
+
+
+def test_the_summed_gradients_are_cast_and_normed_in_one_call_each(monkeypatch):
+    """clip_grad_norm as a GPU runs it: the fp16 sums of every O2 weight cast to E4M3 in one call
+    (optim_foreach.fp8_grads: ~30 small launches per weight as a loop) and their norms in one more, each
+    compiled there (stood in for here by the eager function): the FP8 gradients' bytes and
+    scales, the norm and the clipped scales those of the per-weight path."""
+    from nanofp8 import o2_compile, optim_foreach
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 64))
+    ref, mine = (convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe())) for _ in range(2))
+    for m in (ref, mine):
+        for micro in range(2):  # two micro-steps: the gradients wait as scaled fp16 sums
+            m(torch.randn(16, 128, generator=torch.Generator().manual_seed(micro))).square().mean().backward()
+    want = clip_grad_norm(ref, 1e-3)
+    calls = []
+
+    def standing_in(fn):
+        def run(*args):
+            calls.append(fn.__name__)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(o2_compile, "_compiled_casts", lambda x: True)
+    monkeypatch.setattr(optim_foreach._cast_sums, "compiled", standing_in(optim_foreach._cast_sums))
+    monkeypatch.setattr(optim_foreach._norms, "compiled", standing_in(optim_foreach._norms))
+    got = clip_grad_norm(mine, 1e-3)
+    assert calls == ["_cast_sums", "_norms"] and torch.equal(got, want) and want > 1e-3
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        qa, qb = fp8_grad(a), fp8_grad(b)
+        if qa is None:
+            assert torch.equal(a.grad, b.grad)
+            continue
+        assert torch.equal(qa.data.view(torch.uint8), qb.data.view(torch.uint8))
+        assert torch.equal(qa.scale, qb.scale) and torch.equal(qa.amax, qb.amax) and qa.shape == qb.shape
+        assert torch.equal(dequantize(qa, torch.float32), dequantize(qb, torch.float32))
