@@ -217,11 +217,13 @@ def test_the_fused_o2_step_launches_and_moves_less_than_the_foreach_step():
     """bench.py kernels' step measure at O2: the fused step (o2_fused, its compiled update counted
     as the kernels inductor's CUDA rules make of its graph) launches fewer kernels and moves fewer
     bytes per FP8 value than the foreach step (its noise hash also counted compiled, as a GPU
-    runs it), on a one-layer GPT-2; and the compiled update is a few kernels per O2 weight (at most
-    10: the foreach update makes ~140 operator calls for a group, two more per weight)."""
+    runs it), on a one-layer GPT-2; and what a GPU runs compiled is a few kernels per O2 weight
+    (at most 13: the update's, the FP8 W and W^T cast for the next forward, the summed gradient's
+    cast and its norm; the foreach update makes ~140 operator calls for a group, two more per
+    weight)."""
     fused, foreach = schedule.step_cost("O2-fused", n_layer=1), schedule.step_cost("O2", n_layer=1)
     print(f"O2 step, 1 layer: foreach {foreach['launches']} launches, {foreach['bytes_per_fp8_value']:.0f} B per "
           f"FP8 value; fused {fused['launches']}, {fused['bytes_per_fp8_value']:.0f}")
     assert fused["launches"] < foreach["launches"]
     assert fused["bytes_per_fp8_value"] < foreach["bytes_per_fp8_value"]
-    assert 0 < fused["compiled_kernels"] <= 4 * 10  # (4 O2 weights in a block)
+    assert 0 < fused["compiled_kernels"] <= 4 * 13  # (4 O2 weights in a block)
