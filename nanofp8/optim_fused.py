@@ -29,8 +29,10 @@ an fp32 value differs by an ulp, and a value that lands on the other side of a s
 neighbour of its stored format; tests/test_optim.py bounds that (test_fused_step_matches_the_loop).
 
 Each weight's FP8 cast for the next forward (O2Linear.refresh_fp8_weight) follows the compiled
-update, as in the loop, all weights in one call (o2_compile.refresh_all: on a GPU compiled). The ordinary parameters (fp32 state) take the foreach step
-(optim_foreach.update_plain).
+update, as in the loop, all weights in one call (o2_compile.refresh_all: on a GPU compiled). The
+ordinary parameters (fp32 state) take the foreach step (optim_foreach.update_plain). Where the
+update cannot be compiled, a warning says so, that step runs update_group eagerly and the next
+ones take the foreach step (Fp8AdamW.fused turns False).
 """
 
 import math
@@ -131,17 +133,20 @@ def step(opt):
         # process that steps many models (the tests) makes more than dynamo's default limit of 8
         # graphs per function, which fullgraph=True turns into an error.
         args = tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats, opt.moments
-        try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                new = compiled_update_group()(*args)
-        except Exception as e:  # a compiler's failure (a GPU's toolchain, say) costs speed, not the run
-            if opt.fused_compiled:
-                raise
-            warnings.warn(f"nanofp8: the fused O2 step could not be compiled ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); this step runs its code eagerly, "
-                          "the next ones the foreach step")
-            new, opt.fused = update_group(*args), False
-        opt.fused_compiled = opt.fused
+        new = None
+        if opt.fused:  # (False: an earlier group of this step could not be compiled)
+            try:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    new = compiled_update_group()(*args)
+                opt.fused_compiled = True
+            except Exception as e:  # a compiler's failure (a GPU's toolchain, say) costs speed, not the run
+                if opt.fused_compiled:
+                    raise
+                warnings.warn(f"nanofp8: the fused O2 step could not be compiled ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); this step runs its code eagerly, "
+                              "the next ones the foreach step")
+                opt.fused = False
+        new = new if new is not None else update_group(*args)
         for st, ((m, m_scale), (v, v_scale)) in zip(sts, new):
             st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
         refresh_all(mods)  # the FP8 casts for the next forward, every weight in one call
