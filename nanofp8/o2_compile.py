@@ -140,7 +140,7 @@ def refresh_all(layers):
         if getattr(m, "_fp8_meta", None) is None:
             m.refresh_fp8_weight()
         else:
-            m._fp8_key, m._w_cache = (m.weight._version, m.weight.data_ptr()), None
+            m.mark_cast()
 
 
 _recast.compiled = None
@@ -218,8 +218,11 @@ class O2CompileParts:
     def refresh_fp8_weight(self, record=True):
         """Cast the weight to FP8 now and keep W and W^T in buffers (record: cast_now's)."""
         keep_cast(self, *cast_now(self, record))
-        self._fp8_key = (self.weight._version, self.weight.data_ptr())
-        self._w_cache = None
+        self.mark_cast()
+
+    def mark_cast(self):
+        """The kept casts are of the weight as it is now (whoever wrote them: refresh_all too)."""
+        self._fp8_key, self._w_cache = (self.weight._version, self.weight.data_ptr()), None
 
     def _fp8_operands(self):  # the FP8 W and W^T of refresh_fp8_weight, from its buffers
         return kept_operands(self)

@@ -82,12 +82,12 @@ weight under inductor's CUDA rules, its stored m and v within one code of the lo
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from nanofp8.fp8 import E4M3, Fp8Format, Fp8Linear, compute_scale, dequantize, quantize
+from nanofp8.fp8 import E4M3, Fp8Format, Fp8Linear, Fp8Tensor, compute_scale, dequantize, quantize
 from nanofp8.o2_compile import O2CompileParts
 
 # -----------------------------------------------------------------------------
@@ -222,7 +222,14 @@ def quantize_wgrad(x):
     Fp8Tensor of "row" granularity over the (blocks, values per block) view (dequantize gives
     back x's shape)."""
     blocks = x.reshape(-1, math.gcd(x.numel(), STATE_BLOCK))  # (state_block)
-    return replace(quantize(blocks, WGRAD, "row"), shape=x.shape, dtype=torch.float32)
+    q = quantize(blocks, WGRAD, "row")
+    return wgrad_tensor(q.data, q.scale, q.amax, x.shape)
+
+
+def wgrad_tensor(data, scale, amax, shape):
+    """quantize_wgrad's Fp8Tensor from its tensors (data and scale as (blocks, values per block)
+    and (blocks, 1); shape: the weight's), as a compiled cast hands them back."""
+    return Fp8Tensor(data, scale, WGRAD, "row", (1, data.shape[-1]), shape, torch.float32, amax)
 
 
 def quantize_blocks(x, fmt, noise=None):

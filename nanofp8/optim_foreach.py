@@ -28,10 +28,11 @@ import torch
 
 from nanofp8 import o2_compile
 from nanofp8.emulate import amax_each
-from nanofp8.fp8 import Fp8Tensor, compute_scale, dequantize
+from nanofp8.fp8 import compute_scale, dequantize
 from nanofp8.o2_compile import compiled_or_eager, refresh_all
-from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, WGRAD, adam_ratio_bound, counter_noise, dequantize_blocks,
-                           fp8_grad, fp16_scale, holds_fp8_grad, noise_bits, noise_key, quantize_wgrad, state_block)
+from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, adam_ratio_bound, counter_noise, dequantize_blocks,
+                           fp8_grad, fp16_scale, holds_fp8_grad, noise_bits, noise_key, quantize_wgrad, state_block,
+                           wgrad_tensor)
 
 STEP_CHUNK = 2**25  # values of O2 weights per run of the step's foreach calls
 
@@ -330,9 +331,8 @@ def fp8_grads(params):
     held = [p._held_grad for p in params if holds_fp8_grad(p) and p._held_grad.acc is not None]
     if held and o2_compile._compiled_casts(held[0].acc[0]):
         cast = compiled_or_eager(_cast_sums, "the FP8 casts of the summed weight gradients", [h.acc for h in held])
-        for h, (data, scale, amax) in zip(held, cast):  # (quantize_wgrad's Fp8Tensor)
-            shape = h.acc[0].shape
-            h.q, h.acc = Fp8Tensor(data, scale, WGRAD, "row", (1, data.shape[-1]), shape, torch.float32, amax), None
+        for h, (data, scale, amax) in zip(held, cast):
+            h.q, h.acc = wgrad_tensor(data, scale, amax, h.acc[0].shape), None
     return [fp8_grad(p) for p in params]
 
 
