@@ -629,8 +629,8 @@ class Fp8Linear(nn.Linear):
         return ops
 
     def gemm_bias(self, bias, dtype):
-        """The bias in the GEMM's output dtype (compiled, cache_weight: the copy of the step's cast)."""
-        kept = getattr(self, "gemm_bias_kept", None) if self.cache_weight and torch.compiler.is_compiling() else None
+        """The bias in the GEMM's output dtype (compiled: the copy kept with the step's cast)."""
+        kept = getattr(self, "gemm_bias_kept", None) if torch.compiler.is_compiling() else None
         return kept if kept is not None and kept.dtype == dtype else bias.to(dtype)
 
     def cast_weight(self):
@@ -748,12 +748,14 @@ class Fp8Linear(nn.Linear):
         bwd = r.scale_rule(past[2:], r.bwd_fmt, r.margin, r.power_of_two, fallback=self.scale[2:])  # GRAD_OUTPUT
         self.next_scale.copy_(torch.cat([fwd, bwd]))
 
-    def forward(self, x, bias=True):
+    def forward(self, x, bias=True, wgrad_to=None):
         """F.linear(x, weight, bias) with the three GEMMs in FP8 (bias=False: without the bias).
-        The output dtype is autocast's where autocast is on, else x's."""
+        The output dtype is autocast's where autocast is on, else x's. wgrad_to: the tensor
+        autograd gives dW to (the weight; O2's sink: nanofp8/optim.py)."""
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        return Fp8LinearFunction.apply(x, self.weight, self.bias if bias else None, self, out_dtype)
+        return Fp8LinearFunction.apply(x, self.weight if wgrad_to is None else wgrad_to,
+                                       self.bias if bias else None, self, out_dtype)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, fp8={self.recipe.describe()}, backend={self.recipe.backend}"

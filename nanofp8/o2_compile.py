@@ -16,10 +16,10 @@ why the cast is made by whoever writes the weight, and again after a load (_load
 The weight gradient, handed over through autograd. O2Linear.take_wgrad runs, under torch.compile,
 while dynamo traces the backward, where storing on the weight would be a side effect it cannot
 keep in the graph (a graph break around every layer). There the gradient goes to autograd
-instead, as the weight's own gradient: scaled by a power of two into fp16 (the weight's dtype;
-the scale in a buffer, written in place, which dynamo keeps), and a hook on the weight
+instead, in fp32 as the GEMM wrote it, as the gradient of the layer's sink (an fp32 stand-in of
+the weight that the Function takes in its place: O2Linear.ensure_grad_hook), and the sink's hook
 (_grad_from_autograd), run by autograd once it has the gradient, hands it back to take_wgrad,
-outside the graph. (An FP8 weight, O3, cannot carry it: O3 keeps the graph break.)
+outside the graph: no kernel in the graph, the same sum as eager mode's.
 
 Delayed scaling's amax histories, updated after the graph. A compiled graph records each cast's
 amax in the layer's cast_log (one small write) and takes its scale as an input; push_amaxes puts
@@ -50,9 +50,9 @@ def keep_cast(layer, qw, qwt):
             layer.register_buffer(key, t if id(t) not in own else t.clone(), persistent=False)
             own.add(id(layer._buffers[key]))
     layer._fp8_meta = tuple(meta)
-    if layer.bias is not None and layer.cache_weight:  # O1 (cast_for_step): and the bias in bf16,
-        # autocast's dtype in train.py (Fp8Linear.gemm_bias). (O2 steps its bias after its weights'
-        # cast: a copy made here would lag a step.)
+    if layer.bias is not None:  # and the bias in bf16, autocast's dtype in train.py, that the
+        # forward GEMM adds (Fp8Linear.gemm_bias; a cast of its own would be a kernel per layer
+        # and micro-step). An O2 step writes the biases after its weights' casts: O2CompileParts.keep_biases.
         layer.register_buffer("gemm_bias_kept", layer.bias.detach().to(torch.bfloat16), persistent=False)
 
 
@@ -244,12 +244,22 @@ class O2CompileParts:
         self.refresh_fp8_weight()
 
     @staticmethod
+    @torch.no_grad()
+    def keep_biases(layers):
+        """The bf16 copies of these O2/O3 layers' biases (keep_cast), made again after an optimizer
+        step, which may write a bias after its weight's cast (another param group, or later in
+        the loop): one foreach copy for all layers (Fp8AdamW calls it after each step)."""
+        kept = [m for m in layers if m.bias is not None and getattr(m, "gemm_bias_kept", None) is not None]
+        if kept:
+            torch._foreach_copy_([m.gemm_bias_kept for m in kept], [m.bias for m in kept])
+
+    @staticmethod
     def _loaded_state(module, incompatible_keys):
         module.refresh_fp8_weight(record=False)  # the loaded weight, with its loaded scale
 
     @torch.no_grad()
-    def _grad_from_autograd(self, weight):
-        """The hook of take_wgrad's compiled path: take the gradient back out of .grad."""
-        g, weight.grad = weight.grad, None
-        if g is not None:  # (autograd also runs it when eager take_wgrad gave it no gradient)
-            self.take_wgrad(g.float() * self.wgrad_in_scale.reciprocal())
+    def _grad_from_autograd(self, sink):
+        """The hook of take_wgrad's compiled path (ensure_grad_hook): dW out of the sink's .grad."""
+        g, sink.grad = sink.grad, None
+        if g is not None:
+            self.take_wgrad(g)

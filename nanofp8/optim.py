@@ -328,7 +328,6 @@ class O2Linear(O2CompileParts, Fp8Linear):
         master, s = to_fp16_scaled(lin.weight.detach())
         new.weight = nn.Parameter(master)
         new.register_buffer("weight_scale", s)
-        new.register_buffer("wgrad_in_scale", torch.ones((), device=s.device), persistent=False)
         new.ensure_grad_hook()
         new.train(lin.training)
         if cast:
@@ -341,12 +340,10 @@ class O2Linear(O2CompileParts, Fp8Linear):
 
     def take_wgrad(self, dw):
         """Receives the fp32 weight gradient of one micro-step and adds it to the kept sum. (Under
-        torch.compile it goes to autograd instead, scaled into fp16, and comes back here through
-        a hook: nanofp8/o2_compile.py, _grad_from_autograd.)"""
-        if torch.compiler.is_compiling() and self.weight.dtype == torch.float16:
-            s = fp16_scale(dw.detach().abs().amax(), FP16_MAX / 4)
-            self.wgrad_in_scale.copy_(s)
-            return (dw.float() * s).half()
+        torch.compile it goes to autograd instead, as the gradient of the layer's fp32 sink, and
+        comes back here through a hook: ensure_grad_hook.)"""
+        if torch.compiler.is_compiling():
+            return dw
         dw, h = dw.float(), self.weight._held_grad
         if self.grad_accum == "fp8":  # dequantize the FP8 sum, add, re-quantize: 1 B, compounds
             if h.q is not None:
@@ -371,13 +368,25 @@ class O2Linear(O2CompileParts, Fp8Linear):
 
     def ensure_grad_hook(self):
         """Give the weight, if it has none yet (a deep copy has a new weight), the place its FP8
-        gradient is kept (fp8_grad) and the hook of take_wgrad's compiled path. Called at
-        conversion, after a copy, by every eager forward, and by Fp8AdamW."""
-        if not holds_fp8_grad(self.weight):
-            self.weight._held_grad = _HeldGrad()
-        if getattr(self, "_hooked", None) != id(self.weight):
-            self.weight.register_post_accumulate_grad_hook(self._grad_from_autograd)
-            self._hooked = id(self.weight)
+        gradient is kept (fp8_grad), and the layer its gradient sink on the weight's device.
+        Called at conversion, after a copy, by every eager forward, and by Fp8AdamW.
+
+        The sink is what the Function takes in the weight's place (forward): an fp32 stand-in of
+        the weight's shape, zero strides over one value, that autograd gives take_wgrad's return
+        to. Eager take_wgrad returns nothing, so it never gets a gradient; under torch.compile the
+        backward is traced, where storing on the weight would be a side effect dynamo cannot keep
+        in the graph (a graph break around every layer), so there take_wgrad returns dW in fp32,
+        as the graph's GEMM writes it (no cast, no amax: no kernel of its own), and the hook of
+        the sink hands it back to take_wgrad, outside the graph: the same call as eager mode's,
+        the same bits. (The weight itself, fp16 or O3's FP8, could not take an fp32 gradient.)"""
+        w = self.weight
+        if not holds_fp8_grad(w):
+            w._held_grad = _HeldGrad()
+        sink = getattr(self, "wgrad_sink", None)
+        if sink is None or self._sink_of != id(w) or sink.device != w.device or sink.shape != w.shape:
+            sink = torch.empty_strided(w.shape, (0,) * w.dim(), device=w.device).requires_grad_()
+            sink.register_post_accumulate_grad_hook(self._grad_from_autograd)
+            self.wgrad_sink, self._sink_of = sink, id(w)
 
     def __setstate__(self, state):  # a deep copy, or an unpickled module
         super().__setstate__(state)
@@ -386,7 +395,7 @@ class O2Linear(O2CompileParts, Fp8Linear):
     def forward(self, x):
         if not torch.compiler.is_compiling():
             self.ensure_grad_hook()
-        return super().forward(x)
+        return super().forward(x, wgrad_to=self.wgrad_sink)
 
 
 def convert_to_o2(model, cls=None, grad_accum="fp16"):
@@ -435,6 +444,9 @@ class Fp8AdamW(torch.optim.Optimizer):
         for m in self.o2.values():
             m.ensure_grad_hook()
         self.skipped_steps = 0
+        # the bf16 biases a compiled forward reads, after every step (a bias may step after its
+        # weight's cast: nanofp8/o2_compile.py)
+        self.register_step_post_hook(lambda opt, *_: O2CompileParts.keep_biases(opt.o2.values()))
 
     def rounded_formats(self):
         """The stored tensors an O2 step rounds stochastically, in the order of their noise
