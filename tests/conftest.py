@@ -124,12 +124,13 @@ def run(script, *args):
                           timeout=300)
 
 
-def torchrun(nproc, *args, script="train.py", check=True, timeout=600):
+def torchrun(nproc, *args, script="train.py", check=True, timeout=600, launcher=()):
     """Run a script of the repo under torchrun on `nproc` CPU processes (gloo), as a user would;
     returns the CompletedProcess, and fails the test (with the end of the log) if it failed,
-    unless check=False. One intra-op thread per process: the ranks share 2 cores."""
+    unless check=False. One intra-op thread per process: the ranks share 2 cores. launcher:
+    torchrun's own options."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, script), *args]
+           *launcher, os.path.join(REPO, script), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout, env=rank_env())
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + crash_site(out.stderr)
