@@ -672,8 +672,12 @@ class Fp8Linear(nn.Linear):
         # delayed scaling between a cast and push_amax (not saved: push_amax remakes them)
         self.register_buffer("cast_log", torch.zeros(3, len(CAST_LOG), dtype=torch.float64, device=device),
                              persistent=False)
-        self.register_buffer("next_scale", torch.ones(3, device=device), persistent=False)
-        self.history_warm = (False, False, False)  # per role: next_scale holds its history's scale
+        # each role's next scale and its inverse, 0-d each: a compiled graph takes them as they are
+        # (indexed out of one buffer, a graph copies and inverts them in a kernel per cast)
+        for role in (INPUT, WEIGHT, GRAD_OUTPUT):
+            self.register_buffer(f"next_scale_{role}", torch.ones((), device=device), persistent=False)
+            self.register_buffer(f"next_inv_{role}", torch.ones((), device=device), persistent=False)
+        self.history_warm = (False, False, False)  # per role: next_scale_{role} holds its history's scale
 
     @classmethod
     def from_linear(cls, lin, recipe, fqn=""):
@@ -697,20 +701,29 @@ class Fp8Linear(nn.Linear):
         history (its first cast), the scale is made from this tensor's own amax (where that is
         not finite: the stored scale)."""
         r = self.recipe
-        amax = measure_amax(x2.detach(), "tensor", None, rows_first=True)  # (compiled: in x's kernel)
-        scale = self.next_scale[role].clone()  # (not a view: the next push rewrites next_scale)
+        rows = measure_amax(x2.detach(), "row", None)  # (compiled: in the kernel that makes x)
+        amax = rows.amax()
+        scale, inv = getattr(self, f"next_scale_{role}"), getattr(self, f"next_inv_{role}")
+        if not torch.compiler.is_compiling():  # eager code pushes right after this cast, in place
+            scale, inv = scale.clone(), inv.clone()  # (compiled: after the backward that reads them)
         if not self.history_warm[role]:  # (a Python flag: a compiled graph is remade once it flips)
+            inv = None
             past = self.amax_history[role].max() if r.amax_algo == "max" else self.amax_history[role, 0]
             prev = self.scale[role]
             own = r.scale_rule(amax, fmt, r.margin, r.power_of_two, fallback=prev)  # no history yet
             scale = torch.where(self.history_count[role] > 0,
                                 r.scale_rule(past, fmt, r.margin, r.power_of_two, fallback=prev), own)
         q = quantize(x2, fmt, "tensor", scale=scale, amax=amax)
+        if inv is not None:
+            q._inv = (q.scale, inv)  # (else made from the scale, when the GEMM asks)
         if self.training:  # evaluation reads the state but never writes it
             finite = torch.isfinite(amax)
             # values beyond the rounding boundary above the max (a non-finite tensor is counted
             # as such, and its step skipped)
-            over = ((x2.detach().float() * scale).abs_() > clip_edge(fmt)).sum(-1).sum()  # (rows first too)
+            over = ((x2.detach().float() * scale).abs_() > clip_edge(fmt)).sum(-1, keepdim=True)  # (rows first too)
+            # the rows' counts summed beside their amaxes: compiled, one kernel ends both sums (the
+            # rows' amaxes read by both; apart, each was a kernel of its own). (A NaN row counts 0.)
+            over = torch.where(rows >= 0, over, 0).sum()
             self.cast_log[role] = _logged(self.cast_log[role], amax, ~finite, x2.numel(),
                                           torch.where(finite, over, 0), scale)
             if not torch.compiler.is_compiling():
@@ -746,7 +759,10 @@ class Fp8Linear(nn.Linear):
         past = hist.amax(1) if r.amax_algo == "max" else hist[:, 0]
         fwd = r.scale_rule(past[:2], r.fwd_fmt, r.margin, r.power_of_two, fallback=self.scale[:2])  # INPUT, WEIGHT
         bwd = r.scale_rule(past[2:], r.bwd_fmt, r.margin, r.power_of_two, fallback=self.scale[2:])  # GRAD_OUTPUT
-        self.next_scale.copy_(torch.cat([fwd, bwd]))
+        nxt = torch.cat([fwd, bwd])
+        roles = (INPUT, WEIGHT, GRAD_OUTPUT)
+        torch._foreach_copy_([getattr(self, f"next_{k}_{role}") for k in ("scale", "inv") for role in roles],
+                             [*nxt.unbind(), *nxt.reciprocal().unbind()])
 
     def forward(self, x, bias=True, wgrad_to=None):
         """F.linear(x, weight, bias) with the three GEMMs in FP8 (bias=False: without the bias).

@@ -29,6 +29,7 @@ backward gets its inputs. It reads torch internals (torch._inductor), checked on
 2.13: a change there is a failure of `bench.py kernels`, not of training.
 """
 
+import copy
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -100,7 +101,8 @@ def graph_cost(fn, *args, then=None):
     graphs = []
 
     def inner(gm, example_inputs, **kwargs):
-        _schedule(gm, example_inputs, kwargs.get("is_backward", False), graphs)
+        # (a copy: the passes rewrite the graph in place, and the eager twin below runs the original)
+        _schedule(copy.deepcopy(gm), example_inputs, kwargs.get("is_backward", False), graphs)
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()

@@ -60,18 +60,21 @@ def test_an_o2_block_compiles_to_o1s_kernels(o1_block):
 @pytest.mark.slow  # ~5 s
 def test_delayed_scaling_reads_each_tensor_once(o1_block):
     """Delayed scaling's scale is known before the cast (a graph input, after the first step), so
-    one pass over a tensor casts it and measures its amax: its compiled block moves fewer bytes
-    than current scaling's (157 against 190 KB per token at 2 x 1024 tokens). Before: 126 kernels
-    and 224 KB per token, the history updated inside the graph at every cast (now a graph records
-    one row per cast, cast_log, and push_amaxes updates the histories after it). What remains
-    beyond O1's kernels: per cast, the last stages of the amax and clip-count reductions, the
-    row of cast_log and the inverse scale, each a kernel of a few bytes."""
+    one pass over a tensor casts it and measures its amax: its compiled block is the cheapest of
+    the FP8 levels, in bytes (166 against 185 KB per token at 2 x 1024 tokens) and in kernels
+    (39 against 41). Before: 126 kernels and 224 KB per token, the history updated inside the
+    graph at every cast (now a graph records one row per cast, cast_log, and push_amaxes updates
+    the histories after it); then 53 kernels, three more per cast than now: the scale and its
+    inverse indexed out of one buffer (copied, and inverted, by a kernel per cast; now 0-d
+    buffers the push writes, inputs of the graph) and the clip count's last stage apart from the
+    amax's. What remains beyond a pass per tensor: per cast, the last stage of its amax (and
+    clip count) and the row of cast_log."""
     o1, delayed = o1_block, schedule.block_cost("O1-delayed", batch=2)
     print(f"O1: {o1['kernels']} kernels, {o1['KB_per_token']:.1f} KB/token; "
           f"O1-delayed: {delayed['kernels']}, {delayed['KB_per_token']:.1f}")
     assert delayed["graphs"] == 2 and delayed["gemms"] == o1["gemms"]
     assert delayed["KB_per_token"] < 0.9 * o1["KB_per_token"], delayed["kernel_list"]
-    assert delayed["kernels"] <= o1["kernels"] + 16, delayed["kernel_list"]  # (8 casts: 2 more each, at most)
+    assert delayed["kernels"] < o1["kernels"], delayed["kernel_list"]
 
 
 @pytest.mark.slow  # ~10 s
