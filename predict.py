@@ -136,7 +136,7 @@ def fake_step_counts():
             return [1.0] * len(sts)
 
     optim_foreach.count_steps = count
-    optim_fused.COMPILED = optim_fused.update_group  # O2's fused step: its operators, as compiled on a GPU
+    optim_fused.COMPILED = optim_fused.update_one  # O2's fused step: its operators, as compiled on a GPU
     try:
         yield
     finally:

@@ -1,6 +1,6 @@
 """
-Fp8AdamW's fused step: the O2 update of all O2 weights of a param group as one torch.compile'd
-function, which inductor fuses into a few kernels per weight. Fp8AdamW(fused=True) runs it; the
+Fp8AdamW's fused step: the O2 update of an O2 weight as one torch.compile'd function, which
+inductor fuses into a few kernels. Fp8AdamW(fused=True) runs it; the
 readable loop of nanofp8/optim.py (foreach=False) stays the reference, and tests/test_optim.py
 holds the two equal.
 
@@ -86,26 +86,28 @@ def update_one(w16, w_scale, g_data, g_scale, m_data, m_scale, v_data, v_scale, 
             quantize_blocks(v.sqrt() if V.sqrt else v, V.fmt, noise["v"]))
 
 
-def update_group(tensors, numbers, keys, starts, formats, moments):
+def update_group(tensors, numbers, keys, starts, formats, moments, one=update_one):
     """update_one for every O2 weight of a group: tensors, one 8-tuple per weight (update_one's
-    first eight arguments); numbers (weights, 8) fp32, keys (weights, 3) int64. The function
-    torch.compile fuses (one graph per group)."""
-    return [update_one(*ts, numbers[i], keys[i], starts[i], formats, moments) for i, ts in enumerate(tensors)]
+    first eight arguments); numbers (weights, 8) fp32, keys (weights, 3) int64. one: update_one,
+    or its compiled twin (compiled_update_one)."""
+    return [one(*ts, numbers[i], keys[i], starts[i], formats, moments) for i, ts in enumerate(tensors)]
 
 
-def compiled_update_group():
-    """update_group compiled, one function for every optimizer of the process: dynamo's cache
-    keeps its graphs by their guards (the shapes, the formats), so a second optimizer over the
-    same shapes reuses the first one's compiled code. Static shapes: a block's length
-    (optim.state_block, a gcd) is a Python number of the trace."""
+def compiled_update_one():
+    """update_one compiled, one function for every optimizer of the process: dynamo's cache keeps
+    its graphs by their guards (a weight's shape, the formats), so GPT-2's 48 O2 weights make 4
+    graphs, and a second optimizer over the same shapes reuses the first one's. (One graph for a
+    group's weights compiled for longer with every weight, about 4 s of inductor each at
+    GPT-2's width: minutes before a GPT-2's first step; per weight, the kernels are the same.)
+    Static shapes: a block's length (optim.state_block, a gcd) is a Python number of the trace."""
     global COMPILED
     if COMPILED is None:
-        COMPILED = torch.compile(update_group, fullgraph=True, dynamic=False)
+        COMPILED = torch.compile(update_one, fullgraph=True, dynamic=False)
     return COMPILED
 
 
 COMPILED = None
-RECOMPILE_LIMIT = 64  # graphs of update_group per process
+RECOMPILE_LIMIT = 64  # graphs of update_one per process
 
 
 def step(opt):
@@ -129,15 +131,15 @@ def step(opt):
         tensors = [(mod.weight, mod.weight_scale, q.data, q.scale,
                     st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"])
                    for q, mod, st in zip(grads, mods, sts)]
-        # A group makes a graph per set of shapes and formats (and of its state's layouts): a
-        # process that steps many models (the tests) makes more than dynamo's default limit of 8
-        # graphs per function, which fullgraph=True turns into an error.
+        # A graph per weight shape and formats (and its state's layouts): a process that steps
+        # many models (the tests) makes more than dynamo's default limit of 8 graphs per
+        # function, which fullgraph=True turns into an error.
         args = tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats, opt.moments
         new = None
         if opt.fused:  # (False: an earlier group of this step could not be compiled)
             try:
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    new = compiled_update_group()(*args)
+                    new = update_group(*args, one=compiled_update_one())
                 opt.fused_compiled = True
             except Exception as e:  # a compiler's failure (a GPU's toolchain, say) costs speed, not the run
                 if opt.fused_compiled:

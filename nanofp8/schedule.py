@@ -191,9 +191,10 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     (the step as train.optimizer_step runs it, after a backward that filled the gradients), on a
     GPT-2 model of n_layer blocks; per FP8 weight value and in all. torch's AdamW (bf16, O1) runs
     fused, as train.py runs it on a GPU: one launch per parameter group. What a GPU runs compiled,
-    O2's fused update (Fp8AdamW(fused=True), nanofp8/optim_fused.py) and the foreach step's noise
-    hash (optim_foreach.hash_noise), counts as the kernels inductor's CUDA rules make of its graphs
-    (graph_cost) and the bytes they move; the step's other work as launches."""
+    O2's fused update (Fp8AdamW(fused=True), nanofp8/optim_fused.py: a call per weight) and the
+    foreach step's noise hash (optim_foreach.hash_noise), counts as the kernels inductor's CUDA
+    rules make of its graphs (graph_cost) and the bytes they move; the step's other work as
+    launches."""
     import bench
     import train
     from nanofp8 import emulate, o2_compile, optim_foreach, optim_fused
@@ -209,7 +210,7 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     idx = torch.randint(0, cfg.vocab_size, (2, 64))
     keep, emulate.ENABLED = emulate.ENABLED, False  # the paths of a GPU, not the CPU's shortcuts
     compiled = []  # the calls of compiled functions: (function, args)
-    keep_compiled, optim_fused.COMPILED = optim_fused.COMPILED, _run_uncounted(optim_fused.update_group, compiled)
+    keep_compiled, optim_fused.COMPILED = optim_fused.COMPILED, _run_uncounted(optim_fused.update_one, compiled)
     keep_noise = optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled  # (compiled on a GPU)
     optim_foreach.compiled_noise = lambda device: True
     optim_foreach.hash_noise.compiled = _run_uncounted(optim_foreach.hash_noise, compiled)
@@ -230,8 +231,14 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
             compiled.clear()
             with counter:
                 train.optimizer_step(model, opt, settings)
+        kernels, seen = [], {}
         with torch.no_grad():  # (as the step runs it)
-            kernels = [k for fn, args in compiled for g in graph_cost(fn, *args)[1] for k in g.kernels]
+            for fn, args in compiled:  # (a call like an earlier one, the same graph: scheduled once)
+                key = (fn, tuple((tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+                                 for t in torch.utils._pytree.tree_leaves(args)))
+                if key not in seen:
+                    seen[key] = [k for g in graph_cost(fn, *args)[1] for k in g.kernels]
+                kernels += seen[key]
     finally:
         emulate.ENABLED, optim_fused.COMPILED = keep, keep_compiled
         optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled = keep_noise

@@ -127,7 +127,7 @@ def spike_grads(size, at, steps=60, n=N):
     return out
 
 
-def adversarial_grads(seed, steps=30, shape=(32, 64)):
+def adversarial_grads(seed, steps=30, shape=(N, N)):
     """A seeded gradient sequence mixing spikes, zeros, tiny values, sign flips, rows 1e6 apart
     and (rarely) a non-finite entry."""
     gen = torch.Generator().manual_seed(seed)
@@ -159,7 +159,9 @@ def adversarial_grads(seed, steps=30, shape=(32, 64)):
 # 1. Moments that cannot disagree
 
 
-# the step's paths: foreach (the default), and compiled (a compile of a few dozen seconds: slow)
+# the step's paths: foreach (the default), and compiled (a compile of a few dozen seconds: slow).
+# Every fused test steps one N x N weight, in v's two formats: two graphs for the whole file
+# (optim_fused's compiled function serves every optimizer of the process).
 PATHS = ["foreach", pytest.param("fused", marks=pytest.mark.slow)]
 
 
@@ -187,8 +189,7 @@ def test_fuzz_adversarial_sequences_o2(betas, path):
     worst = 0.0
     for seed in range(20):
         grads = adversarial_grads(seed)
-        torch.manual_seed(seed)
-        lin = nn.Linear(64, 32, bias=False)
+        lin = fresh_linear(seed)
         _, ref, _ = adamw_run(lin.weight.detach(), grads, betas=betas, wd=0.1)
         for v_format in ("fp16", "fp8"):
             mod, opt = o2_of(lin, v_format, betas=betas, wd=0.1, fused=path == "fused")
@@ -234,9 +235,9 @@ def test_fp16_scale_of_a_tiny_tensor_is_finite():
 def test_weight_decay_survives_the_fp16_master(path):
     """Decay only (zero gradients), GPT-2's lr and weight decay: 1000 steps shrink the weights by
     0.60% in fp32 AdamW; the fp16 master must shrink within 5% of that (relative)."""
-    lin = fresh_linear(n=64)
+    lin = fresh_linear()
     w0 = lin.weight.detach().clone()
-    zeros = [torch.zeros(64, 64)] * 1000
+    zeros = [torch.zeros(N, N)] * 1000
     ref = adamw_run(w0, zeros, lr=6e-5, wd=0.1)[0]
     mod, opt = o2_of(lin, lr=6e-5, wd=0.1, fused=path == "fused")
     start = mod.hp_weight().norm()
@@ -361,9 +362,9 @@ def o3_worker(rank, world, outdir):  # run by conftest.spawn: the process group 
         res[f"spike_{v_format}"] = dict(o3=_max_all(largest), ref=ref, finite=_min_all(finite),
                                         slack=sr_slack(lin.weight))
     # decay only
-    lin = fresh_linear(n=64)
+    lin = fresh_linear()
     w0 = lin.weight.detach().clone()
-    zeros = [torch.zeros(64, 64)] * 1000
+    zeros = [torch.zeros(N, N)] * 1000
     ref = adamw_run(w0, zeros, lr=6e-5, wd=0.1)[0]
     mod, opt = o3_of(lin, lr=6e-5, wd=0.1)
     start = master_of(mod, opt).square().sum()
@@ -374,7 +375,7 @@ def o3_worker(rank, world, outdir):  # run by conftest.spawn: the process group 
     # fuzz
     worst, finite_all = 0.0, True
     for seed in range(20):
-        grads = adversarial_grads(seed)
+        grads = adversarial_grads(seed, shape=(32, 64))
         torch.manual_seed(seed)
         lin = nn.Linear(64, 32, bias=False)
         _, ref, _ = adamw_run(lin.weight.detach(), grads, wd=0.1)
