@@ -284,18 +284,20 @@ def weights_finite(model, layout):
     propagates through it, an inf is its own maximum); the ranks agree by a MIN."""
     by_dtype = {}
     # Not delayed scaling's cast_log: a cast's non-finite amax waiting there is the step's news,
-    # judged by the gradients, not a bad weight. Not the FP8 buffers either: they are the casts
-    # of the weights checked here (W and W^T, made by the step), non-finite only where a weight
-    # is, and reading them would cost more than the weights (no FP8 kernels: a float copy each).
-    buffers = (b for name, b in model.named_buffers() if not name.endswith("cast_log") and b.element_size() > 1)
+    # judged by the gradients, not a bad weight. Not the kept casts either: they are copies of
+    # what is checked here (the FP8 W and W^T, the bf16 bias, made by the step), non-finite only
+    # where a weight is, and reading the FP8 ones would cost more than the weights (no FP8
+    # kernels: a float copy each).
+    buffers = (b for name, b in model.named_buffers()
+               if not name.endswith(("cast_log", "gemm_bias_kept")) and b.element_size() > 1)
     for t in (*model.parameters(), *buffers):
         if t.is_floating_point():
             t = torchstack.local(t.detach())
             if t.element_size() == 1:  # (an FP8 parameter: O3's stored weight)
                 t = emulate.fp8_to_float(t)  # no FP8 kernels
             by_dtype.setdefault(t.dtype, []).append(t)
-    amax = [a.float() for ts in by_dtype.values() for a in emulate.amax_each(ts)]
-    ok = torch.isfinite(torch.stack(amax)).all().float()
+    amax = torch.cat([torch.stack(emulate.amax_each(ts)).float() for ts in by_dtype.values()])
+    ok = torch.isfinite(amax).all().float()
     if layout.world > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return ok

@@ -175,9 +175,14 @@ class _Launches(TorchDispatchMode):
         self.ops, self.bytes, self.paused = [], 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.paused and not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
-            self.ops.append(func.overloadpacket.__name__)
+        paused, name = self.paused, func.overloadpacket.__name__
+        self.paused = paused or name.startswith("_foreach_")  # (one launch on a GPU: not the CPU's
+        try:  # per-tensor operators, which this mode sees where the CPU falls back to them)
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.paused = paused
+        if not self.paused and not func.is_view and name not in _NO_KERNEL:
+            self.ops.append(name)
             seen = set()
             for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:

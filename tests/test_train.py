@@ -505,8 +505,8 @@ def test_no_logits_outlive_their_micro_step(tmp_path, monkeypatch):
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_the_weight_check_reads_the_weights_not_their_fp8_casts(level):
     """run.weights_finite (every step) reads the weights and scales, not the FP8 W and W^T the
-    step cast from them (a float copy each, more bytes than the weights): a non-finite weight is
-    still seen, in any parameter."""
+    step cast from them (a float copy each, more bytes than the weights) nor the kept bf16 copies
+    of the biases (a launch each): a non-finite weight is still seen, in any parameter."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import bench
@@ -518,18 +518,21 @@ def test_the_weight_check_reads_the_weights_not_their_fp8_casts(level):
     assert any(b.element_size() == 1 for b in model.buffers())  # the kept casts exist
 
     class Fp8Reads(TorchDispatchMode):
-        n = 0
+        n, seen = 0, set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
             self.n += any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() == 1
                           for t in leaves)
+            self.seen |= {id(t) for t in leaves if isinstance(t, torch.Tensor)}
             return func(*args, **(kwargs or {}))
 
     layout = Layout(device="cpu")
     with Fp8Reads() as reads:
         assert weights_finite(model, layout).item() == 1.0
     assert reads.n == 0
+    kept = [b for name, b in model.named_buffers() if name.endswith("gemm_bias_kept")]
+    assert kept and not {id(b) for b in kept} & reads.seen
     for p in model.parameters():
         with torch.no_grad():
             keep = p.view(-1)[0].clone()
