@@ -296,8 +296,8 @@ def weights_finite(model, layout):
             if t.element_size() == 1:  # (an FP8 parameter: O3's stored weight)
                 t = emulate.fp8_to_float(t)  # no FP8 kernels
             by_dtype.setdefault(t.dtype, []).append(t)
-    amax = torch.cat([torch.stack(emulate.amax_each(ts)).float() for ts in by_dtype.values()])
-    ok = torch.isfinite(amax).all().float()
+    amax = [torch.stack(emulate.amax_each(ts)).float() for ts in by_dtype.values()]
+    ok = torch.isfinite(amax[0] if len(amax) == 1 else torch.cat(amax)).all().float()
     if layout.world > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return ok
