@@ -392,6 +392,11 @@ class O2Linear(O2CompileParts, Fp8Linear):
         super().__setstate__(state)
         self.ensure_grad_hook()
 
+    def _apply(self, fn, recurse=True):  # .to(device), .cuda(): the sink follows the weight (a
+        out = super()._apply(fn, recurse)  # compiled forward reads it without an eager one first)
+        self.ensure_grad_hook()
+        return out
+
     def forward(self, x):
         if not torch.compiler.is_compiling():
             self.ensure_grad_hook()

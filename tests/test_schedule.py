@@ -135,6 +135,19 @@ def test_the_weight_cast_of_a_step_follows_every_write_of_the_weight():
     _kept_matches_weight(model)
 
 
+def test_the_gradient_sink_of_an_o2_layer_follows_its_weight():
+    """A compiled backward hands an O2 layer's dW to its sink (O2Linear.ensure_grad_hook), which a
+    compiled forward reads as it is: after model.to(device) it must be on the weight's device
+    before any eager forward or optimizer re-makes it (here the meta device stands for a GPU)."""
+    from nanofp8.optim import convert_to_o2
+
+    model = convert_to_o2(convert_to_fp8(nn.Sequential(nn.Linear(32, 64)), Recipe(backend="torch")))
+    assert model[0].wgrad_sink.device.type == "cpu"
+    model.to("meta")
+    sink, w = model[0].wgrad_sink, model[0].weight
+    assert sink.device.type == "meta" and sink.shape == w.shape and sink.dtype == torch.float32
+
+
 @pytest.mark.parametrize("foreach", [True, False])
 def test_the_kept_bias_of_an_o2_layer_follows_every_step(foreach):
     """A compiled forward adds the bf16 copy of the bias kept beside the FP8 weight (no cast of
