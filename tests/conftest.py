@@ -57,6 +57,18 @@ TINY = ["dataset=shakespeare_char", "n_layer=2", "n_head=2", "n_embd=32", "block
         "device=cpu", "compile=False", "learning_rate=3e-3", "warmup_iters=2", "min_lr=3e-4"]
 
 
+# Under -n (pytest.ini: --dist loadfile) the files go to the workers in the order collected: the
+# longest first, so that no worker is left alone with a long file at the end while the other
+# waits (measured cold on 2 cores, each of these takes over two minutes of one worker's time;
+# alphabetical order handed the last of them out last). A wrong guess only costs balance.
+LONG_FILES_FIRST = ("test_o2_numerics.py", "test_torchstack.py", "test_train_parallel.py", "test_compile.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # (stable: a file's order kept)
+
+
 def pytest_report_header(config):
     cpu = platform.processor() or platform.machine()
     try:
