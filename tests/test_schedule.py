@@ -64,7 +64,7 @@ def test_delayed_scaling_reads_each_tensor_once(o1_block):
     the FP8 levels, in bytes (166 against 185 KB per token at 2 x 1024 tokens) and in kernels
     (39 against 41). Before: 126 kernels and 224 KB per token, the history updated inside the
     graph at every cast (now a graph records one row per cast, cast_log, and push_amaxes updates
-    the histories after it); then 53 kernels, three more per cast than now: the scale and its
+    the histories after it); then 55 kernels, two more per cast than now: the scale and its
     inverse indexed out of one buffer (copied, and inverted, by a kernel per cast; now 0-d
     buffers the push writes, inputs of the graph) and the clip count's last stage apart from the
     amax's. What remains beyond a pass per tensor: per cast, the last stage of its amax (and
