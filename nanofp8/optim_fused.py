@@ -86,11 +86,16 @@ def update_one(w16, w_scale, g_data, g_scale, m_data, m_scale, v_data, v_scale, 
             quantize_blocks(v.sqrt() if V.sqrt else v, V.fmt, noise["v"]))
 
 
-def update_group(tensors, numbers, keys, starts, formats, moments, one=update_one):
+def update_group(tensors, numbers, keys, starts, formats, moments, one=update_one, out=None):
     """update_one for every O2 weight of a group: tensors, one 8-tuple per weight (update_one's
     first eight arguments); numbers (weights, 8) fp32, keys (weights, 3) int64. one: update_one,
-    or its compiled twin (compiled_update_one)."""
-    return [one(*ts, numbers[i], keys[i], starts[i], formats, moments) for i, ts in enumerate(tensors)]
+    or its compiled twin (compiled_update_one). out: the list each weight's result is appended to
+    once its master is written; a list holding some already goes on from the next weight (a
+    compile that failed midway: the weights before it are not stepped twice)."""
+    out = [] if out is None else out
+    for i in range(len(out), len(tensors)):
+        out.append(one(*tensors[i], numbers[i], keys[i], starts[i], formats, moments))
+    return out
 
 
 def compiled_update_one():
@@ -135,11 +140,11 @@ def step(opt):
         # many models (the tests) makes more than dynamo's default limit of 8 graphs per
         # function, which fullgraph=True turns into an error.
         args = tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats, opt.moments
-        new = None
+        new = []
         if opt.fused:  # (False: an earlier group of this step could not be compiled)
             try:
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    new = update_group(*args, one=compiled_update_one())
+                    update_group(*args, one=compiled_update_one(), out=new)
                 opt.fused_compiled = True
             except Exception as e:  # a compiler's failure (a GPU's toolchain, say) costs speed, not the run
                 if opt.fused_compiled:
@@ -148,7 +153,7 @@ def step(opt):
                               f"{str(e).splitlines()[0] if str(e) else ''}); this step runs its code eagerly, "
                               "the next ones the foreach step")
                 opt.fused = False
-        new = new if new is not None else update_group(*args)
+        update_group(*args, out=new)  # (eagerly, the weights a failed compile left: none where it ran)
         for st, ((m, m_scale), (v, v_scale)) in zip(sts, new):
             st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
         refresh_all(mods)  # the FP8 casts for the next forward, every weight in one call

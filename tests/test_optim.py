@@ -833,6 +833,36 @@ def test_the_fused_step_compiles_a_graph_per_weight_shape(monkeypatch):
     assert counter.frame_count == 2  # (64, 64) and (32, 64), once each
 
 
+def test_a_compile_that_fails_midway_steps_no_weight_twice(monkeypatch):
+    """The fused step compiles a graph per weight shape as it meets them: a compile that fails at
+    the second shape comes after the first weight's master was written. The step goes on eagerly
+    from the weight that failed: every weight stepped once, with the bits of a step whose every
+    call succeeded (both stand in update_one itself for the compiled function)."""
+    from nanofp8 import optim_fused
+
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("no compiler for this shape")
+        return optim_fused.update_one(*args)
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 256, bias=False), nn.GELU(), nn.Linear(256, 64, bias=False))
+    models = [convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe())) for _ in range(2)]
+    opts = [Fp8AdamW(m.parameters(), m, lr=1e-2, fused=True) for m in models]
+    for m in models:
+        m(torch.randn(16, 128, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+    monkeypatch.setattr(optim_fused, "COMPILED", optim_fused.update_one)
+    assert opts[0].step()
+    monkeypatch.setattr(optim_fused, "COMPILED", flaky)
+    with pytest.warns(UserWarning, match="fused O2 step could not be compiled"):
+        assert opts[1].step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+
+
 def test_the_summed_gradients_are_cast_and_normed_in_one_call_each(monkeypatch):
     """clip_grad_norm as a GPU runs it: the fp16 sums of every O2 weight cast to E4M3 in one call
     (optim_foreach.fp8_grads: ~30 small launches per weight as a loop) and their norms in one more, each
