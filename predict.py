@@ -58,6 +58,7 @@ ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": 1.0,  # (the CPU nam
              "_scaled_dot_product_flash_attention": 1.0, "_scaled_dot_product_flash_attention_backward": 2.5}
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach", "alias", "_to_copy_meta",
         "zeros_like", "ones_like", "zeros", "ones", "full", "full_like", "scalar_tensor", "arange"}  # (tiny or never read)
+TRITON = "triton kernel"  # a launch of nanofp8/optim_triton.py: priced as one kernel, fused with nothing
 FULL_REDUCTIONS = {"amax", "max", "aminmax", "sum", "mean", "_foreach_norm", "linalg_vector_norm", "norm", "all", "any"}
 
 
@@ -125,9 +126,10 @@ def fake_step_counts():
     every operator of the step is recorded as it runs, the counters' foreach add included."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from nanofp8 import optim_foreach, optim_fused
+    from nanofp8 import optim_foreach, optim_fused, optim_triton
 
     real, compiled = optim_foreach.count_steps, optim_fused.COMPILED
+    on_triton, step_group = optim_fused.runs_on_triton, optim_triton.step_group
 
     def count(sts):
         try:
@@ -137,10 +139,24 @@ def fake_step_counts():
 
     optim_foreach.count_steps = count
     optim_fused.COMPILED = optim_fused.update_one  # O2's fused step: its operators, as compiled on a GPU
+    # ... where its Triton kernels (a CUDA run's) do not take a weight: they are recorded as launches
+    optim_fused.runs_on_triton, optim_triton.step_group = (lambda p: True), triton_launches
     try:
         yield
     finally:
         optim_foreach.count_steps, optim_fused.COMPILED = real, compiled
+        optim_fused.runs_on_triton, optim_triton.step_group = on_triton, step_group
+
+
+def triton_launches(opt, group, o2, grads, *_):
+    """optim_triton.step_group as the Recorder sees it: its launches (TRITON ops, each a kernel of
+    its own), their bytes (optim_triton.traffic) shared among them; nothing is computed."""
+    from nanofp8.optim_triton import traffic
+
+    n, nbytes = traffic(opt, o2, grads)
+    mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+    for _ in range(n):
+        mode.ops.append((TRITON, 0.0, False, [(object(), nbytes / n)], []))
 
 
 def count_step(model_args, level, batch, seq, recipe=()):
@@ -201,6 +217,11 @@ def price(ops, hw, eager=False):
         group.clear()
 
     for i, (name, flops, fp8, reads, writes) in enumerate(ops):
+        if name == TRITON:
+            close()
+            t["memory"] += max(sum(n for _, n in reads) / (hw["hbm"] * hw["eff_hbm"]), KERNEL_MIN_S)
+            t["kernels"] += 1
+            continue
         if flops:
             close()
             nbytes = sum(n for _, n in reads) + sum(n for _, n in writes)

@@ -445,6 +445,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         self.foreach = True if foreach is None else bool(foreach)
         self.fused = bool(fused)  # nanofp8/optim_fused.py
         self.fused_compiled = False  # (whether its compiled step has run: a later failure is an error)
+        self.fused_triton = None  # (on a GPU: its Triton kernels ran (True), or failed (False))
         self.o2 = {m.weight: m for m in model.modules() if isinstance(m, O2Linear)}
         for m in self.o2.values():
             m.ensure_grad_hook()
@@ -641,8 +642,9 @@ def clip_grad_norm(model, max_norm):
     norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's rule, as below
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    for q in fp8:
-        q.scale = q.scale / coef
-        q.amax = q.amax * coef
+    if fp8:  # (one foreach call each, not a launch per gradient)
+        scales, amaxes = torch._foreach_div([q.scale for q in fp8], coef), torch._foreach_mul([q.amax for q in fp8], coef)
+        for q, scale, amax in zip(fp8, scales, amaxes):
+            q.scale, q.amax = scale, amax
     return norm
 

@@ -23,6 +23,7 @@ O3 (ZeroFp8AdamW) updates its shards with these functions too.
 """
 
 import math
+import warnings
 
 import torch
 
@@ -191,7 +192,8 @@ def update(opt, ws, gs, sts, group, ts, noises=None):
 
 
 def update_plain(opt, group, ps):
-    """torch.optim.AdamW on the ordinary parameters ps of one param group (fp32 state)."""
+    """torch.optim.AdamW on the ordinary parameters ps of one param group (fp32 state): its
+    foreach or single-tensor code, or (Fp8AdamW(fused=True)) its fused kernel."""
     if not ps:
         return
     for p in ps:
@@ -199,6 +201,13 @@ def update_plain(opt, group, ps):
             opt.init_state(p)
     sts = [opt.state[p] for p in ps]
     ts = count_steps(sts)
+    if opt.fused:  # torch's fused AdamW kernel, one launch (torch.optim.AdamW(fused=True)'s bits)
+        (b1, b2), M, V = group["betas"], opt.moments["m"], opt.moments["v"]
+        steps = list(torch.tensor(ts, dtype=torch.float32, device=ps[0].device).unbind())  # (its counters)
+        torch._fused_adamw_(ps, [p.grad for p in ps], [st[M.key] for st in sts], [st[V.key] for st in sts], [],
+                            steps, lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"],
+                            eps=group["eps"], amsgrad=False, maximize=False)
+        return
     if opt.foreach:
         ws = update(opt, [p.float() for p in ps], [p.grad for p in ps], sts, group, ts)
     else:
@@ -329,8 +338,12 @@ def fp8_grads(params):
     them launched ~30 kernels per weight), with fp8_grad's bytes and scales."""
     params = list(params)
     held = [p._held_grad for p in params if holds_fp8_grad(p) and p._held_grad.acc is not None]
-    if held and o2_compile._compiled_casts(held[0].acc[0]):
+    cast = None
+    if held and triton_takes(held[0].acc[0]) and _triton().takes_sums([h.acc for h in held]):
+        cast = on_triton("the FP8 casts of the summed weight gradients", "cast_sums", [h.acc for h in held])
+    if cast is None and held and o2_compile._compiled_casts(held[0].acc[0]):
         cast = compiled_or_eager(_cast_sums, "the FP8 casts of the summed weight gradients", [h.acc for h in held])
+    if cast is not None:
         for h, (data, scale, amax) in zip(held, cast):
             h.q, h.acc = wgrad_tensor(data, scale, amax, h.acc[0].shape), None
     return [fp8_grad(p) for p in params]
@@ -346,6 +359,10 @@ _cast_sums.compiled = None
 
 def fp8_norms(qs):
     """The 2-norm of each dequantized FP8 gradient of qs: on a GPU in one compiled call."""
+    if qs and triton_takes(qs[0].data) and _triton().takes_grads(qs):
+        norms = on_triton("the norms of the FP8 gradients", "norms", qs)  # (two launches)
+        if norms is not None:
+            return list(norms.unbind())
     if qs and o2_compile._compiled_casts(qs[0].data):
         return compiled_or_eager(_norms, "the norms of the FP8 gradients", [(q.data, q.scale) for q in qs])
     return [dequantize(q, torch.float32).norm() for q in qs]
@@ -357,3 +374,39 @@ def _norms(qs):
 
 
 _norms.compiled = None
+
+
+def triton_takes(t):
+    """Do the FP8 gradients' casts and norms of tensors like t run on nanofp8/optim_triton.py's
+    kernels (one launch for every weight's cast, two for the norms)? Where the fused O2 step does
+    (optim_fused.runs_on_triton: on a GPU)."""
+    from nanofp8 import optim_fused
+    return optim_fused.runs_on_triton(t)
+
+
+def _triton():
+    from nanofp8 import optim_triton  # (Triton: imported where it runs)
+    return optim_triton
+
+
+def on_triton(what, name, *args):
+    """optim_triton's function `name` on args; None if its kernels failed the first time they ran
+    (a GPU's toolchain, say: a warning naming `what`, and the compiled casts from then on; a
+    failure after they ran once is an error)."""
+    global TRITON_RAN
+    if TRITON_RAN is False:
+        return None
+    try:
+        out = getattr(_triton(), name)(*args)
+    except Exception as e:
+        if TRITON_RAN:
+            raise
+        warnings.warn(f"nanofp8: {what} failed on their Triton kernels ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); they run compiled by torch.compile")
+        TRITON_RAN = False
+        return None
+    TRITON_RAN = True
+    return out
+
+
+TRITON_RAN = None  # whether the FP8 gradients' Triton kernels ran (None: not yet)

@@ -30,6 +30,7 @@ backward gets its inputs. It reads torch internals (torch._inductor), checked on
 """
 
 import copy
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # what launches nothing on a GPU: allocations, views, metadata
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "lift_fresh_copy", "detach",
-              "_local_scalar_dense", "set_", "alias"}
+              "_local_scalar_dense", "set_", "alias", "_record_function_enter_new", "_record_function_exit"}
 
 
 @dataclass
@@ -170,9 +171,11 @@ def block_cost(level, n_embd=768, n_head=12, batch=8, seq=1024):
 class _Launches(TorchDispatchMode):
     """ATen operators that launch work, and the bytes of their tensor operands and results."""
 
-    def __init__(self):
+    def __init__(self, host=()):
         super().__init__()
         self.ops, self.bytes, self.paused = [], 0, False
+        self.host = {id(t) for t in host}  # tensors a GPU keeps in host memory (Fp8AdamW's step counts)
+        self.within = None  # a list that also gets each launch's name (step_cost: the optimizer's)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         paused, name = self.paused, func.overloadpacket.__name__
@@ -181,8 +184,14 @@ class _Launches(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         finally:
             self.paused = paused
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and all(id(t) in self.host for t in tensors):  # (host work: no launch; its results
+            self.host.update(id(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out  # are host tensors too)
         if not self.paused and not func.is_view and name not in _NO_KERNEL:
             self.ops.append(name)
+            if self.within is not None:
+                self.within.append(name)
             seen = set()
             for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
@@ -205,6 +214,7 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     from nanofp8 import emulate, o2_compile, optim_foreach, optim_fused
     from nanofp8.fp8 import Fp8Linear
     from nanofp8.model import GPTConfig
+    from nanofp8.optim import Fp8AdamW
 
     cfg = GPTConfig(arch="gpt2", n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=256, block_size=64)
     model, opt, settings = bench.build(cfg, level, backend="torch")
@@ -216,6 +226,19 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     keep, emulate.ENABLED = emulate.ENABLED, False  # the paths of a GPU, not the CPU's shortcuts
     compiled = []  # the calls of compiled functions: (function, args)
     keep_compiled, optim_fused.COMPILED = optim_fused.COMPILED, _run_uncounted(optim_fused.update_one, compiled)
+    # the fused step's Triton kernels (nanofp8/optim_triton.py, GPU only): counted by their traffic,
+    # the update made meanwhile by the eager code of the compiled step, not counted
+    triton_calls = []
+    keep_triton = optim_fused.runs_on_triton
+    optim_fused.runs_on_triton = lambda p: True
+    from nanofp8 import optim_triton
+    stand_ins = {"step_group": _triton_stand_in(triton_calls),
+                 "cast_sums": _counted(triton_calls, optim_triton.traffic_sums, optim_foreach._cast_sums),
+                 "norms": _counted(triton_calls, optim_triton.traffic_norms,
+                                   lambda qs: torch.stack(optim_foreach._norms([(q.data, q.scale) for q in qs])))}
+    keep_triton_fns = {name: getattr(optim_triton, name) for name in stand_ins}
+    for name, fn in stand_ins.items():
+        setattr(optim_triton, name, fn)
     keep_noise = optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled  # (compiled on a GPU)
     optim_foreach.compiled_noise = lambda device: True
     optim_foreach.hash_noise.compiled = _run_uncounted(optim_foreach.hash_noise, compiled)
@@ -228,15 +251,33 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     for fn in on_gpu:
         fn.compiled = _run_uncounted(fn, compiled)
     try:
+        inner_step = opt.step
         for _ in range(2):  # the second step is the one counted: state exists, the FP8 casts are warm
             with torch.autocast("cpu", torch.bfloat16):
                 loss = model(idx, idx)[1]
             loss.backward()
-            counter = _Launches()
+            # Fp8AdamW's step counts live in host memory (no launch on a GPU); torch's fused AdamW's on the device
+            counter = _Launches(host=[st["step"] for st in opt.state.values()] if isinstance(opt, Fp8AdamW) else ())
             compiled.clear()
+            triton_calls.clear()
+            opt_ops, opt_compiled, opt_triton, opt_bytes = [], [], [], [0]
+
+            @functools.wraps(inner_step)  # (its signature: train.py passes the verdict it takes)
+            def counted_step(*a, **kw):  # the optimizer's own launches and bytes, beside the step's
+                counter.within, n, k, b = opt_ops, len(compiled), len(triton_calls), counter.bytes
+                try:
+                    return inner_step(*a, **kw)
+                finally:
+                    counter.within = None
+                    opt_compiled.extend(compiled[n:])
+                    opt_triton.extend(triton_calls[k:])
+                    opt_bytes[0] += counter.bytes - b
+
+            opt.step = counted_step
             with counter:
                 train.optimizer_step(model, opt, settings)
-        kernels, seen = [], {}
+            del opt.step
+        kernels, seen, opt_kernels = [], {}, []
         with torch.no_grad():  # (as the step runs it)
             for fn, args in compiled:  # (a call like an earlier one, the same graph: scheduled once)
                 key = (fn, tuple((tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
@@ -244,19 +285,79 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
                 if key not in seen:
                     seen[key] = [k for g in graph_cost(fn, *args)[1] for k in g.kernels]
                 kernels += seen[key]
+                if any(c is args for _, c in opt_compiled):
+                    opt_kernels += seen[key]
     finally:
         emulate.ENABLED, optim_fused.COMPILED = keep, keep_compiled
+        optim_fused.runs_on_triton = keep_triton
+        for name, fn in keep_triton_fns.items():
+            setattr(optim_triton, name, fn)
         optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled = keep_noise
         o2_compile._compiled_casts = keep_casts[0]
         for fn, was in zip(on_gpu, keep_casts[1]):
             fn.compiled = was
-    counter.ops += ["compiled kernel"] * len(kernels)
-    counter.bytes += sum(b for b, _ in kernels)
+    # on a GPU each fused AdamW call of Fp8AdamW also copies its step counts to the device
+    copies = ["copy to device"] * counter.ops.count("_fused_adamw_") if isinstance(opt, Fp8AdamW) else []
+    counter.ops += ["compiled kernel"] * len(kernels) + ["triton kernel"] * sum(n for n, _ in triton_calls) + copies
+    counter.bytes += sum(b for b, _ in kernels) + sum(b for _, b in triton_calls)
+    opt_launches = (len(opt_ops) + len(opt_kernels) + sum(n for n, _ in opt_triton)
+                    + (opt_ops.count("_fused_adamw_") if copies else 0))
     fp8_values = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
+    opt_bytes = opt_bytes[0] + sum(b for b, _ in opt_kernels) + sum(b for _, b in opt_triton)
     return {"level": level, "n_layer": n_layer, "launches": len(counter.ops), "MB": counter.bytes / 2**20,
+            "optimizer_launches": opt_launches, "optimizer_bytes_per_fp8_value": opt_bytes / max(fp8_values, 1),
             "compiled_kernels": len(kernels),
             "fp8_values": fp8_values, "bytes_per_fp8_value": counter.bytes / max(fp8_values, 1),
             "top_ops": sorted({op: counter.ops.count(op) for op in counter.ops}.items(), key=lambda kv: -kv[1])[:12]}
+
+
+def _triton_stand_in(calls):
+    """optim_triton.step_group as step_cost runs it without a GPU: its launches and bytes
+    (optim_triton.traffic) kept in `calls`, the update made by the compiled step's eager code and
+    the layers' own casts, none of it counted."""
+
+    def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
+        from nanofp8 import optim_fused
+        from nanofp8.optim import noise_key
+        from nanofp8.optim_triton import traffic
+
+        calls.append(traffic(opt, o2, grads))
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if isinstance(mode, _Launches):
+            mode.paused = True
+        try:
+            M, V = opt.moments["m"], opt.moments["v"]
+            mods, sts = [opt.o2[p] for p in o2], [opt.state[p] for p in o2]
+            tensors = [(mod.weight, mod.weight_scale, q.data, q.scale, st[M.key], st[M.key + "_scale"], st[V.key],
+                        st[V.key + "_scale"]) for q, mod, st in zip(grads, mods, sts)]
+            nums = torch.tensor([step_numbers(t, group) for t in ts], dtype=torch.float32)
+            keys = torch.tensor([[noise_key(opt.seed, t, n, k) for k in range(3)] for t, n in zip(ts, numbers)])
+            new = optim_fused.update_group(tensors, nums, keys, [0] * len(o2), opt.rounded_formats(), opt.moments)
+            for st, ((m, m_scale), (v, v_scale)) in zip(sts, new):
+                st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
+            for mod in mods:
+                mod.refresh_fp8_weight()
+        finally:
+            if isinstance(mode, _Launches):
+                mode.paused = False
+    return step_group
+
+
+def _counted(calls, traffic, reference):
+    """An optim_triton function as step_cost runs it: its launches and bytes (traffic) kept in
+    `calls`, its result made by `reference`, not counted."""
+
+    def run(*args):
+        calls.append(traffic(*args))
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if isinstance(mode, _Launches):
+            mode.paused = True
+        try:
+            return reference(*args)
+        finally:
+            if isinstance(mode, _Launches):
+                mode.paused = False
+    return run
 
 
 def _run_uncounted(fn, calls):

@@ -17,6 +17,7 @@ What it cannot check: speed, and correctness of the compiled code (the interpret
 tests/test_kernels.py run the same source). Those await a GPU: `python kernels.py`.
 """
 
+import importlib
 import multiprocessing
 import os
 import re
@@ -101,6 +102,34 @@ def _quantizer_variants():
     return out
 
 
+def _optim_variants():
+    """The O2 step's kernels (nanofp8/optim_triton.py) as it launches them: v in fp16 and as
+    sqrt(v) in E4M3; the weight cast to E4M3 and to E5M2; the gradient sums' casts and norms."""
+    from nanofp8 import optim_triton as ot
+
+    out = []
+    for v_fp8 in (False, True):
+        const = dict(V_FP8=v_fp8, ROWS_=ot.ROWS, B=ot.STATE_BLOCK)
+        out.append((f"optim adam amax v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_amax_kernel",
+                    {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32"}, const, 4, 3))
+        out.append((f"optim adam store v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_store_kernel",
+                    {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32", "amax_q": "*fp32", "s_new": "*fp32"},
+                    dict(const, BITS16=13, BITS8=20), 4, 3))
+    rows = dict(ROWS_=ot.ROWS, B=ot.STATE_BLOCK)
+    out += [("optim cast sums", "nanofp8.optim_triton:_cast_sums_kernel", {"table": "*i64", "prog_weight": "*i32"},
+             rows, 4, 3),
+            ("optim square sums", "nanofp8.optim_triton:_square_sums_kernel",
+             {"table": "*i64", "prog_weight": "*i32", "partial": "*fp32"}, rows, 4, 3),
+            ("optim norms", "nanofp8.optim_triton:_norms_kernel", {"table": "*i64", "partial": "*fp32", "norms": "*fp32"},
+             dict(P_BLOCK=256, ROWS_=ot.ROWS), 4, 3)]
+    for e5m2, (fmax, mbits, emin) in ((False, (448.0, 3, -6)), (True, (57344.0, 2, -14))):
+        out.append((f"optim cast weight e5m2={e5m2}", "nanofp8.optim_triton:_cast_weight_kernel",
+                    {"table": "*i64", "tile_weight": "*i32", "amax_q": "*fp32", "s_new": "*fp32"},
+                    dict(FP8_MAX=fmax, MBITS=mbits, EMIN=emin, MARGIN_MUL=1.0, POW2=False, E5M2=e5m2, TILE_=ot.TILE),
+                    4, 3))
+    return out
+
+
 def _compile(job, cap=90):
     """Compile one variant for sm_{cap} (in a worker process); returns what the test checks.
     (tests/test_mx_compile.py compiles the MX GEMM with it for sm_100 too.)"""
@@ -113,7 +142,8 @@ def _compile(job, cap=90):
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
 
-    fn = getattr(kernels, kernel)
+    module, _, kernel = kernel.rpartition(":")  # ("module:kernel" for a kernel outside kernels.py)
+    fn = getattr(importlib.import_module(module) if module else kernels, kernel)
     while not isinstance(fn, triton.runtime.JITFunction):  # under the autotuner
         fn = fn.fn
     target = GPUTarget("cuda", cap, 32)
@@ -134,13 +164,16 @@ def _compile(job, cap=90):
     return dict(name=name, shared=k.metadata.shared, spills=int(spill.group(1)) + int(spill.group(2)),
                 regs=int(regs.group(1)), wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
                 neg=bool(re.search(r"\bneg\.f32", ptx)), ftz=".ftz" in ptx,
+                div_rn="div.rn.f32" in ptx, sqrt_rn="sqrt.rn.f32" in ptx,
+                approx=sorted(set(re.findall(r"\b(?:div|sqrt|rcp|rsqrt)\.approx[\w.]*", ptx))),
+                atomic_max=bool(re.search(r"\b(?:atom|red)\.global[\w.]*\.max", ptx)),
                 mma=sorted(set(re.findall(r"(?:tcgen05\.mma|wgmma\.mma_async)[\w.:]*", ptx))),
                 seconds=time.time() - t0)
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    jobs = _gemm_variants() + _quantizer_variants()
+    jobs = _gemm_variants() + _quantizer_variants() + _optim_variants()
     t0 = time.time()
     # Fresh processes: this one holds triton and kernels.py built for the interpreter. Children
     # inherit the environment when they start and import triton (unpickling _compile imports this
@@ -179,7 +212,7 @@ def test_split_k_reduction_compiles_for_sm90(compiled):
 
 @pytest.mark.slow
 def test_every_quantizer_compiles_for_sm90(compiled):
-    quant = [r for r in compiled if not r["name"].startswith(("gemm", "reduce"))]
+    quant = [r for r in compiled if not r["name"].startswith(("gemm", "reduce", "optim"))]
     assert len(quant) >= 11
     for r in quant:
         # The one documented exception (kernels.tile_warps): the 128x128 weight-tile quantizer
@@ -188,3 +221,21 @@ def test_every_quantizer_compiles_for_sm90(compiled):
         assert r["shared"] <= H100_SHARED and r["spills"] <= allowed, r
         if "cast" in r["name"] or "tiles" in r["name"] or "rows" in r["name"]:
             assert r["neg"], f"{r['name']}: the sign restore is not a neg.f32"
+
+
+@pytest.mark.slow
+def test_the_o2_step_kernels_compile_for_sm90(compiled):
+    """nanofp8/optim_triton.py: no spills at its ROWS and TILE; its divisions and square roots
+    correctly rounded (div.rn, sqrt.rn: an approximate one would break the bit-equality with torch's
+    CUDA kernels that tests/test_optim_triton.py states), no flush of subnormals (.ftz: the fp16
+    master and v keep subnormals), and the amaxes of the launches as atomic maxima."""
+    optim = {r["name"]: r for r in compiled if r["name"].startswith("optim")}
+    assert len(optim) == 9
+    for name, r in optim.items():
+        assert r["shared"] <= H100_SHARED and r["spills"] == 0, r
+        assert not r["ftz"] and not r["approx"], r
+        if "sums" not in name and "norms" not in name:
+            assert r["div_rn"], name
+        if "adam" in name:
+            assert r["sqrt_rn"] and r["atomic_max"], name
+    assert optim["optim norms"]["sqrt_rn"] and optim["optim square sums"]["div_rn"]

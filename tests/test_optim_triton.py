@@ -1,0 +1,253 @@
+"""The O2 step's Triton kernels (nanofp8/optim_triton.py), run in Triton's interpreter
+(TRITON_INTERPRET=1, tests/conftest.py) as a GPU runs them; tests/test_sm90_compile.py compiles
+them for sm_90.
+
+Their reference is the fused step's own code run eagerly (optim_fused.update_one, the loop's
+operations in the loop's order: tests/test_optim.py holds it to the loop), then the layer's cast.
+The kernels make the same fp32 operations, rounded the same way (IEEE, no fused multiply-add in
+the interpreter), so the two agree bit for bit where the reference's own kernels do not fuse: with
+betas[0] = 0.75, torch.lerp's product by 1 - 0.75 is exact, and an fma there (AVX2's lerp) rounds
+as the plain sum does. On a GPU, LLVM contracts multiplies and adds: within the bounds that
+test_fused_step_matches_the_loop gives a compiler's roundings.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+from kernels import _store_fp8
+from test_optim import _adversarial_grad, _code_distance, _same_bits
+
+from nanofp8 import optim_fused
+from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, sqnr
+from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, Fp8AdamW, O2Linear, clip_grad_norm, convert_to_o2,
+                           counter_noise, fp16_scale, holds_fp8_grad, noise_bits, round_stochastic)
+from nanofp8.optim_triton import _noise, _pow2_scale, _round_stochastic
+
+KEPT = ("weight", "weight_scale", "fp8_w", "fp8_w_scale", "fp8_w_inv", "fp8_wt", "fp8_wt_scale", "fp8_wt_inv")
+
+
+def _twins(v_format, on_triton, monkeypatch, **kw):
+    """Two copies of a small O2 model, each with a fused Fp8AdamW: the first steps on update_one
+    run eagerly, the second on the Triton kernels. One weight (40 x 56: not in blocks of 128)
+    the kernels leave to update_one."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 128), nn.Linear(128, 64, bias=False),
+                         nn.Linear(64, 56), nn.Linear(56, 40))
+    twins = []
+    for _ in range(2):
+        m = convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe()))
+        opt = Fp8AdamW(m.parameters(), m, lr=1e-2, weight_decay=0.1, betas=(0.75, 0.95), v_format=v_format,
+                       fused=True, **kw)
+        twins.append((m, opt))
+    mine = {id(p) for p in twins[1][0].parameters()}
+    monkeypatch.setattr(optim_fused, "COMPILED", optim_fused.update_one)  # (eagerly: no compile)
+    monkeypatch.setattr(optim_fused, "runs_on_triton", lambda p: id(p) in mine and on_triton)
+    return twins
+
+
+def _micro_steps(twins, step, nan=False):
+    gen = torch.Generator().manual_seed(step)
+    m0 = twins[0][0]
+    grads = [[_adversarial_grad(p.shape, step, gen) for p in m0.parameters()] for _ in range(2)]
+    if nan:
+        grads[1][0][5, 7] = float("nan")
+    for m, opt in twins:
+        for micro in grads:
+            for (name, p), g in zip(m.named_parameters(), micro):
+                if holds_fp8_grad(p):
+                    m[int(name.split(".")[0])].take_wgrad(g)
+                else:
+                    p.grad = g.clone() if p.grad is None else p.grad + g
+
+
+@pytest.mark.parametrize("v_format", ["fp16", "fp8"])
+def test_the_triton_step_matches_the_fused_step(v_format, monkeypatch):
+    """7 steps of adversarial gradients (spikes, zeros, 1e-30, rows 1e6 apart, vanishing; 2
+    micro-steps each, clipped every third step, a NaN step both skip), against the fused step's
+    code run eagerly. This CPU's torch.sqrt is not always correctly rounded (sqrt(46.084576) comes
+    out 6.7885618, 0.6 ulp off, where the kernels' sqrt_rn, a GPU's torch.sqrt and numpy make
+    6.7885623), so a value whose clamp (|m| <= bound x sqrt(v)) or stochastic rounding sits at
+    an ulp's distance from its threshold can go the other way: test_fused_step_matches_the_loop's
+    bounds, after every step: every stored m and v value within one code of the reference's, at
+    most 1% of them (and of the masters) off, every scale within 2^-20, the weights' movement
+    from their start at more than 32 dB SQNR against the reference's (a master value can be more
+    than a code off where the update cancels the weight: 0.01 - 0.01 leaves its ulps); the FP8
+    casts within one code.
+    A weight the kernels do not take (40 x 56: not in blocks of 128) is stepped by the same code
+    on both sides: bit-equal, as the fp32 biases. The Triton path writes the state in place."""
+    twins = _twins(v_format, True, monkeypatch)
+    (m0, opt0), (m1, opt1) = twins
+    off, total, worst = 0, 0, float("inf")
+    start = {id(l): l.hp_weight().clone() for l in m0 if isinstance(l, O2Linear)}
+    for step in range(7):
+        _micro_steps(twins, step, nan=step == 6)
+        for m, opt in twins:
+            if step % 3 == 0:
+                clip_grad_norm(m, 1.0)
+            assert opt.step() == (step != 6)
+            opt.zero_grad()
+        assert opt1.fused_triton is True
+        for l0, l1 in zip(m0, m1):
+            if not hasattr(l0, "weight"):
+                continue
+            p0, p1 = l0.weight, l1.weight
+            st0, st1 = opt0.state[p0], opt1.state[p1]
+            assert set(st0) == set(st1)
+            if p0.numel() % 128:  # (not the kernels': the same code both sides)
+                assert all(_same_bits(st0[k], st1[k]) for k in st0) and _same_bits(p0, p1)
+                continue
+            for k in ("exp_avg", "exp_avg_sq"):
+                d = _code_distance(st0[k], st1[k])
+                assert d.max() <= 1, (step, k)
+                off, total = off + int((d > 0).sum()), total + d.numel()
+                assert torch.allclose(st0[k + "_scale"], st1[k + "_scale"], rtol=2.0**-20, atol=0), (step, k)
+            d = _code_distance(p0.detach(), p1.detach())  # (the masters: not within a code where the
+            off, total = off + int((d > 0).sum()), total + d.numel()  # update cancels the weight)
+            w0 = start[id(l0)]
+            movement = sqnr(l0.hp_weight() - w0, l1.hp_weight() - w0)
+            assert movement > 32, (step, movement)
+            worst = min(worst, movement)
+            for name in ("fp8_w", "fp8_wt"):
+                assert _code_distance(getattr(l0, name), getattr(l1, name)).max() <= 1, (step, name)
+            for name in ("fp8_w_scale", "fp8_w_inv", "fp8_wt_scale", "fp8_wt_inv"):
+                assert torch.allclose(getattr(l0, name), getattr(l1, name), rtol=2.0**-20, atol=0), (step, name)
+        for p0, p1 in zip(m0.parameters(), m1.parameters()):
+            if not holds_fp8_grad(p0):
+                assert _same_bits(p0, p1) and all(_same_bits(opt0.state[p0][k], opt1.state[p1][k])
+                                                  for k in opt0.state[p0])
+    print(f"Triton vs fused, v {v_format}: {off} of {total} stored values one code apart (masters: any), "
+          f"movement SQNR >= {worst:.1f} dB")
+    assert off <= 0.01 * total
+    # Measured here: 4 and 3 values of 675,840 off, 104 and 146 dB. A kernel that went wrong on a
+    # whole block, or rounded without its noise, would be thousands of values off.
+    assert off <= 1e-3 * total
+    # in place: the kernels keep each state tensor (the eager code makes new ones)
+    ws = [p for p in m1.parameters() if holds_fp8_grad(p) and p.numel() % 128 == 0]
+    kept = [dict(opt1.state[p]) for p in ws]
+    _micro_steps(twins, 7)
+    assert opt1.step()
+    assert all(a[k] is opt1.state[p][k] for a, p in zip(kept, ws) for k in a if k != "step")
+
+
+@triton.jit
+def _building_blocks_kernel(x_ptr, key_ptr, element_ptr, n16_ptr, n8_ptr, r16_ptr, r8_ptr, s12_ptr, s13_ptr,
+                            N: tl.constexpr):
+    i = tl.arange(0, N)
+    x, key, element = tl.load(x_ptr + i), tl.load(key_ptr + i), tl.load(element_ptr + i)
+    n16, n8 = _noise(key, element, 13), _noise(key, element, 20)
+    tl.store(n16_ptr + i, n16)
+    tl.store(n8_ptr + i, n8)
+    r16 = _round_stochastic(tl.minimum(tl.maximum(x, -65504.0), 65504.0), n16, 65504.0, 1.5 * 2.0**-14)
+    tl.store(r16_ptr + i, r16.to(tl.float16))
+    r8 = _round_stochastic(tl.minimum(tl.maximum(x, -448.0), 448.0), n8, 448.0, 1.5 * 2.0**-6)
+    _store_fp8(r8_ptr + i, r8, 1.0, i < N, 448.0, 3, -6)
+    tl.store(s12_ptr + i, _pow2_scale(tl.abs(x), 4096.0, 12))
+    tl.store(s13_ptr + i, _pow2_scale(tl.abs(x), 16376.0, 13))
+
+
+def test_the_kernels_building_blocks_are_the_references_bit_for_bit():
+    """The kernels' own versions of optim.py's functions, on 4096 seeded values from 1e-45 to 3e38
+    and the edges (+-0, the formats' smallest normals and subnormals, their maxima, the scale
+    targets and their neighbours, powers of two, inf, NaN), with random 32-bit keys and element
+    numbers beyond 2^32: the noise (counter_noise, 13 and 20 bits), stochastic rounding to fp16
+    and E4M3 (round_stochastic, with that noise), and the power-of-two scales of the master (target
+    2^12) and of v (fp16_scale(amax, FP16_MAX / 4): 16376, not a power of two) are bit-equal."""
+    gen = torch.Generator().manual_seed(0)
+    n = 4096
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-150, 128, (n,), generator=gen).float())
+    edges = [0.0, -0.0, 2.0**-14, 1.5 * 2.0**-14, 2.0**-24, 2.0**-6, 2.0**-9, 448.0, 65504.0, 4096.0, 16376.0,
+             16384.0, 8188.0, 8192.0, 1e-45, 1e-40, 1.2e-38, 3e38, float("inf"), float("nan"), 1.0, 0.75]
+    e = torch.tensor(edges)
+    edges = torch.cat([e, -e, torch.nextafter(e, torch.full_like(e, float("inf"))),
+                       torch.nextafter(e, torch.zeros_like(e))])
+    x[: edges.numel()] = edges
+    x = x.float()
+    key = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
+    element = torch.randint(0, 2**40, (n,), generator=gen, dtype=torch.int64)
+    out = dict(n16=torch.empty(n, dtype=torch.int32), n8=torch.empty(n, dtype=torch.int32),
+               r16=torch.empty(n, dtype=torch.float16), r8=torch.empty(n, dtype=E4M3.dtype),
+               s12=torch.empty(n), s13=torch.empty(n))
+    _building_blocks_kernel[(1,)](x, key, element, *out.values(), N=n)
+    n16, n8 = counter_noise(key, element, noise_bits(FP16)), counter_noise(key, element, noise_bits(E4M3))
+    assert torch.equal(out["n16"], n16) and torch.equal(out["n8"], n8)
+    finite = torch.isfinite(x)
+    r16 = round_stochastic(x.clamp(-FP16.max, FP16.max), n16, FP16)
+    r8 = round_stochastic(x.clamp(-E4M3.max, E4M3.max), n8, E4M3)
+    assert torch.equal(out["r16"][finite].view(torch.int16), r16[finite].view(torch.int16))
+    assert torch.equal(out["r8"][finite].view(torch.uint8), r8[finite].view(torch.uint8))
+    assert torch.equal(out["s12"], fp16_scale(x.abs(), MASTER_HEADROOM))
+    assert torch.equal(out["s13"], fp16_scale(x.abs(), FP16_MAX / 4))
+
+
+def test_kernels_that_fail_to_compile_hand_the_step_to_torch_compile(monkeypatch):
+    """A Triton compile that fails (a GPU's toolchain, say) costs speed, not the run: one warning
+    naming it, and that step and the next ones take the compiled update (here run eagerly), the
+    same bits as an optimizer that never tried the kernels."""
+    from nanofp8 import optim_triton
+
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("ptxas: no such GPU")
+
+    twins = _twins("fp16", True, monkeypatch)
+    monkeypatch.setattr(optim_triton, "_adam_store_kernel", Broken())
+    for step in range(2):
+        _micro_steps(twins, step)
+        if step == 0:
+            with pytest.warns(UserWarning, match=r"Triton kernels failed \(RuntimeError: ptxas: no such GPU\)"):
+                assert twins[1][1].step()
+        else:
+            assert twins[1][1].step()
+        assert twins[0][1].step()
+        assert twins[1][1].fused_triton is False
+        for _, opt in twins:
+            opt.zero_grad()
+        for p0, p1 in zip(twins[0][0].parameters(), twins[1][0].parameters()):
+            assert _same_bits(p0, p1) and all(_same_bits(twins[0][1].state[p0][k], twins[1][1].state[p1][k])
+                                              for k in twins[0][1].state[p0])
+
+
+def test_the_gradient_casts_and_norms_are_the_references(monkeypatch):
+    """optim_foreach.fp8_grads and fp8_norms on the kernels (cast_sums: one launch for every
+    weight's fp16 sum; norms: two), against their compiled code's reference run eagerly, on
+    adversarial sums (Gaussians over 10 decades, a spike, zeros, 1e-30, rows 1e6 apart, a NaN, an
+    inf): the E4M3 data, the block scales and the finite block amaxes bit-equal (a block with a NaN
+    keeps inf as its amax where the reference keeps NaN: non-finite either way, the step's verdict);
+    each norm within 2^-20 of the reference's (the sum's order differs) and
+    non-finite exactly where it is."""
+    from nanofp8 import optim_foreach
+    from nanofp8.optim import _HeldGrad, to_fp16_scaled
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 128), (128, 64), (256, 384), (8, 16)]
+    sums = []
+    for i, shape in enumerate(shapes * 2):
+        g = _adversarial_grad(shape, i, gen)
+        if i == 6:
+            g[3, 5] = float("nan")
+        if i == 7:
+            g[1, 2] = float("inf")
+        sums.append(to_fp16_scaled(g, FP16_MAX / 4))
+    params = [nn.Parameter(torch.zeros(d.shape, dtype=torch.float16)) for d, _ in sums]
+    ref = optim_foreach._cast_sums(sums)
+    for p, acc in zip(params, sums):  # (an O2 weight's gradient sum, as take_wgrad leaves it)
+        p._held_grad = _HeldGrad()
+        p._held_grad.acc = acc
+    monkeypatch.setattr(optim_fused, "runs_on_triton", lambda t: True)
+    qs = optim_foreach.fp8_grads(params)
+    assert optim_foreach.TRITON_RAN is True
+    for q, (data, scale, amax) in zip(qs, ref):
+        assert _same_bits(q.data, data) and _same_bits(q.scale, scale)
+        finite = torch.isfinite(amax)
+        assert torch.equal(q.amax[finite], amax[finite]) and not torch.isfinite(q.amax[~finite]).any()
+    norms = optim_foreach.fp8_norms(qs)
+    expect = optim_foreach._norms([(q.data, q.scale) for q in qs])
+    for n, e in zip(norms, expect):
+        if torch.isfinite(e):
+            assert abs(float(n) - float(e)) <= 2.0**-20 * float(e), (float(n), float(e))
+        else:
+            assert not torch.isfinite(n)
