@@ -124,7 +124,7 @@ min_lr = 6e-5
 precision = "bf16"  # "bf16" | "O1" | "O2" | "O3"
 o2_v_format = "fp16"  # O2/O3: Adam v in "fp16" (FP8-LM) or "fp8" (sqrt(v) in E4M3)
 o2_grad_accum = "fp16"  # O2: micro-steps' FP8 weight gradients summed in "fp16" (scaled) or "fp8"
-o2_fused = None  # O2: the step's O2 update compiled, a few kernels per weight (nanofp8/optim_fused.py);
+o2_fused = None  # O2: the step's O2 update in a few kernels (nanofp8/optim_fused.py; on CUDA Triton's);
 #                  None = where the model is compiled on CUDA (compile=None or True), else the foreach step
 grad_comm = "auto"  # data parallel, weight gradients of the FP8 layers: "auto" (e4m3 at FP8 levels)
 #                     | "e4m3" | "e5m2" | "bf16" | "fp32"; at bf16 (no FP8 layers): every gradient,

@@ -76,9 +76,11 @@ moments dequantized to fp32, Adam in torch.optim.AdamW's operations and order (F
 which O3 runs on its shards), the new m, v and master rounded into their formats. Its twin,
 nanofp8/optim_foreach.py (foreach=True, the default), makes the same operations on all tensors of a
 param group at once, in a number of launches that does not grow with depth: torch.optim's
-_single_tensor_adamw / _multi_tensor_adamw, bit-equal. nanofp8/optim_fused.py (fused=True)
-compiles the loop's operations for all O2 weights of a group with torch.compile: 5 kernels per
-weight under inductor's CUDA rules, its stored m and v within one code of the loop's.
+_single_tensor_adamw / _multi_tensor_adamw, bit-equal. fused=True makes the loop's operations a
+few kernels: on a GPU three Triton launches for all O2 weights of a group (nanofp8/optim_triton.py,
+about 20 B moved per value), elsewhere one weight's update compiled by torch.compile
+(nanofp8/optim_fused.py); the fp32 parameters then take torch's fused AdamW. The stored m and v
+lie within one code of the loop's.
 """
 
 import math
@@ -430,8 +432,9 @@ class Fp8AdamW(torch.optim.Optimizer):
     State per parameter: step, and the moments of `self.moments` (ADAMW_MOMENTS[v_format]: m and
     v, or sqrt(v)), each with its scale for an O2 weight, in fp32 for the others. `seed` picks
     the stream of stochastic rounding (5). foreach: True or None (the default) steps on
-    nanofp8/optim_foreach.py, False on the loop of step(). fused=True: the O2 weights' update
-    compiled into a few kernels per weight (nanofp8/optim_fused.py)."""
+    nanofp8/optim_foreach.py, False on the loop of step(). fused=True: the O2 weights' update in a
+    few kernels (nanofp8/optim_fused.py: on a GPU three Triton launches for a group, elsewhere
+    compiled per weight), the other parameters on torch's fused AdamW."""
 
     rank = 0  # O3 (nanofp8/zero.py) sets its data-parallel rank
     sharded = False  # O3: each rank holds, and saves, only its shard of the O2 weights' state

@@ -1,8 +1,10 @@
 """
-Fp8AdamW's fused step: the O2 update of an O2 weight as one torch.compile'd function, which
-inductor fuses into a few kernels. Fp8AdamW(fused=True) runs it; the
-readable loop of nanofp8/optim.py (foreach=False) stays the reference, and tests/test_optim.py
-holds the two equal.
+Fp8AdamW's fused step (Fp8AdamW(fused=True)). On a GPU the O2 weights of a param group step in
+three Triton launches (nanofp8/optim_triton.py: runs_on_triton); here is the rest: the O2 update
+of one O2 weight as one torch.compile'd function, which inductor fuses into a few kernels, for the
+weights those kernels do not take and off a GPU; and the step that picks between them. The fp32
+parameters take torch's fused AdamW (optim_foreach.update_plain). The readable loop of
+nanofp8/optim.py (foreach=False) stays the reference, and tests/test_optim.py holds the two equal.
 
 What one O2 weight costs the step. The loop (and its foreach twin) reads and writes each stored
 tensor several times: dequantize the gradient, the master, m and v to fp32 copies, update them in

@@ -5,46 +5,49 @@ nanofp8/optim.py's loop (foreach=False) is the lesson and the reference: per O2 
 dequantizes the FP8 gradient, m, v and the fp16 master, runs AdamW in fp32, rounds the new m, v
 (a scale per block of 128 values) and the master (a scale for the tensor) back stochastically,
 then casts the new weight to FP8 for the next forward (W, W^T). Its compiled twin
-(nanofp8/optim_fused.py) fuses one weight's operations into about 5 kernels, and the cast into 4
-more: 9 launches per weight, 430 for GPT-2's 48 O2 weights, each too small to fill a GPU. Here
-every weight of the group is one launch's work (multi-tensor: a table of each weight's tensors'
-addresses, and of which weight each program works on), and each launch reads the state once:
+(nanofp8/optim_fused.py) fuses one weight's update into about 5 kernels and the cast into 4 more:
+9 launches per weight, 430 for GPT-2's 48 O2 weights, each too small to fill a GPU, and 56 B moved
+per value. Here every weight of the group is one launch's work (multi-tensor: a table of each
+weight's tensors' addresses, and of which weight each program works on), and each launch reads
+the state once:
 
-    1. _adam_amax_kernel   per program 16 blocks of 128 values of one weight: the new fp32
-                           weight (AdamW from g, m, v and the master), and its largest |value|.
-                           Reads g 1 B, m 1 B, v 2 B (1 B as sqrt(v) in E4M3), master 2 B.
+    1. _adam_amax_kernel   per program 8 blocks of 128 values of one weight: the new fp32 weight
+                           (AdamW from g, m, v and the master), and the largest |value| of each
+                           weight (an atomic max per program: the same value in any order).
+                           Reads g 1 B, m 1 B, v 2 B (1 B as sqrt(v) in E4M3), the master 2 B.
     2. _adam_store_kernel  the same update again (recomputing costs the 6 B read; keeping the
                            fp32 weight between launches would cost 8: write 4, read 4), now with
-                           the master's scale (the whole tensor's amax: every program reduces
-                           launch 1's partial maxima of its weight, a few KB from L2). Rounds m and
-                           v per block and the master per tensor, stochastically, and stores them
-                           in place (each value is read and written by the same program).
-                           Writes 5 B, and the partial maxima of the new master.
-    3. _cast_weight_kernel the FP8 W (and W^T where the layer keeps its own copy) of the new
-                           master, with its tensor scale from launch 2's partial maxima, tile by
-                           tile (a tile transposed in registers: W^T costs no second read).
-                           Reads 2 B, writes 1 B per copy.
+                           the master's scale, which needed the whole tensor's amax (launch 1).
+                           Rounds m and v per block and the master per tensor, stochastically, and
+                           stores them in place (each value is read and written by one program).
+                           Writes 5 B, and the new master's amax (atomic max).
+    3. _cast_weight_kernel the FP8 W (and W^T where the layer keeps a copy of its own) of the new
+                           master, under its tensor scale, tile by tile (a tile transposed in
+                           registers: W^T costs no second read). Reads 2 B, writes 1 B per copy.
 
-About 20 B per value for the step of a weight, where the compiled twin moves 56; 3 launches for
-all weights. The rounding noise is the same counter hash (optim.counter_noise) computed where it is
-used, in uint32 arithmetic (the int64 of the reference, masked to 32 bits, is arithmetic mod 2^32,
-which uint32 overflow is): the same bits, no tensor of noise.
+About 20 B per value, 3 launches (and a copy of the table, and a zeroed buffer for the maxima)
+for all weights. The rounding noise is the same counter hash (optim.counter_noise) computed where
+it is used, in uint32 arithmetic (the reference's int64 products masked to 32 bits are products mod
+2^32, which uint32's wrap is): the same bits, no tensor of noise. The summed gradients' casts
+(cast_sums, one launch) and their norms for clipping (norms, two launches, the sums added in a
+fixed order) run here too (optim_foreach.fp8_grads, fp8_norms).
 
 Numerics. Each operation is the reference's, in its order, rounded as IEEE fp32 rounds it: the
 divisions and square roots correctly rounded (div_rn, sqrt_rn: Triton's default `/` and sqrt are
 approximate on a GPU), the scales by the reference's rules (kernels._scale_from_amax for E4M3;
 _pow2_scale, from exponent bits, for the fp16 formats), the final casts round to nearest even.
-Where a compiler fuses a multiply and an add (nvcc does in torch's CUDA kernels, LLVM in Triton's,
-AVX2 in torch's CPU lerp), an intermediate can differ by an fp32 ulp, and a value that lands on the
-other side of its stochastic rounding's threshold is stored one code away: tests/test_optim.py
-holds this path to the loop within the bounds of test_fused_step_matches_the_loop, in Triton's
-interpreter (TRITON_INTERPRET=1), and tests/test_sm90_compile.py compiles the kernels for sm_90.
+Where a compiler fuses a multiply and an add (nvcc in torch's CUDA kernels, LLVM in Triton's, AVX2
+in torch's CPU lerp), or a library's square root is not correctly rounded (this CPU's torch.sqrt,
+now and then), an fp32 intermediate differs by an ulp, and a value that lands on the other side of
+its stochastic rounding's threshold is stored one code away. tests/test_optim_triton.py runs the
+kernels in Triton's interpreter: their building blocks bit-equal to optim.py's functions, the step
+within test_fused_step_matches_the_loop's bounds of the fused step's code; tests/test_sm90_compile.py
+compiles them for sm_90 (correctly rounded, no flush of subnormals, no spills).
 
-What it takes: the group's O2 weights unsharded (O3's shards step on their own path), their state
-contiguous in blocks of 128 values, a weight cast the recipe's way that launch 3 makes (current
-scaling, one scale for the tensor, W^T its transpose); where the cast is another (delayed scaling,
-row or block scales), launches 1-2 run and o2_compile.refresh_all casts. Otherwise optim_fused's
-compiled step (supports() says which).
+What it takes (steps() says it per weight; the others take optim_fused's compiled step): O2
+weights unsharded (O3's shards step on their own path), 2-D, in blocks of 128 values, their state
+contiguous. Launch 3 makes the recipe's cast where it is current scaling with one scale for the
+tensor and W^T its transpose (casts_weights); else o2_compile.refresh_all casts after launch 2.
 """
 
 import warnings

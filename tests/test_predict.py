@@ -61,17 +61,18 @@ def test_reproduces_published_speedups():
 
 def test_prices_the_o2_step_a_cuda_run_takes():
     """A CUDA run takes O2's fused step by default (o2_fused=None): the prediction counts that
-    step's operators (optim_fused.update_one's, not the foreach step's) and prices them as
-    compiled code, no warning on the way; o2_fused=False and O3 keep the foreach step, eager."""
+    step's launches (nanofp8/optim_triton.py's kernels, the same number at any depth, none of
+    optim_fused.update_one's operators nor the foreach step's) and prices them as compiled code,
+    no warning on the way; o2_fused=False and O3 keep the foreach step, eager."""
     import warnings
 
-    model = predict.gpt2_like(1, 128, vocab=512)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*fused O2 step.*")
-        _, step = predict.count_step(model, "O2", 2, 64)
+        steps = [predict.count_step(predict.gpt2_like(n, 128, vocab=512), "O2", 2, 64)[1] for n in (1, 2)]
     lerps = lambda ops: sum(name == "lerp" for name, *_ in ops)  # noqa: E731  (update_one: one per weight)
-    assert lerps(step) == 4  # the block's 4 O2 weights
-    _, foreach = predict.count_step(model, "O2", 2, 64, ["o2_fused=False"])
-    assert lerps(foreach) == 0
+    launches = lambda ops: sum(name == predict.TRITON for name, *_ in ops)  # noqa: E731
+    assert [launches(s) for s in steps] == [5, 5] and [lerps(s) for s in steps] == [0, 0]
+    _, foreach = predict.count_step(predict.gpt2_like(1, 128, vocab=512), "O2", 2, 64, ["o2_fused=False"])
+    assert lerps(foreach) == 0 and launches(foreach) == 0
     assert predict.step_compiled("O2") and not predict.step_compiled("O2", ["o2_fused=False"])
     assert not predict.step_compiled("O3") and predict.step_compiled("O1")
