@@ -1144,20 +1144,24 @@ def cmd_kernels(args):
                      "saved_KB_per_token": b["saved_KB_per_token"],
                      "block_gemms": b["gemms"], "block_graphs": b["graphs"], "step_launches": st["launches"],
                      "step_bytes_per_fp8_value": st["bytes_per_fp8_value"] if st["fp8_values"] else None,
+                     "optimizer_launches": st["optimizer_launches"],
+                     "optimizer_bytes_per_fp8_value": st["optimizer_bytes_per_fp8_value"] if st["fp8_values"] else None,
                      "step_top_ops": st["top_ops"], "block_kernel_list": b["kernel_list"] if args.list else None})
         print(f"  {level}: block {b['kernels']} kernels, {b['KB_per_token']:.1f} KB/token; step "
-              f"{st['launches']} launches", file=sys.stderr)
+              f"{st['launches']} launches, the optimizer's {st['optimizer_launches']}", file=sys.stderr)
     base = next((r for r in rows if r["level"] == "bf16"), None)
     for r in rows:
         r["KB_vs_bf16"] = r["block_KB_per_token"] / base["block_KB_per_token"] if base else None
     print(f"One GPT-2 block (n_embd {args.n_embd}, {args.batch} x {args.seq} tokens) compiled, forward and "
           f"backward, as a GPU's inductor would run it (non-GEMM kernels, KB read and written per token; "
           f"target at O1: <= {COMPILED_BLOCK_TARGET['kernels']} kernels, <= {COMPILED_BLOCK_TARGET['KB_per_token']} KB); one "
-          f"optimizer step of a {args.n_layer}-layer model outside the compiled graphs (ATen launches, bytes "
-          f"per FP8 weight value; target at O2: < {O2_STEP_TARGET['launches']} launches, ~"
-          f"{O2_STEP_TARGET['bytes_per_fp8_value']} B). {torch.__version__}")
+          f"optimizer step of a {args.n_layer}-layer model outside the compiled graphs (launches, bytes "
+          f"per FP8 weight value; the whole step with clipping and checks, and the optimizer's step alone; "
+          f"target at O2: < {O2_STEP_TARGET['launches']} launches, ~{O2_STEP_TARGET['bytes_per_fp8_value']} B). "
+          f"{torch.__version__}")
     emit("kernels", rows, ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16", "saved_KB_per_token",
-                           "block_gemms", "block_graphs", "step_launches", "step_bytes_per_fp8_value"], args,
+                           "block_gemms", "block_graphs", "step_launches", "step_bytes_per_fp8_value",
+                           "optimizer_launches", "optimizer_bytes_per_fp8_value"], args,
          extra={"block_target": COMPILED_BLOCK_TARGET, "o2_step_target": O2_STEP_TARGET,
                 "command": "python bench.py " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])})
 
@@ -1669,10 +1673,13 @@ def cmd_report(args):
         t = d["block_target"]
         extra += ["### What a GPU runs, counted on a CPU (`bench.py kernels`)", _env_line(d["env"]), "",
                   _md_table(d["kernels"], ["level", "block_kernels", "block_KB_per_token", "KB_vs_bf16",
-                                           "saved_KB_per_token", "step_launches", "step_bytes_per_fp8_value"],
+                                           "saved_KB_per_token", "step_launches", "step_bytes_per_fp8_value",
+                                           "optimizer_launches", "optimizer_bytes_per_fp8_value"],
                             {"block_KB_per_token": lambda v: f"{v:.0f}", "KB_vs_bf16": lambda v: f"{v:.2f}x",
                              "saved_KB_per_token": lambda v: f"{v:.1f}",
-                             "step_bytes_per_fp8_value": lambda v: "" if v is None else f"{v:.0f}"}), "",
+                             "step_bytes_per_fp8_value": lambda v: "" if v is None else f"{v:.0f}",
+                             "optimizer_launches": lambda v: "" if v is None else f"{v}",
+                             "optimizer_bytes_per_fp8_value": lambda v: "" if v is None else f"{v:.1f}"}), "",
                   "`block` = one GPT-2 block (n_embd 768, 8 x 1024 tokens) compiled, forward and backward, its "
                   "graphs scheduled with inductor's CUDA fusion rules (`nanofp8/schedule.py`): the kernels "
                   "besides the GEMMs and attention, and the bytes they read and write per token (target at "
@@ -1680,8 +1687,10 @@ def cmd_report(args):
                   "keeps for the backward, per token (the activations' share of the peak memory). `step` = one "
                   "optimizer step of "
                   "a 12-layer model outside the compiled graphs, on a GPU's paths: operators launched (a "
-                  "foreach operator once; bf16 and O1 on torch's fused AdamW) and bytes of their operands per "
-                  "FP8 weight value. Not timings: what a GPU would run, from this code, on any machine.", ""]
+                  "foreach operator once; bf16 and O1 on torch's fused AdamW; O2-fused's Triton kernels by "
+                  "their traffic, `optim_triton.traffic`) and bytes of their operands per FP8 weight value, "
+                  "for the whole step (checks, clipping, the optimizer) and for the optimizer's `step()` "
+                  "alone (`optimizer_`). Not timings: what a GPU would run, from this code, on any machine.", ""]
     for name in sorted(f for f in os.listdir(res) if f.startswith("throughput_cpu") and f.endswith(".json")):
         extra += report_throughput(load(name))  # one per CPU kind measured: bf16's speed differs most
     if (d := load("stats_cost_cpu.json")):

@@ -203,7 +203,7 @@ def update_plain(opt, group, ps):
     ts = count_steps(sts)
     if opt.fused:  # torch's fused AdamW kernel, one launch (torch.optim.AdamW(fused=True)'s bits)
         (b1, b2), M, V = group["betas"], opt.moments["m"], opt.moments["v"]
-        steps = list(torch.tensor(ts, dtype=torch.float32, device=ps[0].device).unbind())  # (its counters)
+        steps = list(host_to_device(ts, torch.float32, ps[0].device).unbind())  # (its step counts)
         torch._fused_adamw_(ps, [p.grad for p in ps], [st[M.key] for st in sts], [st[V.key] for st in sts], [],
                             steps, lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"],
                             eps=group["eps"], amsgrad=False, maximize=False)
@@ -338,9 +338,10 @@ def fp8_grads(params):
     them launched ~30 kernels per weight), with fp8_grad's bytes and scales."""
     params = list(params)
     held = [p._held_grad for p in params if holds_fp8_grad(p) and p._held_grad.acc is not None]
-    cast = None
-    if held and triton_takes(held[0].acc[0]) and _triton().takes_sums([h.acc for h in held]):
-        cast = on_triton("the FP8 casts of the summed weight gradients", "cast_sums", [h.acc for h in held])
+    cast, accs = None, [h.acc for h in held]
+    if held and triton_takes(accs[0][0]):
+        cast = on_triton("the FP8 casts of the summed weight gradients",
+                         lambda ot: ot.cast_sums(accs) if ot.takes_sums(accs) else None)
     if cast is None and held and o2_compile._compiled_casts(held[0].acc[0]):
         cast = compiled_or_eager(_cast_sums, "the FP8 casts of the summed weight gradients", [h.acc for h in held])
     if cast is not None:
@@ -359,8 +360,8 @@ _cast_sums.compiled = None
 
 def fp8_norms(qs):
     """The 2-norm of each dequantized FP8 gradient of qs: on a GPU in one compiled call."""
-    if qs and triton_takes(qs[0].data) and _triton().takes_grads(qs):
-        norms = on_triton("the norms of the FP8 gradients", "norms", qs)  # (two launches)
+    if qs and triton_takes(qs[0].data):
+        norms = on_triton("the norms of the FP8 gradients", lambda ot: ot.norms(qs) if ot.takes_grads(qs) else None)
         if norms is not None:
             return list(norms.unbind())
     if qs and o2_compile._compiled_casts(qs[0].data):
@@ -384,20 +385,25 @@ def triton_takes(t):
     return optim_fused.runs_on_triton(t)
 
 
-def _triton():
-    from nanofp8 import optim_triton  # (Triton: imported where it runs)
-    return optim_triton
+def host_to_device(values, dtype, device):
+    """A host list (of lists) of numbers as a tensor on `device`: on a GPU copied from pinned memory
+    without waiting (from pageable memory torch's copy waits for the device: a sync every step)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
-def on_triton(what, name, *args):
-    """optim_triton's function `name` on args; None if its kernels failed the first time they ran
-    (a GPU's toolchain, say: a warning naming `what`, and the compiled casts from then on; a
-    failure after they ran once is an error)."""
+def on_triton(what, fn):
+    """fn(nanofp8/optim_triton.py), None if it returns None (the kernels do not take these
+    tensors) or if its kernels failed the first time they ran (a GPU's toolchain, say: a warning
+    naming `what`, and the compiled casts from then on; a failure after they ran once is an error)."""
     global TRITON_RAN
     if TRITON_RAN is False:
         return None
     try:
-        out = getattr(_triton(), name)(*args)
+        from nanofp8 import optim_triton  # (Triton and kernels.py: imported where they run)
+        out = fn(optim_triton)
+        if out is None:
+            return None
     except Exception as e:
         if TRITON_RAN:
             raise

@@ -137,23 +137,24 @@ def step(opt):
         sts, mods = [opt.state[p] for p in o2], [opt.o2[p] for p in o2]
         ts = count_steps(sts)
         if opt.fused_triton is not False and runs_on_triton(o2[0]):
-            from nanofp8 import optim_triton  # (Triton: imported where it runs)
-            on = [optim_triton.steps(opt, mod, q) for mod, q in zip(mods, grads)]
-            if any(on):
-                try:
+            on = [False] * len(o2)
+            try:
+                from nanofp8 import optim_triton  # (Triton and kernels.py: imported where they run)
+                on = [optim_triton.steps(opt, mod, q) for mod, q in zip(mods, grads)]
+                if any(on):
                     optim_triton.step_group(opt, group, *([x for x, y in zip(xs, on) if y] for xs in (
                         o2, grads, ts, [number[p] for p in o2])), step_numbers)
                     opt.fused_triton = True
-                except Exception as e:  # (raised before any state is written: a kernel's compile)
-                    if opt.fused_triton:
-                        raise
-                    warnings.warn(f"nanofp8: the O2 step's Triton kernels failed ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); it runs compiled by torch.compile")
-                    opt.fused_triton, on = False, [False] * len(o2)
-                # the weights the kernels do not take (optim_triton.steps): compiled, below
-                o2, grads, ts, sts, mods = ([x for x, y in zip(xs, on) if not y] for xs in (o2, grads, ts, sts, mods))
-                if not o2:
-                    continue
+            except Exception as e:  # (raised before any state is written: an import, a kernel's compile)
+                if opt.fused_triton:
+                    raise
+                warnings.warn(f"nanofp8: the O2 step's Triton kernels failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); it runs compiled by torch.compile")
+                opt.fused_triton, on = False, [False] * len(o2)
+            # the weights the kernels do not take (optim_triton.steps): compiled, below
+            o2, grads, ts, sts, mods = ([x for x, y in zip(xs, on) if not y] for xs in (o2, grads, ts, sts, mods))
+            if not o2:
+                continue
         device = o2[0].device
         formats = opt.rounded_formats()
         numbers = torch.tensor([step_numbers(t, group) for t in ts], dtype=torch.float32, device=device)

@@ -58,7 +58,8 @@ import triton.language as tl
 
 from kernels import FLT_MAX, FP8_FORMATS, _abs_for_amax, _scale_from_amax, _store_fp8, cdiv
 from nanofp8.fp8 import compute_scale
-from nanofp8.optim import E4M3, FP16, FP16_MAX, MASTER_HEADROOM, STATE_BLOCK, noise_bits, noise_key
+from nanofp8.optim import E4M3, FP16, STATE_BLOCK, noise_bits, noise_key
+from nanofp8.optim_foreach import host_to_device
 
 ROWS = 8  # blocks of STATE_BLOCK values per program of launches 1 and 2 (1024 values)
 TILE = 64  # launch 3's tiles: TILE x TILE values of W
@@ -398,7 +399,7 @@ def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
         bits = torch.tensor(step_numbers(t, group), dtype=torch.float32).view(torch.int32).tolist()
         rows.append([0 if s is None else s.data_ptr() for s in slots] + meta + bits)
     device = o2[0].device
-    table = torch.tensor(rows, dtype=torch.int64).to(device)  # (one copy to the device)
+    table = host_to_device(rows, torch.int64, device)
     n = len(o2)
     scratch = torch.zeros(3 * n, dtype=torch.float32, device=device)  # (the atomic maxima start at 0)
     amax_w, amax_q, s_new = scratch[:n], scratch[n:2 * n], scratch[2 * n:]
@@ -420,7 +421,10 @@ def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
             cast = False
     if not cast:  # the masters' new scales, then the recipe's own casts
         torch._foreach_copy_([m.weight_scale for m in mods], list(s_new.unbind()))
-    torch.autograd.graph.increment_version([m.weight for m in mods])  # (written where autograd does not see it)
+    # written where autograd does not see it: the weights, and the kept casts (a graph that saved one
+    # for a backward still to run must fail as after the layer's own write)
+    kept = [t for m in mods for t in (m.fp8_w, m.fp8_w_scale, m.fp8_w_inv, m.fp8_wt_scale, m.fp8_wt_inv)] if cast else []
+    torch.autograd.graph.increment_version([m.weight for m in mods] + kept)
     if cast:
         for m in mods:
             m.mark_cast()
@@ -453,10 +457,17 @@ def traffic(opt, o2, grads):
 
 def _programs(blocks, device):
     """(which weight each program works on, each weight's first program) for weights of these
-    numbers of blocks, ROWS blocks a program."""
-    progs = [cdiv(b, ROWS) for b in blocks]
-    pw = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), torch.tensor(progs))
-    return pw.to(device), [sum(progs[:i]) for i in range(len(blocks))]
+    numbers of blocks, ROWS blocks a program: made once per list of sizes (kept here)."""
+    key = (tuple(blocks), device)
+    if key not in _PROGRAMS:
+        progs = [cdiv(b, ROWS) for b in blocks]
+        pw = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), torch.tensor(progs))
+        _PROGRAMS[key] = pw.to(device), [sum(progs[:i]) for i in range(len(blocks))]
+    return _PROGRAMS[key]
+
+
+_PROGRAMS = {}
+
 
 
 def takes_sums(accs):
@@ -473,8 +484,8 @@ def cast_sums(accs):
     pw, first = _programs(blocks, device)
     out = [(torch.empty(b, STATE_BLOCK, dtype=E4M3.dtype, device=device), torch.empty(b, 1, device=device),
             torch.empty(b, 1, device=device)) for b in blocks]
-    table = torch.tensor([[d.data_ptr(), s.data_ptr(), *(t.data_ptr() for t in o), b, f]
-                          for (d, s), o, b, f in zip(accs, out, blocks, first)], dtype=torch.int64).to(device)
+    table = host_to_device([[d.data_ptr(), s.data_ptr(), *(t.data_ptr() for t in o), b, f]
+                       for (d, s), o, b, f in zip(accs, out, blocks, first)], torch.int64, device)
     _cast_sums_kernel[(pw.numel(),)](table, pw, ROWS_=ROWS, B=STATE_BLOCK)
     return out
 
@@ -491,8 +502,8 @@ def norms(qs):
     device = qs[0].data.device
     blocks = [q.data.shape[0] for q in qs]
     pw, first = _programs(blocks, device)
-    table = torch.tensor([[q.data.data_ptr(), q.scale.data_ptr(), b, f] for q, b, f in zip(qs, blocks, first)],
-                         dtype=torch.int64).to(device)
+    table = host_to_device([[q.data.data_ptr(), q.scale.data_ptr(), b, f] for q, b, f in zip(qs, blocks, first)],
+                      torch.int64, device)
     partial = torch.empty(pw.numel(), device=device)
     out = torch.empty(len(qs), device=device)
     _square_sums_kernel[(pw.numel(),)](table, pw, partial, ROWS_=ROWS, B=STATE_BLOCK)
