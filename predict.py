@@ -129,7 +129,7 @@ def fake_step_counts():
     from nanofp8 import optim_foreach, optim_fused, optim_triton
 
     real, compiled = optim_foreach.count_steps, optim_fused.COMPILED
-    on_triton, step_group = optim_fused.runs_on_triton, optim_triton.step_group
+    on_triton, step_group, casts = optim_fused.runs_on_triton, optim_triton.step_group, optim_triton.cast_weights
 
     def count(sts):
         try:
@@ -141,11 +141,12 @@ def fake_step_counts():
     optim_fused.COMPILED = optim_fused.update_one  # O2's fused step: its operators, as compiled on a GPU
     # ... where its Triton kernels (a CUDA run's) do not take a weight: they are recorded as launches
     optim_fused.runs_on_triton, optim_triton.step_group = (lambda p: True), triton_launches
+    optim_triton.cast_weights = cast_launches  # (O1's casts for the next forward)
     try:
         yield
     finally:
         optim_foreach.count_steps, optim_fused.COMPILED = real, compiled
-        optim_fused.runs_on_triton, optim_triton.step_group = on_triton, step_group
+        optim_fused.runs_on_triton, optim_triton.step_group, optim_triton.cast_weights = on_triton, step_group, casts
 
 
 def triton_launches(opt, group, o2, grads, *_):
@@ -153,7 +154,20 @@ def triton_launches(opt, group, o2, grads, *_):
     its own), their bytes (optim_triton.traffic) shared among them; nothing is computed."""
     from nanofp8.optim_triton import traffic
 
-    n, nbytes = traffic(opt, o2, grads)
+    _record_launches(*traffic(opt, o2, grads))
+
+
+def cast_launches(layers):
+    """optim_triton.cast_weights as the Recorder sees it (traffic_casts), where it takes the layers."""
+    from nanofp8.optim_triton import casts_weights, traffic_casts
+
+    if not casts_weights(layers):
+        return None
+    _record_launches(*traffic_casts(layers))
+    return True
+
+
+def _record_launches(n, nbytes):
     mode = torch.utils._python_dispatch._get_current_dispatch_mode()
     for _ in range(n):
         mode.ops.append((TRITON, 0.0, False, [(object(), nbytes / n)], []))

@@ -94,7 +94,9 @@ def cast_for_step(model, written=(), record=True):
     layers = [m for m in model.modules()
               if isinstance(m, Fp8Linear) and m.cache_weight and not isinstance(m, O2CompileParts)]
     kept = [m for m in layers if getattr(m, "_fp8_meta", None) is not None]
-    if kept and record and _compiled_casts(kept[0]):  # (a load: eager)
+    if kept and record and _triton_casts(kept):  # (a load: eager)
+        pass
+    elif kept and record and _compiled_casts(kept[0]):
         compiled_or_eager(_recast, "the FP8 weight casts of a step", kept, record)
         push_amaxes(kept)  # (delayed scaling: the amaxes the compiled casts recorded)
     elif kept:
@@ -110,6 +112,21 @@ def _compiled_casts(x):
     """Are the step's casts of this layer (or of this tensor's kind: optim.fp8_grads) compiled?
     On a GPU."""
     return (x.weight if isinstance(x, torch.nn.Module) else x).is_cuda
+
+
+def _triton_casts(layers):
+    """cast_for_step's casts on nanofp8/optim_triton.py's kernels (two launches for all layers,
+    the bytes of _recast's), where they run (a GPU) and take these layers (current scaling, one
+    scale per tensor); the biases' bf16 copies in one foreach copy. Whether they ran."""
+    from nanofp8 import optim_foreach  # (it imports this file)
+
+    if not optim_foreach.triton_takes(layers[0].weight) or optim_foreach.on_triton(
+            "the FP8 weight casts of a step", lambda ot: ot.cast_weights(layers)) is None:
+        return False
+    biased = [m for m in layers if m.bias is not None]
+    if biased:
+        torch._foreach_copy_([m.gemm_bias_kept for m in biased], [m.bias for m in biased])
+    return True
 
 
 def _recast(layers, record):

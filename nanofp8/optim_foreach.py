@@ -415,4 +415,4 @@ def on_triton(what, fn):
     return out
 
 
-TRITON_RAN = None  # whether the FP8 gradients' Triton kernels ran (None: not yet)
+TRITON_RAN = None  # whether optim_triton's kernels ran here (None: not yet; False: they failed)

@@ -1,5 +1,6 @@
 """
 The O2 step of a whole param group in three Triton launches: Fp8AdamW(fused=True) on a GPU.
+(And, with the same kernels, the other per-weight work of a step: O1's weight casts, the gradients'.)
 
 nanofp8/optim.py's loop (foreach=False) is the lesson and the reference: per O2 weight it
 dequantizes the FP8 gradient, m, v and the fp16 master, runs AdamW in fp32, rounds the new m, v
@@ -28,9 +29,11 @@ the state once:
 About 20 B per value, 3 launches (and a copy of the table, and a zeroed buffer for the maxima)
 for all weights. The rounding noise is the same counter hash (optim.counter_noise) computed where
 it is used, in uint32 arithmetic (the reference's int64 products masked to 32 bits are products mod
-2^32, which uint32's wrap is): the same bits, no tensor of noise. The summed gradients' casts
-(cast_sums, one launch) and their norms for clipping (norms, two launches, the sums added in a
-fixed order) run here too (optim_foreach.fp8_grads, fp8_norms).
+2^32, which uint32's wrap is): the same bits, no tensor of noise. Beside the step, on a GPU: the
+summed gradients' casts (cast_sums, one launch for all weights) and their norms for clipping
+(norms, two launches, the sums added in a fixed order: optim_foreach.fp8_grads, fp8_norms), and
+O1's FP8 weight casts after its optimizer's step (cast_weights: each fp32 weight's amax, then
+launch 3; o2_compile.cast_for_step), where compiled code launched four kernels per weight.
 
 Numerics. Each operation is the reference's, in its order, rounded as IEEE fp32 rounds it: the
 divisions and square roots correctly rounded (div_rn, sqrt_rn: Triton's default `/` and sqrt are
@@ -243,9 +246,10 @@ def _adam_store_kernel(table, prog_weight, amax_w, amax_q, s_new, V_FP8: tl.cons
 @triton.jit
 def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
                         EMIN: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, E5M2: tl.constexpr,
-                        TILE_: tl.constexpr):
+                        TILE_: tl.constexpr, MASTER: tl.constexpr = True):
     """Launch 3: the FP8 cast of each new weight (fp8.quantize, one scale for the tensor: its amax
-    from launch 2's partial maxima), W and W^T, and the master's new scale."""
+    from launch 2's atomic max), W and W^T, and the master's new scale. MASTER=False: O1's fp32
+    weights (cast_weights), their amaxes from _weights_amax_kernel."""
     QTY: tl.constexpr = tl.float8e5 if E5M2 else tl.float8e4nv
     wi = tl.load(tile_weight + tl.program_id(0))
     R, C = _meta(table, wi, 1), _meta(table, wi, 2)
@@ -254,11 +258,15 @@ def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr
     rows = (t // n_col_tiles) * TILE_ + tl.arange(0, TILE_)
     cols = (t % n_col_tiles) * TILE_ + tl.arange(0, TILE_)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
-    s = tl.load(s_new + wi)
-    inv = tl.div_rn(1.0, s)  # (a power of two: hp_weight = master * inv is exact, and so is its amax)
-    scale = _scale_from_amax(tl.load(amax_q + wi) * inv, FP8_MAX, MARGIN_MUL, POW2)
-    x = tl.load(_addr(table, wi, 2, tl.float16) + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32) * inv
+    if MASTER:
+        s = tl.load(s_new + wi)
+        inv = tl.div_rn(1.0, s)  # (a power of two: hp_weight = master * inv is exact, and so is its amax)
+        scale = _scale_from_amax(tl.load(amax_q + wi) * inv, FP8_MAX, MARGIN_MUL, POW2)
+        x = tl.load(_addr(table, wi, 2, tl.float16) + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32) * inv
+    else:
+        scale = _scale_from_amax(tl.load(amax_q + wi), FP8_MAX, MARGIN_MUL, POW2)
+        x = tl.load(_addr(table, wi, 2, tl.float32) + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
     _store_fp8(_addr(table, wi, 8, QTY) + rows[:, None] * C + cols[None, :], x, scale, mask, FP8_MAX, MBITS, EMIN)
     if tl.load(table + wi * ROW_C + 11) != 0:  # the layer keeps W^T apart (else a view of W)
         _store_fp8(_addr(table, wi, 11, QTY) + cols[:, None] * R + rows[None, :], tl.trans(x), scale,
@@ -268,7 +276,23 @@ def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr
         for slot in tl.static_range(9, 14, 3):
             tl.store(_addr(table, wi, slot, tl.float32), scale)
             tl.store(_addr(table, wi, slot + 1, tl.float32), q_inv)
-        tl.store(_addr(table, wi, 3, tl.float32), s)
+        if MASTER:
+            tl.store(_addr(table, wi, 3, tl.float32), s)
+
+
+@triton.jit
+def _weights_amax_kernel(table, tile_weight, amax, TILE_: tl.constexpr):
+    """max |W| of each fp32 weight (cast_weights), tile by tile, an atomic max per tile (a NaN's
+    as inf: the cast's scale falls back to 1.0 for either)."""
+    wi = tl.load(tile_weight + tl.program_id(0))
+    R, C = _meta(table, wi, 1), _meta(table, wi, 2)
+    t = tl.program_id(0) - _meta(table, wi, 5)
+    n_col_tiles = tl.cdiv(C, TILE_)
+    rows = (t // n_col_tiles) * TILE_ + tl.arange(0, TILE_)
+    cols = (t % n_col_tiles) * TILE_ + tl.arange(0, TILE_)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(_addr(table, wi, 2, tl.float32) + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+    tl.atomic_max(amax + wi, tl.max(tl.max(_abs_for_amax(x), axis=1), axis=0))
 
 
 @triton.jit
@@ -357,21 +381,29 @@ def _own_wt(mod):
     return mod.fp8_wt._base is None and mod.fp8_wt.is_contiguous()
 
 
-def _layout(opt, mods):
-    """Which weight each program works on, launches 1-2 and 3, on the device: made once per list of
-    weight shapes (kept on the optimizer)."""
-    key = tuple(tuple(m.weight.shape) for m in mods)
-    cache = opt.__dict__.setdefault("_triton_layouts", {})
-    if key not in cache:
-        blocks = [r * c // STATE_BLOCK for r, c in key]
-        progs = [cdiv(b, ROWS) for b in blocks]
-        tiles = [cdiv(r, TILE) * cdiv(c, TILE) for r, c in key]
-        device = mods[0].weight.device
-        pw = torch.repeat_interleave(torch.arange(len(key), dtype=torch.int32), torch.tensor(progs)).to(device)
-        tw = torch.repeat_interleave(torch.arange(len(key), dtype=torch.int32), torch.tensor(tiles)).to(device)
-        firsts = [sum(progs[:i]) for i in range(len(key))], [sum(tiles[:i]) for i in range(len(key))]
-        cache[key] = (pw, tw, blocks, firsts)
-    return cache[key]
+def _programs(blocks, device, per=ROWS):
+    """(which weight each program works on, each weight's first program) for weights of these
+    numbers of blocks (or tiles), `per` a program: made once per list of sizes (kept here)."""
+    key = (tuple(blocks), str(device), per)
+    if key not in _PROGRAMS:
+        progs = [cdiv(b, per) for b in blocks]
+        pw = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), torch.tensor(progs))
+        _PROGRAMS[key] = pw.to(device), [sum(progs[:i]) for i in range(len(blocks))]
+    return _PROGRAMS[key]
+
+
+_PROGRAMS = {}  # (_programs' tables, by sizes and device)
+
+
+
+def _layout(mods):
+    """Which weight each program works on in launches 1-2 and in launch 3, on the device, and
+    where each weight's begin: (pw, tw, blocks, (first programs, first tiles))."""
+    shapes = [tuple(m.weight.shape) for m in mods]
+    blocks = [r * c // STATE_BLOCK for r, c in shapes]
+    pw, first_prog = _programs(blocks, mods[0].weight.device)
+    tw, first_tile = _programs([cdiv(r, TILE) * cdiv(c, TILE) for r, c in shapes], mods[0].weight.device, 1)
+    return pw, tw, blocks, (first_prog, first_tile)
 
 
 def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
@@ -383,7 +415,7 @@ def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
     mods = [opt.o2[p] for p in o2]
     sts = [opt.state[p] for p in o2]
     M, V = opt.moments["m"], opt.moments["v"]
-    pw, tw, blocks, (first_prog, first_tile) = _layout(opt, mods)
+    pw, tw, blocks, (first_prog, first_tile) = _layout(mods)
     cast = casts_weights(mods)
     rows = []
     for i, (mod, q, st, t, n) in enumerate(zip(mods, grads, sts, ts, numbers)):
@@ -455,19 +487,44 @@ def traffic(opt, o2, grads):
     return (5 if cast else 4), total
 
 
-def _programs(blocks, device):
-    """(which weight each program works on, each weight's first program) for weights of these
-    numbers of blocks, ROWS blocks a program: made once per list of sizes (kept here)."""
-    key = (tuple(blocks), device)
-    if key not in _PROGRAMS:
-        progs = [cdiv(b, ROWS) for b in blocks]
-        pw = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), torch.tensor(progs))
-        _PROGRAMS[key] = pw.to(device), [sum(progs[:i]) for i in range(len(blocks))]
-    return _PROGRAMS[key]
+def cast_weights(layers):
+    """O1's FP8 weight casts for the next forward (o2_compile.cast_for_step) in two launches for
+    all layers (each weight's amax, then W and W^T as launch 3 makes them): the bytes and scales
+    of the layer's own cast (cast_now). None where the kernels do not take these layers (fp32
+    weights, 2-D, contiguous; casts_weights)."""
+    if not casts_weights(layers) or not all(m.weight.dtype == torch.float32 and m.weight.dim() == 2
+                                            and m.weight.is_contiguous() for m in layers):
+        return None
+    device = layers[0].weight.device
+    shapes = [tuple(m.weight.shape) for m in layers]
+    tw, first_tile = _programs([cdiv(r, TILE) * cdiv(c, TILE) for r, c in shapes], device, 1)
+    rows = []
+    for m, (r, c), f in zip(layers, shapes, first_tile):
+        slots = [None, None, m.weight, None, None, None, None, None, m.fp8_w, m.fp8_w_scale, m.fp8_w_inv,
+                 m.fp8_wt if _own_wt(m) else None, m.fp8_wt_scale, m.fp8_wt_inv]
+        rows.append([0 if t is None else t.data_ptr() for t in slots] + [0, r, c, 0, 0, f, 0, 0, 0] + [0] * 8)
+    table = host_to_device(rows, torch.int64, device)
+    amax = torch.zeros(len(layers), dtype=torch.float32, device=device)
+    fmt = layers[0].recipe.casts["w"][0].dtype
+    _weights_amax_kernel[(tw.numel(),)](table, tw, amax, TILE_=TILE)
+    fmt_max, mbits, emin = FP8_FORMATS[fmt]
+    r = layers[0].recipe
+    _cast_weight_kernel[(tw.numel(),)](table, tw, amax, amax, FP8_MAX=fmt_max, MBITS=mbits, EMIN=emin,
+                                       MARGIN_MUL=2.0**-r.margin, POW2=r.power_of_two,
+                                       E5M2=fmt == torch.float8_e5m2, TILE_=TILE, MASTER=False)
+    torch.autograd.graph.increment_version([t for m in layers for t in (m.fp8_w, m.fp8_w_scale, m.fp8_w_inv,
+                                                                          m.fp8_wt_scale, m.fp8_wt_inv)])
+    return True
 
 
-_PROGRAMS = {}
-
+def traffic_casts(layers):
+    """(launches, bytes) of cast_weights: the table's copy, the zeroed maxima, two launches (the
+    amaxes read each weight, the casts read it again and write W, and W^T where kept apart)."""
+    total = len(layers) * ((NSLOT + NMETA + 8) * 8 + 4)
+    for m in layers:
+        tiles = cdiv(m.weight.shape[0], TILE) * cdiv(m.weight.shape[1], TILE)
+        total += m.weight.numel() * (2 * m.weight.element_size() + (2 if _own_wt(m) else 1)) + tiles * 8
+    return 4, total
 
 
 def takes_sums(accs):
@@ -490,6 +547,16 @@ def cast_sums(accs):
     return out
 
 
+def traffic_sums(accs):
+    """(launches, bytes) of cast_sums: the table's copy and one launch (reads each sum, writes the
+    E4M3 data, a scale and an amax per block)."""
+    total = len(accs) * 7 * 8
+    for d, _ in accs:
+        blocks = d.numel() // STATE_BLOCK
+        total += d.numel() * (d.element_size() + 1) + blocks * 8 + cdiv(blocks, ROWS) * 4 + 4
+    return 2, total
+
+
 def takes_grads(qs):
     """Whether norms takes these FP8 gradients: E4M3 (blocks, STATE_BLOCK) with a scale per block."""
     return all(q.data.dtype == E4M3.dtype and q.data.dim() == 2 and q.data.shape[1] == STATE_BLOCK
@@ -509,16 +576,6 @@ def norms(qs):
     _square_sums_kernel[(pw.numel(),)](table, pw, partial, ROWS_=ROWS, B=STATE_BLOCK)
     _norms_kernel[(len(qs),)](table, partial, out, P_BLOCK=256, ROWS_=ROWS)
     return out
-
-
-def traffic_sums(accs):
-    """(launches, bytes) of cast_sums: the table's copy and one launch (reads each sum, writes the
-    E4M3 data, a scale and an amax per block)."""
-    total = len(accs) * 7 * 8
-    for d, _ in accs:
-        blocks = d.numel() // STATE_BLOCK
-        total += d.numel() * (d.element_size() + 1) + blocks * 8 + cdiv(blocks, ROWS) * 4 + 4
-    return 2, total
 
 
 def traffic_norms(qs):

@@ -235,7 +235,9 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     stand_ins = {"step_group": _triton_stand_in(triton_calls),
                  "cast_sums": _counted(triton_calls, optim_triton.traffic_sums, optim_foreach._cast_sums),
                  "norms": _counted(triton_calls, optim_triton.traffic_norms,
-                                   lambda qs: torch.stack(optim_foreach._norms([(q.data, q.scale) for q in qs])))}
+                                   lambda qs: torch.stack(optim_foreach._norms([(q.data, q.scale) for q in qs]))),
+                 "cast_weights": _counted(triton_calls, optim_triton.traffic_casts,
+                                          lambda layers: o2_compile._recast(layers, True) or True)}
     keep_triton_fns = {name: getattr(optim_triton, name) for name in stand_ins}
     for name, fn in stand_ins.items():
         setattr(optim_triton, name, fn)

@@ -251,3 +251,43 @@ def test_the_gradient_casts_and_norms_are_the_references(monkeypatch):
             assert abs(float(n) - float(e)) <= 2.0**-20 * float(e), (float(n), float(e))
         else:
             assert not torch.isfinite(n)
+
+
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe(margin=1, power_of_two=True)], ids=["default", "margin-pow2"])
+def test_o1s_weight_casts_are_the_layers_own_bit_for_bit(recipe, monkeypatch):
+    """O1's FP8 weight casts after each step (o2_compile.cast_for_step) on the kernels
+    (optim_triton.cast_weights: two launches for all layers), as a GPU runs them: W, W^T, their
+    scales and inverses are the layer's own cast (cast_now) bit for bit, after steps that leave
+    adversarial weights (rows 1e6 apart, a layer of zeros, 1e-30, a NaN); the bf16 bias copies
+    follow the biases."""
+    from nanofp8 import o2_compile
+    from nanofp8.o2_compile import cast_after_steps, cast_for_step, cast_now, cast_once_per_step
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 192), nn.Linear(192, 64)), recipe)
+    cast_once_per_step(model)
+    cast_for_step(model, record=False)
+    opt = cast_after_steps(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    monkeypatch.setattr(optim_fused, "runs_on_triton", lambda t: True)
+    ran = []
+    real = o2_compile._triton_casts
+    monkeypatch.setattr(o2_compile, "_triton_casts", lambda layers: ran.append((len(layers), real(layers))) or ran[-1][1])
+    for step in range(4):
+        model(torch.randn(8, 128)).square().sum().backward()
+        with torch.no_grad():
+            if step == 1:
+                model[0].weight.mul_(10.0 ** torch.linspace(-3, 3, 64)[:, None])
+                model[2].weight.zero_()
+            if step == 2:
+                model[3].weight.mul_(1e-30)
+            if step == 3:
+                model[2].weight[5, 7] = float("nan")
+        opt.step()
+        opt.zero_grad()
+        for m in (model[0], model[2], model[3]):
+            qw, qwt = cast_now(m, record=False)
+            assert _same_bits(m.fp8_w, qw.data) and _same_bits(m.fp8_w_scale, qw.scale), step
+            assert _same_bits(m.fp8_w_inv, qw.inv_scale) and _same_bits(m.fp8_wt_scale, qwt.scale), step
+            assert torch.equal(m.fp8_wt.view(torch.uint8), qwt.data.view(torch.uint8)), step
+            assert torch.equal(m.gemm_bias_kept, m.bias.detach().to(torch.bfloat16)), step
+    assert ran == [(3, True)] * 4  # (the kernels made them, every step)
