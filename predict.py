@@ -159,9 +159,9 @@ def triton_launches(opt, group, o2, grads, *_):
 
 def cast_launches(layers):
     """optim_triton.cast_weights as the Recorder sees it (traffic_casts), where it takes the layers."""
-    from nanofp8.optim_triton import casts_weights, traffic_casts
+    from nanofp8.optim_triton import takes_weights, traffic_casts
 
-    if not casts_weights(layers):
+    if not takes_weights(layers):
         return None
     _record_launches(*traffic_casts(layers))
     return True

@@ -53,6 +53,7 @@ contiguous. Launch 3 makes the recipe's cast where it is current scaling with on
 tensor and W^T its transpose (casts_weights); else o2_compile.refresh_all casts after launch 2.
 """
 
+import struct
 import warnings
 
 import torch
@@ -395,7 +396,6 @@ def _programs(blocks, device, per=ROWS):
 _PROGRAMS = {}  # (_programs' tables, by sizes and device)
 
 
-
 def _layout(mods):
     """Which weight each program works on in launches 1-2 and in launch 3, on the device, and
     where each weight's begin: (pw, tw, blocks, (first programs, first tiles))."""
@@ -428,8 +428,8 @@ def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
             slots += [None] * 6
         keys = [noise_key(opt.seed, t, n, k) for k in range(3)]
         meta = [blocks[i], *mod.weight.shape, opt.shard_start(o2[i]), first_prog[i], first_tile[i], *keys]
-        bits = torch.tensor(step_numbers(t, group), dtype=torch.float32).view(torch.int32).tolist()
-        rows.append([0 if s is None else s.data_ptr() for s in slots] + meta + bits)
+        bits = struct.unpack("8i", struct.pack("8f", *step_numbers(t, group)))  # (each fp32 number's bits)
+        rows.append([0 if s is None else s.data_ptr() for s in slots] + meta + list(bits))
     device = o2[0].device
     table = host_to_device(rows, torch.int64, device)
     n = len(o2)
@@ -487,13 +487,18 @@ def traffic(opt, o2, grads):
     return (5 if cast else 4), total
 
 
+def takes_weights(layers):
+    """Whether cast_weights takes these layers: fp32 weights, 2-D, contiguous, cast as launch 3 casts."""
+    return casts_weights(layers) and all(m.weight.dtype == torch.float32 and m.weight.dim() == 2
+                                         and m.weight.is_contiguous() for m in layers)
+
+
 def cast_weights(layers):
     """O1's FP8 weight casts for the next forward (o2_compile.cast_for_step) in two launches for
     all layers (each weight's amax, then W and W^T as launch 3 makes them): the bytes and scales
-    of the layer's own cast (cast_now). None where the kernels do not take these layers (fp32
-    weights, 2-D, contiguous; casts_weights)."""
-    if not casts_weights(layers) or not all(m.weight.dtype == torch.float32 and m.weight.dim() == 2
-                                            and m.weight.is_contiguous() for m in layers):
+    of the layer's own cast (cast_now). None where the kernels do not take these layers
+    (takes_weights)."""
+    if not takes_weights(layers):
         return None
     device = layers[0].weight.device
     shapes = [tuple(m.weight.shape) for m in layers]

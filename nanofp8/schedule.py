@@ -174,7 +174,8 @@ class _Launches(TorchDispatchMode):
     def __init__(self, host=()):
         super().__init__()
         self.ops, self.bytes, self.paused = [], 0, False
-        self.host = {id(t) for t in host}  # tensors a GPU keeps in host memory (Fp8AdamW's step counts)
+        self.host = {id(t): t for t in host}  # tensors a GPU keeps in host memory (Fp8AdamW's step counts;
+        # held: an id of a freed tensor would be another's)
         self.within = None  # a list that also gets each launch's name (step_cost: the optimizer's)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -186,7 +187,7 @@ class _Launches(TorchDispatchMode):
             self.paused = paused
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if tensors and all(id(t) in self.host for t in tensors):  # (host work: no launch; its results
-            self.host.update(id(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            self.host.update((id(t), t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
             return out  # are host tensors too)
         if not self.paused and not func.is_view and name not in _NO_KERNEL:
             self.ops.append(name)
@@ -236,8 +237,8 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
                  "cast_sums": _counted(triton_calls, optim_triton.traffic_sums, optim_foreach._cast_sums),
                  "norms": _counted(triton_calls, optim_triton.traffic_norms,
                                    lambda qs: torch.stack(optim_foreach._norms([(q.data, q.scale) for q in qs]))),
-                 "cast_weights": _counted(triton_calls, optim_triton.traffic_casts,
-                                          lambda layers: o2_compile._recast(layers, True) or True)}
+                 "cast_weights": lambda layers: _counted(triton_calls, optim_triton.traffic_casts, lambda ls: (
+                     o2_compile._recast(ls, True) or True))(layers) if optim_triton.takes_weights(layers) else None}
     keep_triton_fns = {name: getattr(optim_triton, name) for name in stand_ins}
     for name, fn in stand_ins.items():
         setattr(optim_triton, name, fn)
