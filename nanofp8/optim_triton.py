@@ -138,6 +138,15 @@ def _addr(table, w, slot: tl.constexpr, TY: tl.constexpr):
 
 
 @triton.jit
+def _fp8_addr(table, w, slot: tl.constexpr, E5M2: tl.constexpr):
+    """_addr of an FP8 tensor: E5M2 or E4M3."""
+    if E5M2:
+        return _addr(table, w, slot, tl.float8e5)
+    else:
+        return _addr(table, w, slot, tl.float8e4nv)
+
+
+@triton.jit
 def _meta(table, w, field: tl.constexpr):
     """META[field] of weight w (int64)."""
     return tl.load(table + w * ROW_C + NSLOT_C + field)
@@ -251,7 +260,6 @@ def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr
     """Launch 3: the FP8 cast of each new weight (fp8.quantize, one scale for the tensor: its amax
     from launch 2's atomic max), W and W^T, and the master's new scale. MASTER=False: O1's fp32
     weights (cast_weights), their amaxes from _weights_amax_kernel."""
-    QTY: tl.constexpr = tl.float8e5 if E5M2 else tl.float8e4nv
     wi = tl.load(tile_weight + tl.program_id(0))
     R, C = _meta(table, wi, 1), _meta(table, wi, 2)
     t = tl.program_id(0) - _meta(table, wi, 5)
@@ -268,9 +276,9 @@ def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr
     else:
         scale = _scale_from_amax(tl.load(amax_q + wi), FP8_MAX, MARGIN_MUL, POW2)
         x = tl.load(_addr(table, wi, 2, tl.float32) + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
-    _store_fp8(_addr(table, wi, 8, QTY) + rows[:, None] * C + cols[None, :], x, scale, mask, FP8_MAX, MBITS, EMIN)
+    _store_fp8(_fp8_addr(table, wi, 8, E5M2) + rows[:, None] * C + cols[None, :], x, scale, mask, FP8_MAX, MBITS, EMIN)
     if tl.load(table + wi * ROW_C + 11) != 0:  # the layer keeps W^T apart (else a view of W)
-        _store_fp8(_addr(table, wi, 11, QTY) + cols[:, None] * R + rows[None, :], tl.trans(x), scale,
+        _store_fp8(_fp8_addr(table, wi, 11, E5M2) + cols[:, None] * R + rows[None, :], tl.trans(x), scale,
                    tl.trans(mask), FP8_MAX, MBITS, EMIN)
     if t == 0:
         q_inv = tl.div_rn(1.0, scale)
@@ -455,7 +463,7 @@ def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
         torch._foreach_copy_([m.weight_scale for m in mods], list(s_new.unbind()))
     # written where autograd does not see it: the weights, and the kept casts (a graph that saved one
     # for a backward still to run must fail as after the layer's own write)
-    kept = [t for m in mods for t in (m.fp8_w, m.fp8_w_scale, m.fp8_w_inv, m.fp8_wt_scale, m.fp8_wt_inv)] if cast else []
+    kept = [t for m in mods if cast for t in (m.fp8_w, m.fp8_w_scale, m.fp8_w_inv, m.fp8_wt_scale, m.fp8_wt_inv)]
     torch.autograd.graph.increment_version([m.weight for m in mods] + kept)
     if cast:
         for m in mods:

@@ -271,7 +271,8 @@ def test_o1s_weight_casts_are_the_layers_own_bit_for_bit(recipe, monkeypatch):
     monkeypatch.setattr(optim_fused, "runs_on_triton", lambda t: True)
     ran = []
     real = o2_compile._triton_casts
-    monkeypatch.setattr(o2_compile, "_triton_casts", lambda layers: ran.append((len(layers), real(layers))) or ran[-1][1])
+    monkeypatch.setattr(o2_compile, "_triton_casts",
+                        lambda layers: ran.append((len(layers), real(layers))) or ran[-1][1])
     for step in range(4):
         model(torch.randn(8, 128)).square().sum().backward()
         with torch.no_grad():

@@ -120,7 +120,8 @@ def _optim_variants():
              rows, 4, 3),
             ("optim square sums", "nanofp8.optim_triton:_square_sums_kernel",
              {"table": "*i64", "prog_weight": "*i32", "partial": "*fp32"}, rows, 4, 3),
-            ("optim norms", "nanofp8.optim_triton:_norms_kernel", {"table": "*i64", "partial": "*fp32", "norms": "*fp32"},
+            ("optim norms", "nanofp8.optim_triton:_norms_kernel",
+             {"table": "*i64", "partial": "*fp32", "norms": "*fp32"},
              dict(P_BLOCK=256, ROWS_=ot.ROWS), 4, 3)]
     for e5m2, (fmax, mbits, emin) in ((False, (448.0, 3, -6)), (True, (57344.0, 2, -14))):
         for master in (True, False):  # (False: O1's fp32 weights, cast_weights)
