@@ -159,6 +159,19 @@ def _number(table, w, k: tl.constexpr):
 
 
 @triton.jit
+def _tile(table, tile_weight, TILE_: tl.constexpr):
+    """This program's tile of a weight (R, C): (weight number, R, C, the tile's number in its
+    weight, its rows, its columns, its mask)."""
+    wi = tl.load(tile_weight + tl.program_id(0))
+    R, C = _meta(table, wi, 1), _meta(table, wi, 2)
+    t = tl.program_id(0) - _meta(table, wi, 5)
+    n_col_tiles = tl.cdiv(C, TILE_)
+    rows = (t // n_col_tiles) * TILE_ + tl.arange(0, TILE_)
+    cols = (t % n_col_tiles) * TILE_ + tl.arange(0, TILE_)
+    return wi, R, C, t, rows, cols, (rows[:, None] < R) & (cols[None, :] < C)
+
+
+@triton.jit
 def _dequantize(ptr, scale_ptr, offs, rows, mask, rmask, TY: tl.constexpr):
     """optim.dequantize_blocks: data (fp32) times the reciprocal of its block's scale."""
     inv = tl.div_rn(1.0, tl.load(scale_ptr + rows, mask=rmask, other=1.0))
@@ -260,13 +273,7 @@ def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr
     """Launch 3: the FP8 cast of each new weight (fp8.quantize, one scale for the tensor: its amax
     from launch 2's atomic max), W and W^T, and the master's new scale. MASTER=False: O1's fp32
     weights (cast_weights), their amaxes from _weights_amax_kernel."""
-    wi = tl.load(tile_weight + tl.program_id(0))
-    R, C = _meta(table, wi, 1), _meta(table, wi, 2)
-    t = tl.program_id(0) - _meta(table, wi, 5)
-    n_col_tiles = tl.cdiv(C, TILE_)
-    rows = (t // n_col_tiles) * TILE_ + tl.arange(0, TILE_)
-    cols = (t % n_col_tiles) * TILE_ + tl.arange(0, TILE_)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    wi, R, C, t, rows, cols, mask = _tile(table, tile_weight, TILE_)
     if MASTER:
         s = tl.load(s_new + wi)
         inv = tl.div_rn(1.0, s)  # (a power of two: hp_weight = master * inv is exact, and so is its amax)
@@ -293,13 +300,7 @@ def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr
 def _weights_amax_kernel(table, tile_weight, amax, TILE_: tl.constexpr):
     """max |W| of each fp32 weight (cast_weights), tile by tile, an atomic max per tile (a NaN's
     as inf: the cast's scale falls back to 1.0 for either)."""
-    wi = tl.load(tile_weight + tl.program_id(0))
-    R, C = _meta(table, wi, 1), _meta(table, wi, 2)
-    t = tl.program_id(0) - _meta(table, wi, 5)
-    n_col_tiles = tl.cdiv(C, TILE_)
-    rows = (t // n_col_tiles) * TILE_ + tl.arange(0, TILE_)
-    cols = (t % n_col_tiles) * TILE_ + tl.arange(0, TILE_)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    wi, R, C, t, rows, cols, mask = _tile(table, tile_weight, TILE_)
     x = tl.load(_addr(table, wi, 2, tl.float32) + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
     tl.atomic_max(amax + wi, tl.max(tl.max(_abs_for_amax(x), axis=1), axis=0))
 

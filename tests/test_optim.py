@@ -526,6 +526,18 @@ def _adversarial_grad(shape, step, gen):
     return g
 
 
+def _take_grads(model, grads):
+    """Micro-steps' gradients into an nn.Sequential: an O2 weight's through its layer's take_wgrad
+    (as backward hands them over), the others summed into .grad. grads: per micro-step, one
+    tensor per parameter in model.parameters()' order."""
+    for micro in grads:
+        for (name, p), g in zip(model.named_parameters(), micro):
+            if holds_fp8_grad(p):
+                model[int(name.split(".")[0])].take_wgrad(g)
+            else:
+                p.grad = g.clone() if p.grad is None else p.grad + g
+
+
 def _bits(t):
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -562,12 +574,7 @@ def test_loop_and_foreach_steps_are_bit_equal(v_format, grad_accum, steps):
             grads[1][0][5, 7] = float("nan")
         taken = []
         for m, opt in twins:
-            for micro in grads:
-                for (name, p), g in zip(m.named_parameters(), micro):
-                    if holds_fp8_grad(p):
-                        m[int(name.split(".")[0])].take_wgrad(g)
-                    else:
-                        p.grad = g.clone() if p.grad is None else p.grad + g
+            _take_grads(m, grads)
             if step % 3 == 0:
                 clip_grad_norm(m, 1.0)
             taken.append(opt.step())
@@ -690,12 +697,7 @@ def test_fused_step_matches_the_loop(v_format):
             grads[1][0][5, 7] = float("nan")
         taken = []
         for m, opt in twins:
-            for micro in grads:
-                for (name, p), g in zip(m.named_parameters(), micro):
-                    if holds_fp8_grad(p):
-                        m[int(name.split(".")[0])].take_wgrad(g)
-                    else:
-                        p.grad = g.clone() if p.grad is None else p.grad + g
+            _take_grads(m, grads)
             if step % 3 == 0:
                 clip_grad_norm(m, 1.0)
             if opt is opt1:

@@ -19,7 +19,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 from kernels import _store_fp8
-from test_optim import _adversarial_grad, _code_distance, _same_bits
+from test_optim import _adversarial_grad, _code_distance, _same_bits, _take_grads
 
 from nanofp8 import optim_fused
 from nanofp8.fp8 import E4M3, Recipe, convert_to_fp8, sqnr
@@ -55,13 +55,8 @@ def _micro_steps(twins, step, nan=False):
     grads = [[_adversarial_grad(p.shape, step, gen) for p in m0.parameters()] for _ in range(2)]
     if nan:
         grads[1][0][5, 7] = float("nan")
-    for m, opt in twins:
-        for micro in grads:
-            for (name, p), g in zip(m.named_parameters(), micro):
-                if holds_fp8_grad(p):
-                    m[int(name.split(".")[0])].take_wgrad(g)
-                else:
-                    p.grad = g.clone() if p.grad is None else p.grad + g
+    for m, _ in twins:
+        _take_grads(m, grads)
 
 
 @pytest.mark.parametrize("v_format", ["fp16", "fp8"])
