@@ -224,7 +224,7 @@ def rounding_noise_all(opt, numbers, ts, gs, starts):
     numels = [g.numel() for g in gs]
     device, formats = gs[0].device, opt.rounded_formats()
     firsts = [sum(numels[:k]) for k in range(len(numels))]  # (where each tensor begins in the run)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    as_tensor = lambda values: host_to_device(values, torch.int64, device)  # noqa: E731
     keys = as_tensor([[noise_key(opt.seed, t, i, stream) for stream in range(len(formats))] for i, t in zip(numbers, ts)])
     args = (keys, as_tensor(firsts), as_tensor([s - f for s, f in zip(starts, firsts)]), sum(numels),
             tuple(noise_bits(fmt) for fmt in formats.values()))

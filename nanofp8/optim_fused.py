@@ -125,7 +125,7 @@ def runs_on_triton(p):
 
 def step(opt):
     """Fp8AdamW.step's update on the fused path (the gradients are known to be finite)."""
-    from nanofp8.optim_foreach import count_steps, sort_group, update_plain
+    from nanofp8.optim_foreach import count_steps, host_to_device, sort_group, update_plain
 
     number = {p: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
     for group in opt.param_groups:
@@ -157,9 +157,9 @@ def step(opt):
                 continue
         device = o2[0].device
         formats = opt.rounded_formats()
-        numbers = torch.tensor([step_numbers(t, group) for t in ts], dtype=torch.float32, device=device)
-        keys = torch.tensor([[noise_key(opt.seed, t, number[p], k) for k in range(len(formats))]
-                             for p, t in zip(o2, ts)], dtype=torch.int64, device=device)
+        numbers = host_to_device([step_numbers(t, group) for t in ts], torch.float32, device)
+        keys = host_to_device([[noise_key(opt.seed, t, number[p], k) for k in range(len(formats))]
+                               for p, t in zip(o2, ts)], torch.int64, device)
         tensors = [(mod.weight, mod.weight_scale, q.data, q.scale,
                     st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"])
                    for q, mod, st in zip(grads, mods, sts)]
