@@ -150,7 +150,8 @@ def _abs_for_amax(x):
 @triton.jit
 def _store_fp8(q_ptrs, x, scale, mask, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
                EMIN: tl.constexpr):
-    """Store saturate(x * scale) as fp8: clamp, round to nearest even on the fp8 grid, cast."""
+    """Store saturate(x * scale) as fp8: clamp, round to nearest even on the fp8 grid, cast.
+    Returns the value stored, in fp32 (a non-finite x's: the clamped one, stored as NaN)."""
     x = x.to(tl.float32)  # before any comparison: FLT_MAX would round to inf in bf16/fp16
     y = tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX)
     # The fp8 grid spacing near y is 2^(e - MBITS), e = exponent of y, floored at the
@@ -168,6 +169,7 @@ def _store_fp8(q_ptrs, x, scale, mask, FP8_MAX: tl.constexpr, MBITS: tl.constexp
     q = r.to(q_ptrs.dtype.element_ty).to(tl.uint8, bitcast=True)  # exact: r is on the grid
     q = tl.where(tl.abs(x) <= FLT_MAX, q, NAN_BYTE)  # inf/NaN input -> NaN, never +-max
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty, bitcast=True), mask=mask)
+    return r
 
 
 # -----------------------------------------------------------------------------

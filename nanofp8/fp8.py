@@ -174,6 +174,9 @@ class Fp8Tensor:
     #                            None where a Triton quantizer measured it and kept it on chip)
     data_t: torch.Tensor = None  # the transposed copy, where the quantizer wrote it in the same pass
     _inv: tuple = field(default=None, repr=False, compare=False)  # (scale, 1 / scale), once computed
+    # (scale, the 2-norm of the dequantized values) where the cast that made the data measured it in
+    # the same pass (nanofp8/optim_triton.py's gradient casts): valid while the scale is that one
+    _norm: tuple = field(default=None, repr=False, compare=False)
 
     @property
     def inv_scale(self):

@@ -335,8 +335,8 @@ def step(opt):
 def fp8_grads(params):
     """fp8_grad of each of params (None where it has none), the pending fp16 sums cast to E4M3
     all together (a cast is a dozen small operators: a loop of them launched ~30 kernels per
-    weight): on a GPU one Triton launch (optim_triton.cast_sums), else where its kernels do not
-    run one compiled call; fp8_grad's bytes and scales."""
+    weight): on a GPU two Triton launches that also measure their norms (optim_triton.cast_sums),
+    else where its kernels do not run one compiled call; fp8_grad's bytes and scales."""
     params = list(params)
     held = [p._held_grad for p in params if holds_fp8_grad(p) and p._held_grad.acc is not None]
     cast, accs = None, [h.acc for h in held]
@@ -346,8 +346,10 @@ def fp8_grads(params):
     if cast is None and held and o2_compile._compiled_casts(held[0].acc[0]):
         cast = compiled_or_eager(_cast_sums, "the FP8 casts of the summed weight gradients", accs)
     if cast is not None:
-        for h, (data, scale, amax) in zip(held, cast):
+        for h, (data, scale, amax, *norm) in zip(held, cast):
             h.q, h.acc = wgrad_tensor(data, scale, amax, h.acc[0].shape), None
+            if norm:  # (the Triton cast measured it, for fp8_norms)
+                h.q._norm = (scale, norm[0])
     return [fp8_grad(p) for p in params]
 
 
@@ -360,8 +362,11 @@ _cast_sums.compiled = None
 
 
 def fp8_norms(qs):
-    """The 2-norm of each dequantized FP8 gradient of qs: on a GPU two Triton launches
-    (optim_triton.norms), else where its kernels do not run one compiled call."""
+    """The 2-norm of each dequantized FP8 gradient of qs: the norms their casts measured where
+    they did (fp8_grads on a GPU) and the scales are still those; else on a GPU two Triton
+    launches (optim_triton.norms), else where its kernels do not run one compiled call."""
+    if qs and all(q._norm is not None and q._norm[0] is q.scale for q in qs):
+        return [q._norm[1] for q in qs]
     if qs and triton_takes(qs[0].data):
         norms = on_triton("the norms of the FP8 gradients", lambda ot: ot.norms(qs) if ot.takes_grads(qs) else None)
         if norms is not None:

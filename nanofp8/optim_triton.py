@@ -306,10 +306,11 @@ def _weights_amax_kernel(table, tile_weight, amax, TILE_: tl.constexpr):
 
 
 @triton.jit
-def _cast_sums_kernel(table, prog_weight, ROWS_: tl.constexpr, B: tl.constexpr):
+def _cast_sums_kernel(table, prog_weight, partial, ROWS_: tl.constexpr, B: tl.constexpr):
     """The FP8 gradients of the summed micro-steps (optim_foreach._cast_sums): each weight's fp16
     sum (one power-of-two scale) dequantized and cast to E4M3 with a scale per block of B values
-    (optim.quantize_wgrad), its block amaxes kept (a NaN's as inf: non-finite all the same).
+    (optim.quantize_wgrad), its block amaxes kept (a NaN's as inf: non-finite all the same), and
+    the sum of squares of this program's dequantized FP8 values (their norm: _norms_kernel).
     table rows: the sum, its scale, the E4M3 data, its scales, its amaxes; blocks; first program."""
     p = tl.program_id(0)
     wi = tl.load(prog_weight + p)
@@ -322,8 +323,10 @@ def _cast_sums_kernel(table, prog_weight, ROWS_: tl.constexpr, B: tl.constexpr):
     x = x.to(tl.float32) * inv
     amax = tl.max(_abs_for_amax(x), axis=1)
     scale = _scale_from_amax(amax, 448.0, 1.0, False)
-    _store_fp8(tl.load(table + wi * 7 + 2).to(tl.pointer_type(tl.float8e4nv)) + offs, x, scale[:, None], mask,
-               448.0, 3, -6)
+    r = _store_fp8(tl.load(table + wi * 7 + 2).to(tl.pointer_type(tl.float8e4nv)) + offs, x, scale[:, None], mask,
+                   448.0, 3, -6)
+    d = tl.where(tl.abs(x) <= FLT_MAX, r, float("nan")) * tl.div_rn(1.0, scale)[:, None]  # (dequantize_blocks)
+    tl.store(partial + p, tl.sum(tl.sum(d * d, axis=1), axis=0))
     tl.store(tl.load(table + wi * 7 + 3).to(tl.pointer_type(tl.float32)) + rows, scale, mask=rmask)
     tl.store(tl.load(table + wi * 7 + 4).to(tl.pointer_type(tl.float32)) + rows, amax, mask=rmask)
 
@@ -344,11 +347,13 @@ def _square_sums_kernel(table, prog_weight, partial, ROWS_: tl.constexpr, B: tl.
 
 
 @triton.jit
-def _norms_kernel(table, partial, norms, P_BLOCK: tl.constexpr, ROWS_: tl.constexpr):
+def _norms_kernel(table, partial, norms, ROW: tl.constexpr, BLOCKS_AT: tl.constexpr, P_BLOCK: tl.constexpr,
+                  ROWS_: tl.constexpr):
     """Each weight's norm: the root of the sum of its programs' sums, added in order (the same
-    bits on every run, where atomic adds would not be)."""
+    bits on every run, where atomic adds would not be). A weight's row of the table (ROW numbers)
+    holds its blocks at BLOCKS_AT and its first program after them."""
     wi = tl.program_id(0)
-    first, count = tl.load(table + wi * 4 + 3), tl.cdiv(tl.load(table + wi * 4 + 2), ROWS_)
+    first, count = tl.load(table + wi * ROW + BLOCKS_AT + 1), tl.cdiv(tl.load(table + wi * ROW + BLOCKS_AT), ROWS_)
     acc = tl.zeros([P_BLOCK], tl.float32)
     for c in range(0, count, P_BLOCK):
         i = c + tl.arange(0, P_BLOCK)
@@ -549,26 +554,30 @@ def takes_sums(accs):
 
 
 def cast_sums(accs):
-    """optim_foreach._cast_sums in one launch: [(E4M3 data (blocks, STATE_BLOCK), scales, amaxes)]."""
+    """optim_foreach._cast_sums, and the norm of each FP8 gradient from the same pass, in two
+    launches: [(E4M3 data (blocks, STATE_BLOCK), scales, amaxes, norm)]."""
     device = accs[0][0].device
     blocks = [d.numel() // STATE_BLOCK for d, _ in accs]
     pw, first = _programs(blocks, device)
     out = [(torch.empty(b, STATE_BLOCK, dtype=E4M3.dtype, device=device), torch.empty(b, 1, device=device),
             torch.empty(b, 1, device=device)) for b in blocks]
     table = host_to_device([[d.data_ptr(), s.data_ptr(), *(t.data_ptr() for t in o), b, f]
-                       for (d, s), o, b, f in zip(accs, out, blocks, first)], torch.int64, device)
-    _cast_sums_kernel[(pw.numel(),)](table, pw, ROWS_=ROWS, B=STATE_BLOCK)
-    return out
+                            for (d, s), o, b, f in zip(accs, out, blocks, first)], torch.int64, device)
+    partial, norms = torch.empty(pw.numel(), device=device), torch.empty(len(accs), device=device)
+    _cast_sums_kernel[(pw.numel(),)](table, pw, partial, ROWS_=ROWS, B=STATE_BLOCK)
+    _norms_kernel[(len(accs),)](table, partial, norms, ROW=7, BLOCKS_AT=5, P_BLOCK=256, ROWS_=ROWS)
+    return [(*o, n) for o, n in zip(out, norms.unbind())]
 
 
 def traffic_sums(accs):
-    """(launches, bytes) of cast_sums: the table's copy and one launch (reads each sum, writes the
-    E4M3 data, a scale and an amax per block)."""
-    total = len(accs) * 7 * 8
+    """(launches, bytes) of cast_sums: the table's copy and two launches (the cast reads each sum,
+    writes the E4M3 data, a scale and an amax per block and a sum of squares per program; the
+    norms read those sums)."""
+    total = len(accs) * (7 * 8 + 4)
     for d, _ in accs:
         blocks = d.numel() // STATE_BLOCK
-        total += d.numel() * (d.element_size() + 1) + blocks * 8 + cdiv(blocks, ROWS) * 4 + 4
-    return 2, total
+        total += d.numel() * (d.element_size() + 1) + blocks * 8 + cdiv(blocks, ROWS) * (4 + 4 + 4) + 4
+    return 3, total
 
 
 def takes_grads(qs):
@@ -588,7 +597,7 @@ def norms(qs):
     partial = torch.empty(pw.numel(), device=device)
     out = torch.empty(len(qs), device=device)
     _square_sums_kernel[(pw.numel(),)](table, pw, partial, ROWS_=ROWS, B=STATE_BLOCK)
-    _norms_kernel[(len(qs),)](table, partial, out, P_BLOCK=256, ROWS_=ROWS)
+    _norms_kernel[(len(qs),)](table, partial, out, ROW=4, BLOCKS_AT=2, P_BLOCK=256, ROWS_=ROWS)
     return out
 
 

@@ -234,7 +234,7 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     optim_fused.runs_on_triton = lambda p: True
     from nanofp8 import optim_triton
     stand_ins = {"step_group": _triton_stand_in(triton_calls),
-                 "cast_sums": _counted(triton_calls, optim_triton.traffic_sums, optim_foreach._cast_sums),
+                 "cast_sums": _counted(triton_calls, optim_triton.traffic_sums, _sums_and_norms),
                  "norms": _counted(triton_calls, optim_triton.traffic_norms,
                                    lambda qs: torch.stack(optim_foreach._norms([(q.data, q.scale) for q in qs]))),
                  "cast_weights": lambda layers: _counted(triton_calls, optim_triton.traffic_casts, lambda ls: (
@@ -344,6 +344,14 @@ def _triton_stand_in(calls):
             if isinstance(mode, _Launches):
                 mode.paused = False
     return step_group
+
+
+def _sums_and_norms(accs):
+    """optim_triton.cast_sums' results from the compiled code's reference: [(data, scale, amax, norm)]."""
+    from nanofp8 import optim_foreach
+
+    cast = optim_foreach._cast_sums(accs)
+    return [(*c, n) for c, n in zip(cast, optim_foreach._norms([(d, s) for d, s, _ in cast]))]
 
 
 def _counted(calls, traffic, reference):

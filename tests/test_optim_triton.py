@@ -207,13 +207,15 @@ def test_kernels_that_fail_to_compile_hand_the_step_to_torch_compile(monkeypatch
 
 
 def test_the_gradient_casts_and_norms_are_the_references(monkeypatch):
-    """optim_foreach.fp8_grads and fp8_norms on the kernels (cast_sums: one launch for every
-    weight's fp16 sum; norms: two), against their compiled code's reference run eagerly, on
-    adversarial sums (Gaussians over 10 decades, a spike, zeros, 1e-30, rows 1e6 apart, a NaN, an
-    inf): the E4M3 data, the block scales and the finite block amaxes bit-equal (a block with a NaN
-    keeps inf as its amax where the reference keeps NaN: non-finite either way, the step's verdict);
-    each norm within 2^-20 of the reference's (the sum's order differs) and
-    non-finite exactly where it is."""
+    """optim_foreach.fp8_grads and fp8_norms on the kernels (cast_sums: two launches for every
+    weight's fp16 sum, the cast measuring the norms in its pass; norms: two, for gradients whose
+    scales changed since), against their compiled code's reference run eagerly, on adversarial
+    sums (Gaussians over 10 decades, a spike, zeros, 1e-30, rows 1e6 apart, a NaN, an inf): the
+    E4M3 data, the block scales and the finite block amaxes bit-equal (a block with a NaN keeps
+    inf as its amax where the reference keeps NaN: non-finite either way, the step's verdict);
+    each norm within 2^-20 of the reference's (the sum's order differs) and non-finite exactly
+    where it is: the cast's own (no second pass), and after a clip replaced the scales, measured
+    again."""
     from nanofp8 import optim_foreach
     from nanofp8.optim import _HeldGrad, to_fp16_scaled
 
@@ -236,16 +238,27 @@ def test_the_gradient_casts_and_norms_are_the_references(monkeypatch):
     qs = optim_foreach.fp8_grads(params)
     assert optim_foreach.TRITON_RAN is True
     for q, (data, scale, amax) in zip(qs, ref):
+        assert q._norm is not None and q._norm[0] is q.scale
         assert _same_bits(q.data, data) and _same_bits(q.scale, scale)
         finite = torch.isfinite(amax)
         assert torch.equal(q.amax[finite], amax[finite]) and not torch.isfinite(q.amax[~finite]).any()
-    norms = optim_foreach.fp8_norms(qs)
-    expect = optim_foreach._norms([(q.data, q.scale) for q in qs])
-    for n, e in zip(norms, expect):
-        if torch.isfinite(e):
-            assert abs(float(n) - float(e)) <= 2.0**-20 * float(e), (float(n), float(e))
-        else:
-            assert not torch.isfinite(n)
+    from nanofp8 import optim_triton
+
+    def check(norms):
+        expect = optim_foreach._norms([(q.data, q.scale) for q in qs])
+        for n, e in zip(norms, expect):
+            if torch.isfinite(e):
+                assert abs(float(n) - float(e)) <= 2.0**-20 * float(e), (float(n), float(e))
+            else:
+                assert not torch.isfinite(n)
+
+    measured = optim_triton.norms
+    monkeypatch.setattr(optim_triton, "norms", None)  # (the cast's norms: no second pass to call)
+    check(optim_foreach.fp8_norms(qs))
+    for q in qs:  # as clip_grad_norm leaves them: new scales
+        q.scale = q.scale * 4.0
+    monkeypatch.setattr(optim_triton, "norms", measured)
+    check(optim_foreach.fp8_norms(qs))
 
 
 @pytest.mark.parametrize("recipe", [Recipe(), Recipe(margin=1, power_of_two=True)], ids=["default", "margin-pow2"])

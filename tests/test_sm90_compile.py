@@ -116,13 +116,13 @@ def _optim_variants():
                     {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32", "amax_q": "*fp32", "s_new": "*fp32"},
                     dict(const, BITS16=13, BITS8=20), 4, 3))
     rows = dict(ROWS_=ot.ROWS, B=ot.STATE_BLOCK)
-    out += [("optim cast sums", "nanofp8.optim_triton:_cast_sums_kernel", {"table": "*i64", "prog_weight": "*i32"},
-             rows, 4, 3),
+    out += [("optim cast sums", "nanofp8.optim_triton:_cast_sums_kernel",
+             {"table": "*i64", "prog_weight": "*i32", "partial": "*fp32"}, rows, 4, 3),
             ("optim square sums", "nanofp8.optim_triton:_square_sums_kernel",
              {"table": "*i64", "prog_weight": "*i32", "partial": "*fp32"}, rows, 4, 3),
             ("optim norms", "nanofp8.optim_triton:_norms_kernel",
              {"table": "*i64", "partial": "*fp32", "norms": "*fp32"},
-             dict(P_BLOCK=256, ROWS_=ot.ROWS), 4, 3)]
+             dict(ROW=4, BLOCKS_AT=2, P_BLOCK=256, ROWS_=ot.ROWS), 4, 3)]
     for e5m2, (fmax, mbits, emin) in ((False, (448.0, 3, -6)), (True, (57344.0, 2, -14))):
         for master in (True, False):  # (False: O1's fp32 weights, cast_weights)
             out.append((f"optim cast weight e5m2={e5m2} master={master}", "nanofp8.optim_triton:_cast_weight_kernel",
