@@ -30,10 +30,11 @@ About 20 B per value, 3 launches (and a copy of the table, and a zeroed buffer f
 for all weights. The rounding noise is the same counter hash (optim.counter_noise) computed where
 it is used, in uint32 arithmetic (the reference's int64 products masked to 32 bits are products mod
 2^32, which uint32's wrap is): the same bits, no tensor of noise. Beside the step, on a GPU: the
-summed gradients' casts (cast_sums, one launch for all weights) and their norms for clipping
-(norms, two launches, the sums added in a fixed order: optim_foreach.fp8_grads, fp8_norms), and
-O1's FP8 weight casts after its optimizer's step (cast_weights: each fp32 weight's amax, then
-launch 3; o2_compile.cast_for_step), where compiled code launched four kernels per weight.
+summed gradients' casts with their norms for clipping measured in the same pass (cast_sums: two
+launches for all weights, the sums of squares added in a fixed order; optim_foreach.fp8_grads,
+fp8_norms; norms measures a gradient whose scale changed since), and O1's FP8 weight casts after
+its optimizer's step (cast_weights: each fp32 weight's amax, then launch 3;
+o2_compile.cast_for_step), where compiled code launched four kernels per weight.
 
 Numerics. Each operation is the reference's, in its order, rounded as IEEE fp32 rounds it: the
 divisions and square roots correctly rounded (div_rn, sqrt_rn: Triton's default `/` and sqrt are
