@@ -125,7 +125,7 @@ def runs_on_triton(p):
 
 def step(opt):
     """Fp8AdamW.step's update on the fused path (the gradients are known to be finite)."""
-    from nanofp8.optim_foreach import count_steps, host_to_device, sort_group, update_plain
+    from nanofp8.optim_foreach import count_steps, sort_group, update_plain
 
     number = {p: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
     for group in opt.param_groups:
@@ -133,9 +133,8 @@ def step(opt):
         update_plain(opt, group, plain)
         if not o2:
             continue
-        M, V = opt.moments["m"], opt.moments["v"]
-        sts, mods = [opt.state[p] for p in o2], [opt.o2[p] for p in o2]
-        ts = count_steps(sts)
+        mods = [opt.o2[p] for p in o2]
+        ts = count_steps([opt.state[p] for p in o2])
         if opt.fused_triton is not False and runs_on_triton(o2[0]):
             on = [False] * len(o2)
             try:
@@ -152,24 +151,15 @@ def step(opt):
                               f"{str(e).splitlines()[0] if str(e) else ''}); it runs compiled by torch.compile")
                 opt.fused_triton, on = False, [False] * len(o2)
             # the weights the kernels do not take (optim_triton.steps): compiled, below
-            o2, grads, ts, sts, mods = ([x for x, y in zip(xs, on) if not y] for xs in (o2, grads, ts, sts, mods))
+            o2, grads, ts, mods = ([x for x, y in zip(xs, on) if not y] for xs in (o2, grads, ts, mods))
             if not o2:
                 continue
-        device = o2[0].device
-        formats = opt.rounded_formats()
-        numbers = host_to_device([step_numbers(t, group) for t in ts], torch.float32, device)
-        keys = host_to_device([[noise_key(opt.seed, t, number[p], k) for k in range(len(formats))]
-                               for p, t in zip(o2, ts)], torch.int64, device)
-        tensors = [(mod.weight, mod.weight_scale, q.data, q.scale,
-                    st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"])
-                   for q, mod, st in zip(grads, mods, sts)]
-        # A graph per weight shape and formats (and its state's layouts): a process that steps
-        # many models (the tests) makes more than dynamo's default limit of 8 graphs per
-        # function, which fullgraph=True turns into an error.
-        args = tensors, numbers, keys, [opt.shard_start(p) for p in o2], formats, opt.moments
+        args = group_args(opt, group, o2, grads, ts, [number[p] for p in o2])
         new = []
         if opt.fused:  # (False: an earlier group of this step could not be compiled)
-            try:
+            try:  # (a graph per weight shape and formats, and its state's layouts: a process that steps
+                # many models, the tests, makes more than dynamo's default limit of 8 graphs per
+                # function, which fullgraph=True turns into an error)
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     update_group(*args, one=compiled_update_one(), out=new)
                 opt.fused_compiled = True
@@ -181,6 +171,26 @@ def step(opt):
                               "the next ones the foreach step")
                 opt.fused = False
         update_group(*args, out=new)  # (eagerly, the weights a failed compile left: none where it ran)
-        for st, ((m, m_scale), (v, v_scale)) in zip(sts, new):
-            st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
+        store_moments(opt, o2, new)
         refresh_all(mods)  # the FP8 casts for the next forward, every weight in one call
+
+
+def group_args(opt, group, o2, grads, ts, numbers):
+    """update_group's arguments but `one` for the O2 weights o2 of a param group (their FP8
+    gradients, step counts and parameter numbers)."""
+    from nanofp8.optim_foreach import host_to_device
+
+    M, V, device, formats = opt.moments["m"], opt.moments["v"], o2[0].device, opt.rounded_formats()
+    tensors = [(opt.o2[p].weight, opt.o2[p].weight_scale, q.data, q.scale, opt.state[p][M.key],
+                opt.state[p][M.key + "_scale"], opt.state[p][V.key], opt.state[p][V.key + "_scale"])
+               for p, q in zip(o2, grads)]
+    keys = [[noise_key(opt.seed, t, n, k) for k in range(len(formats))] for t, n in zip(ts, numbers)]
+    return (tensors, host_to_device([step_numbers(t, group) for t in ts], torch.float32, device),
+            host_to_device(keys, torch.int64, device), [opt.shard_start(p) for p in o2], formats, opt.moments)
+
+
+def store_moments(opt, o2, new):
+    """update_group's new moments (its result `new`) into the state of the O2 weights o2."""
+    M, V = opt.moments["m"], opt.moments["v"]
+    for p, ((m, m_scale), (v, v_scale)) in zip(o2, new):
+        opt.state[p].update({M.key: m, M.key + "_scale": m_scale, V.key: v, V.key + "_scale": v_scale})

@@ -233,12 +233,13 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     keep_triton = optim_fused.runs_on_triton
     optim_fused.runs_on_triton = lambda p: True
     from nanofp8 import optim_triton
-    stand_ins = {"step_group": _triton_stand_in(triton_calls),
+    stand_ins = {"step_group": _counted(triton_calls, lambda opt, group, o2, grads, *_: optim_triton.traffic(
+                     opt, o2, grads), _step_group),
                  "cast_sums": _counted(triton_calls, optim_triton.traffic_sums, _sums_and_norms),
                  "norms": _counted(triton_calls, optim_triton.traffic_norms,
                                    lambda qs: torch.stack(optim_foreach._norms([(q.data, q.scale) for q in qs]))),
-                 "cast_weights": lambda layers: _counted(triton_calls, optim_triton.traffic_casts, lambda ls: (
-                     o2_compile._recast(ls, True) or True))(layers) if optim_triton.takes_weights(layers) else None}
+                 "cast_weights": _counted(triton_calls, optim_triton.traffic_casts, _cast_weights,
+                                          takes=optim_triton.takes_weights)}
     keep_triton_fns = {name: getattr(optim_triton, name) for name in stand_ins}
     for name, fn in stand_ins.items():
         setattr(optim_triton, name, fn)
@@ -314,36 +315,23 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
             "top_ops": sorted({op: counter.ops.count(op) for op in counter.ops}.items(), key=lambda kv: -kv[1])[:12]}
 
 
-def _triton_stand_in(calls):
-    """optim_triton.step_group as step_cost runs it without a GPU: its launches and bytes
-    (optim_triton.traffic) kept in `calls`, the update made by the compiled step's eager code and
-    the layers' own casts, none of it counted."""
+def _step_group(opt, group, o2, grads, ts, numbers, step_numbers):
+    """optim_triton.step_group's results, made by the compiled step's code run eagerly and the
+    layers' own casts (step_cost's stand-in: no GPU to run the kernels)."""
+    from nanofp8 import optim_fused
 
-    def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
-        from nanofp8 import optim_fused
-        from nanofp8.optim import noise_key
-        from nanofp8.optim_triton import traffic
+    new = optim_fused.update_group(*optim_fused.group_args(opt, group, o2, grads, ts, numbers))
+    optim_fused.store_moments(opt, o2, new)
+    for p in o2:
+        opt.o2[p].refresh_fp8_weight()
 
-        calls.append(traffic(opt, o2, grads))
-        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        if isinstance(mode, _Launches):
-            mode.paused = True
-        try:
-            M, V = opt.moments["m"], opt.moments["v"]
-            mods, sts = [opt.o2[p] for p in o2], [opt.state[p] for p in o2]
-            tensors = [(mod.weight, mod.weight_scale, q.data, q.scale, st[M.key], st[M.key + "_scale"], st[V.key],
-                        st[V.key + "_scale"]) for q, mod, st in zip(grads, mods, sts)]
-            nums = torch.tensor([step_numbers(t, group) for t in ts], dtype=torch.float32)
-            keys = torch.tensor([[noise_key(opt.seed, t, n, k) for k in range(3)] for t, n in zip(ts, numbers)])
-            new = optim_fused.update_group(tensors, nums, keys, [0] * len(o2), opt.rounded_formats(), opt.moments)
-            for st, ((m, m_scale), (v, v_scale)) in zip(sts, new):
-                st[M.key], st[M.key + "_scale"], st[V.key], st[V.key + "_scale"] = m, m_scale, v, v_scale
-            for mod in mods:
-                mod.refresh_fp8_weight()
-        finally:
-            if isinstance(mode, _Launches):
-                mode.paused = False
-    return step_group
+
+def _cast_weights(layers):
+    """optim_triton.cast_weights' results, made by the compiled casts' code run eagerly."""
+    from nanofp8 import o2_compile
+
+    o2_compile._recast(layers, True)
+    return True
 
 
 def _sums_and_norms(accs):
@@ -354,11 +342,14 @@ def _sums_and_norms(accs):
     return [(*c, n) for c, n in zip(cast, optim_foreach._norms([(d, s) for d, s, _ in cast]))]
 
 
-def _counted(calls, traffic, reference):
+def _counted(calls, traffic, reference, takes=None):
     """An optim_triton function as step_cost runs it: its launches and bytes (traffic) kept in
-    `calls`, its result made by `reference`, not counted."""
+    `calls`, its result made by `reference`, not counted. takes: where the function checks its
+    arguments itself (returns None if it does not take them), the check."""
 
     def run(*args):
+        if takes is not None and not takes(*args):
+            return None
         calls.append(traffic(*args))
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if isinstance(mode, _Launches):
