@@ -185,17 +185,23 @@ def _dequantize(ptr, scale_ptr, offs, rows, mask, rmask, TY: tl.constexpr):
 
 
 @triton.jit
-def _adam_tile(table, prog_weight, V_FP8: tl.constexpr, ROWS_: tl.constexpr, B: tl.constexpr):
+def _adam_tile(table, prog_weight, V_FP8: tl.constexpr, ROWS_: tl.constexpr, B: tl.constexpr,
+               G_FP32: tl.constexpr):
     """This program's blocks of Fp8AdamW.update (optim_fused.update_one's operations, in its
-    order): (weight number, block numbers, element offsets, masks, new fp32 weight, m, v)."""
+    order): (weight number, block numbers, element offsets, masks, new fp32 weight, m, v).
+    G_FP32: the gradient is an fp32 shard (O3), times its clipping factor (slot g_scale)."""
     p = tl.program_id(0)
     wi = tl.load(prog_weight + p)
     rows = (p - _meta(table, wi, 4)) * ROWS_ + tl.arange(0, ROWS_)
     rmask = rows < _meta(table, wi, 0)
     offs = rows[:, None] * B + tl.arange(0, B)[None, :]
     mask = rmask[:, None] & (offs >= 0)
-    g = _dequantize(_addr(table, wi, 0, tl.float8e4nv), _addr(table, wi, 1, tl.float32), offs, rows, mask, rmask,
-                    tl.float8e4nv)
+    if G_FP32:  # (zero.py multiplies the shard by the factor before its update: the same product)
+        g = tl.load(_addr(table, wi, 0, tl.float32) + offs, mask=mask, other=0.0) * tl.load(
+            _addr(table, wi, 1, tl.float32))
+    else:
+        g = _dequantize(_addr(table, wi, 0, tl.float8e4nv), _addr(table, wi, 1, tl.float32), offs, rows, mask,
+                        rmask, tl.float8e4nv)
     w_inv = tl.div_rn(1.0, tl.load(_addr(table, wi, 3, tl.float32)))  # (one scale for the master)
     w = tl.load(_addr(table, wi, 2, tl.float16) + offs, mask=mask, other=0.0).to(tl.float32) * w_inv
     m = _dequantize(_addr(table, wi, 4, tl.float8e4nv), _addr(table, wi, 5, tl.float32), offs, rows, mask, rmask,
@@ -224,9 +230,10 @@ def _adam_tile(table, prog_weight, V_FP8: tl.constexpr, ROWS_: tl.constexpr, B: 
 
 
 @triton.jit
-def _adam_amax_kernel(table, prog_weight, amax_w, V_FP8: tl.constexpr, ROWS_: tl.constexpr, B: tl.constexpr):
+def _adam_amax_kernel(table, prog_weight, amax_w, V_FP8: tl.constexpr, ROWS_: tl.constexpr, B: tl.constexpr,
+                      G_FP32: tl.constexpr = False):
     """Launch 1: max |new weight| of each weight (an atomic max: the same value in any order)."""
-    wi, rows, offs, mask, rmask, w, m, v = _adam_tile(table, prog_weight, V_FP8, ROWS_, B)
+    wi, rows, offs, mask, rmask, w, m, v = _adam_tile(table, prog_weight, V_FP8, ROWS_, B, G_FP32)
     tl.atomic_max(amax_w + wi, tl.max(tl.max(tl.where(mask, tl.abs(w), 0.0), axis=1), axis=0))
 
 
@@ -241,10 +248,21 @@ def _store_e4m3(ptr, scale_ptr, x, noise, offs, rows, mask, rmask):
 
 @triton.jit
 def _adam_store_kernel(table, prog_weight, amax_w, amax_q, s_new, V_FP8: tl.constexpr, ROWS_: tl.constexpr,
-                       B: tl.constexpr, BITS16: tl.constexpr, BITS8: tl.constexpr):
-    """Launch 2: the same update, then the master, m and v rounded into their formats."""
-    wi, rows, offs, mask, rmask, w, m, v = _adam_tile(table, prog_weight, V_FP8, ROWS_, B)
+                       B: tl.constexpr, BITS16: tl.constexpr, BITS8: tl.constexpr, SHARD: tl.constexpr = False):
+    """Launch 2: the same update, then the master, m and v rounded into their formats.
+    SHARD (O3: fp32 gradient shards): also this rank's part of the FP8 weight, cast from the new
+    fp32 weight under the scale of the whole weight's amax (amax_q: launch 1's maxima of every
+    rank, all-reduced), into slot qw, and that scale and its inverse into the slots after it."""
+    wi, rows, offs, mask, rmask, w, m, v = _adam_tile(table, prog_weight, V_FP8, ROWS_, B, SHARD)
     p = tl.program_id(0)
+    if SHARD:  # (gather_shared_scale's quantize, under compute_scale(amax, E4M3))
+        scale = _scale_from_amax(tl.load(amax_q + wi), 448.0, 1.0, False)
+        _store_fp8(_addr(table, wi, 8, tl.float8e4nv) + offs, w, scale, mask, 448.0, 3, -6)
+        if p == _meta(table, wi, 4):
+            for slot in tl.static_range(9, 14, 3):
+                if tl.load(table + wi * ROW_C + slot) != 0:
+                    tl.store(_addr(table, wi, slot, tl.float32), scale)
+                    tl.store(_addr(table, wi, slot + 1, tl.float32), tl.div_rn(1.0, scale))
     element = _meta(table, wi, 3) + offs  # (the noise's counter: the element's number in its weight)
     # the master: fp16 under the tensor's power-of-two scale (optim.to_fp16_scaled)
     s = _pow2_scale(tl.load(amax_w + wi), 4096.0, 12)
@@ -253,7 +271,9 @@ def _adam_store_kernel(table, prog_weight, amax_w, amax_q, s_new, V_FP8: tl.cons
     master = _round_stochastic(w * s, _noise(_meta(table, wi, 6), element, BITS16), 65504.0, 1.5 * 2.0**-14)
     master = master.to(tl.float16)
     tl.store(_addr(table, wi, 2, tl.float16) + offs, master, mask=mask)
-    tl.atomic_max(amax_q + wi, tl.max(tl.max(tl.where(mask, tl.abs(master.to(tl.float32)), 0.0), axis=1), axis=0))
+    if not SHARD:  # (launch 3's amax)
+        tl.atomic_max(amax_q + wi, tl.max(tl.max(tl.where(mask, tl.abs(master.to(tl.float32)), 0.0), axis=1),
+                                          axis=0))
     _store_e4m3(_addr(table, wi, 4, tl.uint8), _addr(table, wi, 5, tl.float32), m,
                 _noise(_meta(table, wi, 7), element, BITS8), offs, rows, mask, rmask)
     if V_FP8:
@@ -295,6 +315,19 @@ def _cast_weight_kernel(table, tile_weight, amax_q, s_new, FP8_MAX: tl.constexpr
             tl.store(_addr(table, wi, slot + 1, tl.float32), q_inv)
         if MASTER:
             tl.store(_addr(table, wi, 3, tl.float32), s)
+
+
+@triton.jit
+def _place_kernel(table, prog_weight, recv, row_len, ROWS_: tl.constexpr, B: tl.constexpr):
+    """O3's FP8 weights from the all-gathered shards: row r of recv holds rank r's shard of every
+    weight, one after another (row_len bytes). table rows: the weight, its values, its shard's
+    length, the shard's offset in a row, its first program."""
+    p = tl.program_id(0)
+    wi = tl.load(prog_weight + p)
+    n, c, off = tl.load(table + wi * 5 + 1), tl.load(table + wi * 5 + 2), tl.load(table + wi * 5 + 3)
+    e = (p - tl.load(table + wi * 5 + 4)) * (ROWS_ * B) + tl.arange(0, ROWS_ * B)
+    x = tl.load(recv + (e // c) * row_len + off + e % c, mask=e < n)
+    tl.store(tl.load(table + wi * 5).to(tl.pointer_type(tl.uint8)) + e, x, mask=e < n)
 
 
 @triton.jit
@@ -477,6 +510,87 @@ def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
             m.mark_cast()
     else:
         refresh_all(mods)
+
+
+def steps_shard(opt, mod, shard):
+    """Whether O3's weight of layer `mod` (this rank's fp32 gradient shard) steps on step_shards:
+    2-D, in blocks of STATE_BLOCK values, its FP8 weight under one E4M3 scale by fp8.compute_scale
+    (the scale gather_shared_scale gives it), every stored tensor contiguous."""
+    shape, granularity, _, rule = mod.weight_layout()
+    st = opt.state[mod.weight]
+    return (opt.moments["m"].fmt is E4M3 and opt.moments["v"].fmt in (E4M3, FP16) and len(shape) == 2
+            and granularity == "tensor" and rule is compute_scale and mod.weight.dtype == E4M3.dtype
+            and shard.dtype == torch.float32 and shard.dim() == 1 and shard.numel() % STATE_BLOCK == 0
+            and st["master"].numel() == shard.numel() and mod.weight.is_contiguous()
+            and all(t.is_contiguous() for t in (shard, *st.values())))
+
+
+def _casts_are_views(mod):
+    """Are an O3 layer's kept FP8 W and W^T (o2_compile.keep_cast) its weight's own bytes (a
+    tensor scale: W as it is, W^T its transpose), so that writing the weight and the kept scales
+    renews them?"""
+    w = mod.weight
+    return (getattr(mod, "_fp8_meta", None) is not None and "w_t" in mod.recipe.transposes
+            and mod.fp8_w.data_ptr() == w.data_ptr() and mod.fp8_w.shape == w.shape
+            and mod.fp8_wt.data_ptr() == w.data_ptr() and mod.fp8_wt.shape == w.shape[::-1]
+            and mod.fp8_w_scale is not mod.weight_scale)
+
+
+def update_shards(opt, group, ps, shards, coef, ts, numbers, step_numbers, share_amax):
+    """ZeroFp8AdamW's update (nanofp8/zero.py) of a group's O3 weights ps, from this rank's fp32
+    gradient shards times the clipping factor `coef` (a 0-d tensor), step counts ts and parameter
+    numbers: launch 1 (each shard's new amax), share_amax (zero.py: the MAX over the ranks, in
+    place), launch 2 (m, v and the master shard stored; the shard's FP8 weight under the shared
+    scale, into one buffer for all weights). Returns (that buffer, place): zero.py gathers every
+    rank's buffer (one row each) and gives it to place, which puts the bytes into the weights (one
+    launch) and then the scales: the masters' (launch 2's), the FP8 weights' (and their kept
+    casts', where those are the weight's own bytes; else the layers cast again)."""
+    mods, sts = [opt.o2[p] for p in ps], [opt.state[p] for p in ps]
+    M, V, device, n = opt.moments["m"], opt.moments["v"], ps[0].device, len(ps)
+    lens = [s.numel() for s in shards]
+    offsets = [sum(lens[:i]) for i in range(n)]
+    send = torch.empty(sum(lens), dtype=E4M3.dtype, device=device)
+    pw, first_prog = _programs([c // STATE_BLOCK for c in lens], device)
+    scratch = torch.zeros(5 * n, dtype=torch.float32, device=device)  # (the atomic maxima start at 0)
+    amax_w, s_new, scale, inv = scratch[:n], scratch[n:2 * n], scratch[2 * n:3 * n], scratch[3 * n:4 * n]
+    views = [_casts_are_views(m) for m in mods]
+    rows = []
+    for i, (mod, st, t, k) in enumerate(zip(mods, sts, ts, numbers)):
+        kept = [mod.fp8_w_scale, mod.fp8_w_inv, None, mod.fp8_wt_scale, mod.fp8_wt_inv] if views[i] else \
+            [scale[i], inv[i], None, None, None]
+        slots = [shards[i], coef, st["master"], st["master_scale"], st[M.key], st[M.key + "_scale"], st[V.key],
+                 st[V.key + "_scale"], send[offsets[i]:], *kept]
+        keys = [noise_key(opt.seed, t, k, j) for j in range(3)]
+        meta = [lens[i] // STATE_BLOCK, 1, lens[i], opt.shard_start(ps[i]), first_prog[i], 0, *keys]
+        bits = struct.unpack("8i", struct.pack("8f", *step_numbers(t, group)))
+        rows.append([0 if x is None else x.data_ptr() for x in slots] + meta + list(bits))
+    table = host_to_device(rows, torch.int64, device)
+    v_fp8 = V.fmt is E4M3
+    _adam_amax_kernel[(pw.numel(),)](table, pw, amax_w, V_FP8=v_fp8, ROWS_=ROWS, B=STATE_BLOCK, G_FP32=True)
+    shared = share_amax(scratch[4 * n:].copy_(amax_w))
+    _adam_store_kernel[(pw.numel(),)](table, pw, amax_w, shared, s_new, V_FP8=v_fp8, ROWS_=ROWS, B=STATE_BLOCK,
+                                      BITS16=noise_bits(FP16), BITS8=noise_bits(E4M3), SHARD=True)
+
+    def place(recv):
+        from nanofp8.o2_compile import refresh_all
+
+        weights = [m.weight for m in mods]
+        pw, first = _programs([cdiv(w.numel(), STATE_BLOCK) for w in weights], device)
+        table = host_to_device([[w.data_ptr(), w.numel(), c, o, f] for w, c, o, f in zip(weights, lens, offsets, first)],
+                               torch.int64, device)
+        _place_kernel[(pw.numel(),)](table, pw, recv, recv.shape[1], ROWS_=ROWS, B=STATE_BLOCK)
+        fp8_scales = [m.fp8_w_scale if v else scale[i] for i, (m, v) in enumerate(zip(mods, views))]
+        torch._foreach_copy_([st["master_scale"] for st in sts] + [m.weight_scale for m in mods],
+                             [s.view(st["master_scale"].shape) for s, st in zip(s_new.unbind(), sts)]
+                             + [s.view(m.weight_scale.shape) for s, m in zip(fp8_scales, mods)])
+        torch.autograd.graph.increment_version(weights + [t for m, v in zip(mods, views) if v for t in (
+            m.fp8_w_scale, m.fp8_w_inv, m.fp8_wt_scale, m.fp8_wt_inv)])
+        for m, v in zip(mods, views):
+            if v:
+                m.mark_cast()
+        refresh_all([m for m, v in zip(mods, views) if not v])
+
+    return send.view(torch.uint8), place
 
 
 def traffic(opt, o2, grads):

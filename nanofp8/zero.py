@@ -37,16 +37,19 @@ The collectives are dist.py's; this file adds the O3 layer, its optimizer, and t
 all-gather that turns the updated shards back into one FP8 weight.
 """
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dist import (COMM, Fp8Chunks, all_gather_fp8, any_nonfinite, gather_wgrads, held_grad_chunks,
-                   held_shard_len, reduce_scatter_fp8)
+from . import optim_fused
+from .dist import (COMM, Fp8Chunks, _all_gather, all_gather_fp8, any_nonfinite, gather_wgrads,
+                   held_grad_chunks, held_shard_len, reduce_scatter_fp8)
 from .fp8 import BLOCK, E4M3, Fp8Tensor, compute_scale, dequantize, expand_tiles, measure_amax, quantize
 from .optim import Fp8AdamW, O2Linear, convert_to_o2, holds_fp8_grad, state_block, to_fp16_scaled
-from .optim_foreach import dequantize_blocks_all, step_chunks, to_fp16_scaled_all, update_decoupled, update_plain
+from .optim_foreach import count_steps, dequantize_blocks_all, step_chunks, to_fp16_scaled_all, update_decoupled, update_plain
 
 
 class O3Linear(O2Linear):
@@ -189,9 +192,9 @@ class ZeroFp8AdamW(Fp8AdamW):
         if not verdict:
             self.skipped_steps += 1
             return False
-        for t in shards + others:
+        for t in others:
             t.mul_(coef.to(t.dtype))
-        return self._update(shards)
+        return self._update(shards, coef)
 
     @torch.no_grad()
     def prepare_step(self, grads_finite=True, max_norm=float("inf"), shards=None):
@@ -207,21 +210,25 @@ class ZeroFp8AdamW(Fp8AdamW):
         others = [p.grad for g in self.param_groups for p in g["params"] if p not in self.o2 and p.grad is not None]
         # The global norm: the shards' squares summed over the ranks (one all-reduce), plus the
         # replicated gradients (already averaged, the same on every rank: counted once).
-        sq = torch.stack([s.square().sum() for s in shards] + [torch.zeros((), device=shards[0].device if shards else None)]).sum()
+        sq = torch.stack([n.square() for n in torch._foreach_norm(shards)] +  # (one multi-tensor reduction)
+                         [torch.zeros((), device=shards[0].device if shards else None)]).sum()
         if self.world > 1:
             dist.all_reduce(sq, group=self.group)
             COMM.add("grad_norm", sq.nbytes, sq.nbytes * 2 * (self.world - 1) / self.world)
-        sq = sq + sum((g.float().square().sum() for g in others), torch.zeros((), device=sq.device))
+        sq = sq + sum((n.square() for n in torch._foreach_norm(others, 2, dtype=torch.float32)),
+                      torch.zeros((), device=sq.device))
         self.grad_norm = sq.sqrt()
         # Every rank asks (the same collectives on every rank, whatever its local verdict), and
         # the caller's verdict and the norm are folded into the one flag, so all ranks skip or
-        # step together.
+        # step together. The norm is the finiteness check: an inf or NaN in any shard of any rank,
+        # or among the replicated gradients, makes it non-finite (through the sum), and so does a
+        # square that overflows fp32 (a step no one should take either).
         mine = torch.as_tensor(grads_finite, dtype=torch.float32, device=self.grad_norm.device)
-        flags = shards + others + [torch.where(mine > 0, self.grad_norm, torch.nan)]
+        flags = [torch.where(mine > 0, self.grad_norm, torch.nan)]
         self._prepared = (shards, others, torch.clamp(max_norm / (self.grad_norm + 1e-6), max=1.0))
         return 1.0 - any_nonfinite(flags, self.group)
 
-    def _update(self, shards):
+    def _update(self, shards, coef):
         # 2. AdamW on the local shards: O2's update (Fp8AdamW.update, or its foreach twin), each
         # shard's fp16 master kept in the state; the replicated parameters as O2 updates them
         shard = dict(zip(self.o2, shards))
@@ -230,6 +237,9 @@ class ZeroFp8AdamW(Fp8AdamW):
         for group in self.param_groups:
             mine = [p for p in group["params"] if p in self.o2]
             update_plain(self, group, [p for p in group["params"] if p not in self.o2 and p.grad is not None])
+            mine = self._step_on_triton(group, mine, shard, coef, number)  # (on a GPU: steps 2 and 3)
+            for p in mine:
+                shard[p].mul_(coef)  # (the clipping)
             for i, j in step_chunks([shard[p] for p in mine]):  # (runs that bound the temporaries)
                 part, sts = mine[i:j], [self.state[p] for p in mine[i:j]]
                 gs = [shard[p] for p in part]
@@ -244,6 +254,58 @@ class ZeroFp8AdamW(Fp8AdamW):
         for (p, _), (data, s) in zip(new, gathered):
             self.o2[p].set_fp8_weight(data[: p.numel()], s)
         return True
+
+
+    def _step_on_triton(self, group, mine, shard, coef, number):
+        """Steps 2 and 3 for the weights of `mine` that nanofp8/optim_triton.py's kernels take (on a
+        GPU, where optim_fused.runs_on_triton): its launches, with this file's two collectives
+        between them (the MAX all-reduce of the new amaxes, one all-gather of every weight's FP8
+        shard); the same bits as below (tests/test_zero.py). Returns the weights left to step here.
+        A kernel that fails the first time (a GPU's toolchain) costs a warning, and the foreach step."""
+        if not mine or self.fused_triton is False or not optim_fused.runs_on_triton(mine[0]):
+            return mine
+        try:
+            from nanofp8 import optim_triton  # (Triton and kernels.py: imported where they run)
+            on = [p for p in mine if optim_triton.steps_shard(self, self.o2[p], shard[p])]
+        except ImportError as e:
+            on, self.fused_triton = [], self._triton_failed(e)
+        if not on:
+            return mine
+        steps = [self.state[p]["step"] for p in on]
+        try:
+            send, place = optim_triton.update_shards(
+                self, group, on, [shard[p] for p in on], coef, count_steps([self.state[p] for p in on]),
+                [number[p] for p in on], optim_fused.step_numbers, self._max_over_ranks)
+        except Exception as e:  # (a kernel's compile, before it wrote any state: on every rank alike)
+            if self.fused_triton:
+                raise
+            torch._foreach_sub_(steps, 1)
+            self.fused_triton = self._triton_failed(e)
+            return mine
+        place(self._gather_rows(send))
+        self.fused_triton = True
+        taken = {id(p) for p in on}
+        return [p for p in mine if id(p) not in taken]
+
+    @staticmethod
+    def _triton_failed(e):
+        warnings.warn(f"nanofp8: the O3 step's Triton kernels failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); the shards take the foreach step")
+        return False
+
+    def _max_over_ranks(self, amax):
+        """gather_shared_scale's MAX all-reduce, of the new weights' amaxes (in place)."""
+        if self.world > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+            COMM.add("all_reduce_amax", amax.nbytes, amax.nbytes * 2 * (self.world - 1) / self.world)
+        return amax
+
+    def _gather_rows(self, send):
+        """Every rank's bytes `send` (its FP8 shards of a group's weights), one row per rank."""
+        recv = send.new_empty(self.world * send.numel())
+        _all_gather(recv, send, group=self.group)
+        COMM.add("all_gather_fp8", send.nbytes, send.nbytes * (self.world - 1), torch.float8_e4m3fn)
+        return recv.view(self.world, -1)
 
 
 def _shard_amax(w, shape, granularity, lo, block=(BLOCK, BLOCK)):

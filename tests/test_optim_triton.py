@@ -15,10 +15,12 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import triton
 import triton.language as tl
 from kernels import _store_fp8
+from conftest import spawn
 from test_optim import _adversarial_grad, _code_distance, _same_bits, _take_grads
 
 from nanofp8 import optim_fused
@@ -300,3 +302,87 @@ def test_o1s_weight_casts_are_the_layers_own_bit_for_bit(recipe, monkeypatch):
             assert torch.equal(m.fp8_wt.view(torch.uint8), qwt.data.view(torch.uint8)), step
             assert torch.equal(m.gemm_bias_kept, m.bias.detach().to(torch.bfloat16)), step
     assert ran == [(3, True)] * 4  # (the kernels made them, every step)
+
+
+def _o3_worker(rank, world, v_format):
+    """Two O3 twins on each rank, the first on the foreach step, the second on the kernels
+    (step_shards), fed the same adversarial gradient shards (test_o3s_triton_step_...)."""
+    import torch.nn.functional as F
+
+    from nanofp8.dist import held_shard_len
+    from nanofp8.zero import ZeroFp8AdamW, convert_to_o3
+
+    # 40 x 56 and 48 x 40: shards of 1152 and 1024 values, the last zero-padded past the weight's
+    # 2240 and 1920; 50 x 48: shards of 1216, not in blocks of 128 (not the kernels')
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 128), nn.Linear(128, 64, bias=False),
+                         nn.Linear(64, 56), nn.Linear(56, 40), nn.Linear(40, 48), nn.Linear(48, 50))
+    twins = []
+    for _ in range(2):
+        m = convert_to_o3(convert_to_fp8(copy.deepcopy(base), Recipe()))
+        twins.append((m, ZeroFp8AdamW(m.parameters(), m, lr=1e-2, weight_decay=0.1, betas=(0.75, 0.95),
+                                      v_format=v_format)))
+    (m0, opt0), (m1, opt1) = twins
+    mine = {id(p) for p in m1.parameters()}
+    optim_fused.runs_on_triton = lambda p: id(p) in mine  # (a spawned process: no monkeypatch)
+    off = total = 0
+    for step in range(7):
+        gen = torch.Generator().manual_seed(step)
+        grads = [_adversarial_grad(p.shape, step, gen) for p in m0.parameters()]
+        if step == 5 and rank == 1:
+            grads[0][-1, 3] = float("nan")  # (in rank 1's shard: every rank must skip)
+        for m, opt in twins:
+            shards = {}
+            for p, g in zip(m.parameters(), grads):
+                if p in opt.o2:
+                    c = held_shard_len(p, world)
+                    shards[p] = F.pad(g.reshape(-1), (0, world * c - p.numel()))[rank * c:(rank + 1) * c].clone()
+                else:
+                    p.grad = g.clone()
+            assert opt.step(max_norm=1.0 if step % 3 == 0 else float("inf"), shards=shards) == (step != 5)
+            opt.zero_grad()
+        assert opt1.fused_triton is True
+        for l0, l1 in zip(m0, m1):
+            if not hasattr(l0, "weight"):
+                continue
+            p0, p1 = l0.weight, l1.weight
+            st0, st1 = opt0.state[p0], opt1.state[p1]
+            if st0["master"].numel() % 128:  # (not the kernels': the same code both sides)
+                assert all(_same_bits(st0[k], st1[k]) for k in st0) and _same_bits(p0, p1)
+                continue
+            for k in ("master", "exp_avg", "exp_avg_sq", "weight"):
+                a, b = (p0, p1) if k == "weight" else (st0[k], st1[k])
+                d = _code_distance(a.detach(), b.detach())
+                assert d.max() <= (1 if k != "master" else 2**10), (step, k)  # (see the O2 test on the masters)
+                off, total = off + int((d > 0).sum()), total + d.numel()
+            for a, b in ((st0["master_scale"], st1["master_scale"]), (l0.weight_scale, l1.weight_scale),
+                         (st0["exp_avg_scale"], st1["exp_avg_scale"]), (st0["exp_avg_sq_scale"], st1["exp_avg_sq_scale"]),
+                         *((getattr(l0, k), getattr(l1, k)) for k in ("fp8_w_scale", "fp8_w_inv", "fp8_wt_scale",
+                                                                     "fp8_wt_inv"))):
+                assert torch.allclose(a, b, rtol=2.0**-20, atol=0), step
+            w, wt = l1.cast_weight()  # (the layer's kept casts: its new weight's)
+            assert _same_bits(l1.fp8_w, w.data) and _same_bits(l1.fp8_w_scale, w.scale), step
+            assert _same_bits(l1.fp8_wt_inv, wt.inv_scale) and _same_bits(l1.fp8_wt, wt.data), step
+            # every rank holds the same FP8 weight
+            both = [torch.empty_like(p1.view(torch.uint8)) for _ in range(world)]
+            dist.all_gather(both, p1.detach().view(torch.uint8))
+            assert all(torch.equal(both[0], b) for b in both), step
+        for p0, p1 in zip(m0.parameters(), m1.parameters()):
+            if p0 not in opt0.o2:
+                assert _same_bits(p0, p1)
+    print(f"O3 Triton vs foreach, rank {rank}, v {v_format}: {off} of {total} stored values one code apart")
+    assert off <= 1e-3 * total
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("v_format", ["fp16", "fp8"])
+def test_o3s_triton_step_matches_its_foreach_step(v_format):
+    """O3's step on the kernels (optim_triton.step_shards: launch 1 from fp32 gradient shards
+    times the clipping factor, the MAX all-reduce of the amaxes, launch 2 writing the state and the
+    FP8 shard under the shared scale, one all-gather, the bytes put into the weights) against
+    its foreach step (nanofp8/zero.py), on 2 gloo ranks: 7 steps of adversarial gradient shards,
+    clipped every third step, a NaN in one rank's shard that every rank skips; weights whose last
+    shard is padded; one the kernels do not take (48 x 50: bit-equal, the same code both sides).
+    The bounds of test_the_triton_step_matches_the_fused_step; the kept casts are the new weight's,
+    the weight the same bytes on every rank."""
+    spawn(_o3_worker, 2, v_format)

@@ -104,7 +104,8 @@ def _quantizer_variants():
 
 def _optim_variants():
     """The O2 step's kernels (nanofp8/optim_triton.py) as it launches them: v in fp16 and as
-    sqrt(v) in E4M3; the weight cast to E4M3 and to E5M2; the gradient sums' casts and norms."""
+    sqrt(v) in E4M3; the weight cast to E4M3 and to E5M2; the gradient sums' casts and norms;
+    O3's update of its shards and the placing of the gathered weights."""
     from nanofp8 import optim_triton as ot
 
     out = []
@@ -115,6 +116,12 @@ def _optim_variants():
         out.append((f"optim adam store v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_store_kernel",
                     {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32", "amax_q": "*fp32", "s_new": "*fp32"},
                     dict(const, BITS16=13, BITS8=20), 4, 3))
+        # O3's (step_shards): fp32 gradient shards; the FP8 shard under the shared scale
+        out.append((f"optim adam amax o3 v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_amax_kernel",
+                    {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32"}, dict(const, G_FP32=True), 4, 3))
+        out.append((f"optim adam store o3 v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_store_kernel",
+                    {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32", "amax_q": "*fp32", "s_new": "*fp32"},
+                    dict(const, BITS16=13, BITS8=20, SHARD=True), 4, 3))
     rows = dict(ROWS_=ot.ROWS, B=ot.STATE_BLOCK)
     out += [("optim cast sums", "nanofp8.optim_triton:_cast_sums_kernel",
              {"table": "*i64", "prog_weight": "*i32", "partial": "*fp32"}, rows, 4, 3),
@@ -131,6 +138,8 @@ def _optim_variants():
                              TILE_=ot.TILE, MASTER=master), 4, 3))
     out.append(("optim weights amax", "nanofp8.optim_triton:_weights_amax_kernel",
                 {"table": "*i64", "tile_weight": "*i32", "amax": "*fp32"}, dict(TILE_=ot.TILE), 4, 3))
+    out.append(("optim place o3", "nanofp8.optim_triton:_place_kernel",
+                {"table": "*i64", "prog_weight": "*i32", "recv": "*u8", "row_len": "i64"}, rows, 4, 3))
     return out
 
 
@@ -234,13 +243,13 @@ def test_the_o2_step_kernels_compile_for_sm90(compiled):
     CUDA kernels that tests/test_optim_triton.py states), no flush of subnormals (.ftz: the fp16
     master and v keep subnormals), and the amaxes of the launches as atomic maxima."""
     optim = {r["name"]: r for r in compiled if r["name"].startswith("optim")}
-    assert len(optim) == 12
+    assert len(optim) == 17
     for name, r in optim.items():
         assert r["shared"] <= H100_SHARED and r["spills"] == 0, r
         assert not r["ftz"] and not r["approx"], r
         if any(k in name for k in ("adam", "cast", "square")):  # (the kernels that divide)
             assert r["div_rn"], name
-        if "adam" in name or name == "optim weights amax":
+        if ("adam" in name and "store o3" not in name) or name == "optim weights amax":
             assert r["atomic_max"], name
         if "adam" in name:
             assert r["sqrt_rn"], name
