@@ -49,9 +49,15 @@ within test_fused_step_matches_the_loop's bounds of the fused step's code; tests
 compiles them for sm_90 (correctly rounded, no flush of subnormals, no spills).
 
 What it takes (steps() says it per weight; the others take optim_fused's compiled step): O2
-weights unsharded (O3's shards step on their own path), 2-D, in blocks of 128 values, their state
-contiguous. Launch 3 makes the recipe's cast where it is current scaling with one scale for the
-tensor and W^T its transpose (casts_weights); else o2_compile.refresh_all casts after launch 2.
+weights unsharded, 2-D, in blocks of 128 values, their state contiguous. Launch 3 makes the
+recipe's cast where it is current scaling with one scale for the tensor and W^T its transpose
+(casts_weights); else o2_compile.refresh_all casts after launch 2.
+
+O3 (nanofp8/zero.py) takes launches 1 and 2 for its shards (update_shards; steps_shard says which):
+the gradient is the reduce-scattered fp32 shard, times the clipping factor as it is read, and
+launch 2 also casts the shard's new fp32 weight to E4M3 under the scale of the whole weight's amax
+(launch 1's, a MAX over the ranks between the launches), the bytes the ranks then all-gather;
+_place_kernel puts the gathered bytes into the weights. The master's scale is the shard's own.
 """
 
 import struct

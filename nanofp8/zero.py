@@ -24,7 +24,10 @@ scales: 1 + 1/32 B per parameter on the wire, and the receiver sums in fp32), ru
 local shard in fp32, then all-gather the updated shards in FP8 (1 B per parameter). For the
 gathered bytes to form one valid per-tensor FP8 weight, every rank must quantize its shard with
 the same scale: the ranks agree on it with one small MAX all-reduce of the shard amaxes (4
-bytes per weight tensor).
+bytes per weight tensor). On a GPU the update and that cast are nanofp8/optim_triton.py's
+(update_shards): per param group one launch for the new weights' amaxes, the MAX all-reduce, one
+launch that stores m, v, the master and the FP8 shard (every weight's in one buffer), one
+all-gather of those buffers, one launch that puts the bytes into the weights.
 
 Shards are cut from each weight flattened: rank r owns values [r*C, (r+1)*C) with
 C = held_shard_len(p, N) (whole blocks of 128 values), the tail zero-padded. A checkpoint holds
