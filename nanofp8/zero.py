@@ -195,8 +195,8 @@ class ZeroFp8AdamW(Fp8AdamW):
         if not verdict:
             self.skipped_steps += 1
             return False
-        for t in others:
-            t.mul_(coef.to(t.dtype))
+        for dtype in {t.dtype for t in others}:
+            torch._foreach_mul_([t for t in others if t.dtype == dtype], coef.to(dtype))
         return self._update(shards, coef)
 
     @torch.no_grad()
@@ -213,13 +213,11 @@ class ZeroFp8AdamW(Fp8AdamW):
         others = [p.grad for g in self.param_groups for p in g["params"] if p not in self.o2 and p.grad is not None]
         # The global norm: the shards' squares summed over the ranks (one all-reduce), plus the
         # replicated gradients (already averaged, the same on every rank: counted once).
-        sq = torch.stack([n.square() for n in torch._foreach_norm(shards)] +  # (one multi-tensor reduction)
-                         [torch.zeros((), device=shards[0].device if shards else None)]).sum()
+        sq = _sum_squares(shards, shards[0].device if shards else None)
         if self.world > 1:
             dist.all_reduce(sq, group=self.group)
             COMM.add("grad_norm", sq.nbytes, sq.nbytes * 2 * (self.world - 1) / self.world)
-        sq = sq + sum((n.square() for n in torch._foreach_norm(others, 2, dtype=torch.float32)),
-                      torch.zeros((), device=sq.device))
+        sq = sq + _sum_squares(others, sq.device)
         self.grad_norm = sq.sqrt()
         # Every rank asks (the same collectives on every rank, whatever its local verdict), and
         # the caller's verdict and the norm are folded into the one flag, so all ranks skip or
@@ -309,6 +307,14 @@ class ZeroFp8AdamW(Fp8AdamW):
         _all_gather(recv, send, group=self.group)
         COMM.add("all_gather_fp8", send.nbytes, send.nbytes * (self.world - 1), torch.float8_e4m3fn)
         return recv.view(self.world, -1)
+
+
+def _sum_squares(tensors, device):
+    """The sum of the squares of every value of `tensors`, in fp32: their norms in one multi-tensor
+    reduction (a GPU launches one kernel for all of them), squared and added."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 def _shard_amax(w, shape, granularity, lo, block=(BLOCK, BLOCK)):

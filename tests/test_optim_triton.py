@@ -386,3 +386,50 @@ def test_o3s_triton_step_matches_its_foreach_step(v_format):
     The bounds of test_the_triton_step_matches_the_fused_step; the kept casts are the new weight's,
     the weight the same bytes on every rank."""
     spawn(_o3_worker, 2, v_format)
+
+
+def _o3_launches_worker(rank, world):
+    from nanofp8 import optim_triton, schedule
+    from nanofp8.dist import held_shard_len
+    from nanofp8.zero import ZeroFp8AdamW, convert_to_o3
+
+    triton_launches = []
+    for name in ("_adam_amax_kernel", "_adam_store_kernel", "_place_kernel"):
+        kernel = getattr(optim_triton, name)
+
+        class Counted:  # (kernel[grid](...): counted, then launched)
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                triton_launches.append(name)
+                return kernel[grid]
+        setattr(optim_triton, name, Counted())
+    counts = {}
+    for layers in (1, 3):
+        for on in (False, True):
+            torch.manual_seed(0)
+            m = convert_to_o3(convert_to_fp8(nn.Sequential(*[nn.Linear(256, 256) for _ in range(layers)]), Recipe()))
+            opt = ZeroFp8AdamW(m.parameters(), m, lr=1e-2)
+            optim_fused.runs_on_triton = lambda p, on=on: on
+            for _ in range(2):  # (the second step counted: the state exists)
+                shards = {p: torch.randn(held_shard_len(p, world)) for p in opt.o2}
+                for p in m.parameters():
+                    if p not in opt.o2:
+                        p.grad = torch.randn_like(p)
+                counter = schedule._Launches(host=[st["step"] for st in opt.state.values()])
+                triton_launches.clear()
+                with counter:
+                    assert opt.step(max_norm=1.0, shards=shards)
+                opt.zero_grad()
+            counts[layers, on] = len(counter.ops), list(triton_launches)
+    print(f"rank {rank}: {counts}")
+    assert counts[1, True] == counts[3, True], counts  # (whatever the depth)
+    assert counts[1, True][1] == ["_adam_amax_kernel", "_adam_store_kernel", "_place_kernel"]
+    assert counts[3, True][0] < 60 and counts[3, False][0] > 5 * counts[3, True][0], counts
+
+
+@pytest.mark.dist
+def test_o3s_triton_step_is_a_few_launches_whatever_the_depth():
+    """O3's step on the kernels: three Triton launches and the same few dozen operators (tables,
+    the norm, the replicated parameters' foreach step, scale copies, collectives) at 1 and 3
+    layers, where the foreach step launches hundreds, more with every layer (counted as
+    nanofp8/schedule.py counts a step: the ATen operators that launch work, a foreach call one)."""
+    spawn(_o3_launches_worker, 2)
