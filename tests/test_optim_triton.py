@@ -406,7 +406,7 @@ def _o3_launches_worker(rank, world):
     for layers in (1, 3):
         for on in (False, True):
             torch.manual_seed(0)
-            m = convert_to_o3(convert_to_fp8(nn.Sequential(*[nn.Linear(256, 256) for _ in range(layers)]), Recipe()))
+            m = convert_to_o3(convert_to_fp8(nn.Sequential(*[nn.Linear(128, 128) for _ in range(layers)]), Recipe()))
             opt = ZeroFp8AdamW(m.parameters(), m, lr=1e-2)
             optim_fused.runs_on_triton = lambda p, on=on: on
             for _ in range(2):  # (the second step counted: the state exists)
