@@ -25,8 +25,9 @@ Delayed scaling's amax histories, updated after the graph. A compiled graph reco
 amax in the layer's cast_log (one small write) and takes its scale as an input; push_amaxes puts
 the recorded amaxes into the histories after the graph (train.py calls it after each backward),
 where updating them inside it cost several small kernels per cast (nanofp8/fp8.py,
-Fp8Linear.delayed_quantize). On a GPU both the step's casts and the pushes run compiled
-(compiled_or_eager): one call for all layers instead of a loop of small launches.
+Fp8Linear.delayed_quantize). On a GPU the step's casts run compiled (compiled_or_eager): one
+call for all layers instead of a loop of small launches; the pushes take one Triton launch for all
+layers (nanofp8/history_triton.py), or where its kernel does not take them, compiled too.
 """
 
 import warnings
@@ -187,12 +188,28 @@ def push_amaxes(model):
     module, or a list of layers) in training, on a GPU compiled into a few kernels."""
     layers = [m for m in (model.modules() if isinstance(model, torch.nn.Module) else model)
               if isinstance(m, Fp8Linear) and m.recipe.scaling == "delayed" and m.training]
-    if layers and _compiled_casts(layers[0]):
+    if layers and _triton_pushes(layers):
+        pass
+    elif layers and _compiled_casts(layers[0]):
         compiled_or_eager(_push_histories, "the amax history updates", layers)
     elif layers:
         _push_histories(layers)
     for m in layers:
         m.mark_warm()
+
+
+def _triton_pushes(layers):
+    """push_amaxes' pushes in one launch for all layers (nanofp8/history_triton.py), where the
+    step's Triton kernels run (a GPU) and take these layers; whether they ran."""
+    from nanofp8 import optim_foreach  # (it imports this file)
+
+    return optim_foreach.triton_takes(layers[0].amax_history) and optim_foreach.on_triton(
+        "the amax history updates", lambda _: _history_triton().push_histories(layers)) is not None
+
+
+def _history_triton():
+    from nanofp8 import history_triton  # (Triton and kernels.py: imported where they run)
+    return history_triton
 
 
 def _push_histories(layers):
