@@ -28,14 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import FLT_MAX, FP8_FORMATS, _scale_from_amax
-from nanofp8.fp8 import CAST_LOG, compute_scale
+from kernels import FLT_MAX, FP8_FORMATS, _abs_for_amax, _scale_from_amax, _store_fp8, cdiv
+from nanofp8.fp8 import CAST_LOG, clip_edge, compute_scale
 from nanofp8.optim_foreach import host_to_device
+from nanofp8.optim_triton import NMETA, NSLOT, ROW_C, TILE, _addr, _fp8_addr, _own_wt, _programs, _tile
 
 # a layer's row of the table: the addresses of its buffers, in this order
 BUFFERS = ("cast_log", "amax_history", "history_count", "nonfinite", "cast_values", "clipped", "scale",
            "next_scale_0", "next_scale_1", "next_scale_2", "next_inv_0", "next_inv_1", "next_inv_2")
-NBUF = tl.constexpr(len(BUFFERS))
+NB = tl.constexpr(len(BUFFERS))
+NBUF = tl.constexpr(len(BUFFERS) + 3)  # (and the weight's cast: its amax, its clipped count, its values)
 NLOG = tl.constexpr(len(CAST_LOG))  # (amax, nonfinite, values, clipped, scale)
 
 
@@ -47,14 +49,33 @@ def _buf(table, slot: tl.constexpr, TY: tl.constexpr):
 
 @triton.jit
 def _push_kernel(table, H: tl.constexpr, HP: tl.constexpr, MOST_RECENT: tl.constexpr, FWD_MAX: tl.constexpr,
-                 BWD_MAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr):
+                 BWD_MAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, HAS_CAST: tl.constexpr):
     """Fp8Linear.push_history of one layer per program (H: the history's length, HP: a power of two
-    at least H; the roles INPUT, WEIGHT, GRAD_OUTPUT are rows 0-2 of 4)."""
+    at least H; the roles INPUT, WEIGHT, GRAD_OUTPUT are rows 0-2 of 4). HAS_CAST: first the
+    weight's cast of _delayed_cast_kernel into the log's WEIGHT row, as delayed_quantize logs it
+    (fp8._logged)."""
     r = tl.arange(0, 4)
     rm = r < 3
     log = _buf(table, 0, tl.float64) + r * NLOG
-    amax = tl.load(log, mask=rm, other=0.0).to(tl.float32)
+    amax64 = tl.load(log, mask=rm, other=0.0)
     values = tl.load(log + 2, mask=rm, other=0.0)
+    if HAS_CAST:
+        row = table + tl.program_id(0) * NBUF
+        a = tl.load(tl.load(row + NB).to(tl.pointer_type(tl.float32)))  # (its amax: inf for a NaN)
+        finite = a <= FLT_MAX
+        over = tl.load(tl.load(row + NB + 1).to(tl.pointer_type(tl.int32))).to(tl.float64)
+        w = r == 1
+        nonfinite, clipped = tl.load(log + 1, mask=rm, other=0.0), tl.load(log + 3, mask=rm, other=0.0)
+        used = tl.load(log + 4, mask=rm, other=0.0)
+        tl.store(log, tl.where(w, tl.maximum(amax64, a.to(tl.float64), propagate_nan=tl.PropagateNan.ALL), amax64),
+                 mask=rm)
+        tl.store(log + 1, nonfinite + tl.where(w, tl.where(finite, 0.0, 1.0), 0.0), mask=rm)
+        tl.store(log + 2, tl.where(w, values + tl.load(row + NB + 2).to(tl.float64), values), mask=rm)
+        tl.store(log + 3, clipped + tl.where(w, tl.where(finite, over, 0.0), 0.0), mask=rm)
+        tl.store(log + 4, tl.where(w, tl.load(_buf(table, 8, tl.float32)).to(tl.float64), used), mask=rm)
+        tl.debug_barrier()  # (the push below reads the log)
+        amax64, values = tl.load(log, mask=rm, other=0.0), tl.load(log + 2, mask=rm, other=0.0)
+    amax = amax64.to(tl.float32)
     cast = values > 0
     new = cast & (tl.abs(amax) <= FLT_MAX)  # (a cast, and its amax finite: not NaN, not inf)
     # the history, newest first: the new amax in front, the others one place back
@@ -97,6 +118,30 @@ def _add_counts(table, log, r, rm):
                  mask=rm)
 
 
+@triton.jit
+def _delayed_cast_kernel(table, tile_weight, amax, over, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
+                         EMIN: tl.constexpr, E5M2: tl.constexpr, CLIP_EDGE: tl.constexpr, TILE_: tl.constexpr):
+    """O1's weight casts under delayed scaling (Fp8Linear.delayed_quantize of the weight), tile by
+    tile: W (and W^T where the layer keeps its own) under the layer's next weight scale; each
+    weight's amax (an atomic max, a NaN's as inf) and count of values beyond the format's rounding
+    edge (fp8.clip_edge, an atomic add); the kept casts' scales and inverses. optim_triton's table:
+    slot g the next scale, g_scale its inverse, w the fp32 weight, qw... the kept casts."""
+    wi, R, C, t, rows, cols, mask = _tile(table, tile_weight, TILE_)
+    scale = tl.load(_addr(table, wi, 0, tl.float32))
+    x = tl.load(_addr(table, wi, 2, tl.float32) + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+    _store_fp8(_fp8_addr(table, wi, 8, E5M2) + rows[:, None] * C + cols[None, :], x, scale, mask, FP8_MAX, MBITS, EMIN)
+    if tl.load(table + wi * ROW_C + 11) != 0:  # the layer keeps W^T apart (else a view of W)
+        _store_fp8(_fp8_addr(table, wi, 11, E5M2) + cols[:, None] * R + rows[None, :], tl.trans(x), scale,
+                   tl.trans(mask), FP8_MAX, MBITS, EMIN)
+    tl.atomic_max(amax + wi, tl.max(tl.max(_abs_for_amax(x), axis=1), axis=0))
+    tl.atomic_add(over + wi, tl.sum(tl.sum(tl.where(mask & (tl.abs(x * scale) > CLIP_EDGE), 1, 0), axis=1), axis=0))
+    if t == 0:
+        inv = tl.load(_addr(table, wi, 1, tl.float32))
+        for slot in tl.static_range(9, 14, 3):
+            tl.store(_addr(table, wi, slot, tl.float32), scale)
+            tl.store(_addr(table, wi, slot + 1, tl.float32), inv)
+
+
 def takes_layers(layers):
     """Whether push_histories takes these Fp8Linear layers (see the docstring above)."""
     if not layers:
@@ -108,20 +153,61 @@ def takes_layers(layers):
             and all(getattr(m, name).is_contiguous() for m in layers for name in BUFFERS))
 
 
-def push_histories(layers):
+def push_histories(layers, cast=None):
     """Fp8Linear.push_history of every layer, in one launch (takes_layers: None where it does not
-    take them)."""
+    take them). cast: (amaxes, clipped counts) of cast_weights' kernel, logged first."""
     if not takes_layers(layers):
         return None
     r = layers[0].recipe
-    table = host_to_device([[getattr(m, name).data_ptr() for name in BUFFERS] for m in layers], torch.int64,
-                           layers[0].amax_history.device)
+    pending = [[0, 0, 0]] * len(layers) if cast is None else \
+        [[cast[0][i].data_ptr(), cast[1][i].data_ptr(), m.weight.numel()] for i, m in enumerate(layers)]
+    table = host_to_device([[getattr(m, name).data_ptr() for name in BUFFERS] + p for m, p in zip(layers, pending)],
+                           torch.int64, layers[0].amax_history.device)
     H = r.history_len
     _push_kernel[(len(layers),)](table, H=H, HP=triton.next_power_of_2(H), MOST_RECENT=r.amax_algo == "most_recent",
                                  FWD_MAX=FP8_FORMATS[r.fwd_fmt.dtype][0], BWD_MAX=FP8_FORMATS[r.bwd_fmt.dtype][0],
-                                 MARGIN_MUL=2.0**-r.margin, POW2=r.power_of_two)
+                                 MARGIN_MUL=2.0**-r.margin, POW2=r.power_of_two, HAS_CAST=cast is not None)
     torch.autograd.graph.increment_version([getattr(m, name) for m in layers for name in BUFFERS])
     return True
+
+
+def takes_weights(layers):
+    """Whether cast_weights takes these O1 layers: pushes it takes (takes_layers), every role's
+    history warm (the scale comes from it: the layers' first casts take the compiled code), the
+    weight cast per tensor, W^T its transpose, fp32 weights 2-D and contiguous, the casts kept."""
+    return (takes_layers(layers) and all(all(m.history_warm) and m.training for m in layers)
+            and all(m.recipe.casts["w"] is not None and m.recipe.casts["w"][1] == "tensor"
+                    and "w_t" in m.recipe.transposes and m.recipe.casts["w"][0].dtype in FP8_FORMATS
+                    and m.weight.dtype == torch.float32 and m.weight.dim() == 2 and m.weight.is_contiguous()
+                    and getattr(m, "_fp8_meta", None) is not None and m.fp8_w.is_contiguous() for m in layers)
+            and len({m.recipe.casts["w"][0].dtype for m in layers}) == 1)
+
+
+def cast_weights(layers):
+    """O1's FP8 weight casts for the next forward under delayed scaling (o2_compile.cast_for_step:
+    each layer's cast_now, then push_amaxes) in two launches for all layers: the casts
+    (_delayed_cast_kernel), then the pushes with the casts logged. The bytes, scales and state of
+    the layers' own casts and pushes. None where the kernels do not take these layers."""
+    if not takes_weights(layers):
+        return None
+    device = layers[0].weight.device
+    shapes = [tuple(m.weight.shape) for m in layers]
+    tw, first_tile = _programs([cdiv(r, TILE) * cdiv(c, TILE) for r, c in shapes], device, 1)
+    rows = []
+    for m, (r, c), f in zip(layers, shapes, first_tile):
+        slots = [m.next_scale_1, m.next_inv_1, m.weight, None, None, None, None, None, m.fp8_w, m.fp8_w_scale,
+                 m.fp8_w_inv, m.fp8_wt if _own_wt(m) else None, m.fp8_wt_scale, m.fp8_wt_inv]
+        rows.append([0 if t is None else t.data_ptr() for t in slots] + [0, r, c, 0, 0, f, 0, 0, 0] + [0] * 8)
+    table = host_to_device(rows, torch.int64, device)
+    scratch = torch.zeros(2 * len(layers), dtype=torch.int32, device=device)  # (the maxima and counts start at 0)
+    amax, over = scratch[:len(layers)].view(torch.float32), scratch[len(layers):]
+    fmt = layers[0].recipe.casts["w"][0]
+    fmt_max, mbits, emin = FP8_FORMATS[fmt.dtype]
+    _delayed_cast_kernel[(tw.numel(),)](table, tw, amax, over, FP8_MAX=fmt_max, MBITS=mbits, EMIN=emin,
+                                        E5M2=fmt.dtype == torch.float8_e5m2, CLIP_EDGE=clip_edge(fmt), TILE_=TILE)
+    torch.autograd.graph.increment_version([t for m in layers for t in (m.fp8_w, m.fp8_w_scale, m.fp8_w_inv,
+                                                                          m.fp8_wt_scale, m.fp8_wt_inv)])
+    return push_histories(layers, (amax.unbind(), over.unbind()))
 
 
 def traffic(layers):
@@ -129,5 +215,16 @@ def traffic(layers):
     each layer's buffers (nanofp8/schedule.py counts a step with it)."""
     total = 0
     for m in layers:
-        total += len(BUFFERS) * 8 + sum(2 * getattr(m, name).nbytes for name in BUFFERS)
+        total += (len(BUFFERS) + 3) * 8 + sum(2 * getattr(m, name).nbytes for name in BUFFERS)
     return 2, total
+
+
+def traffic_casts(layers):
+    """(launches, bytes) of cast_weights: the table's copy, the zeroed scratch, the casts (each
+    weight read once, W written, and W^T where kept apart), and push_histories'."""
+    total = len(layers) * ((NSLOT + NMETA + 8) * 8 + 8)
+    for m in layers:
+        tiles = cdiv(m.weight.shape[0], TILE) * cdiv(m.weight.shape[1], TILE)
+        total += m.weight.numel() * (m.weight.element_size() + (2 if _own_wt(m) else 1)) + tiles * 12
+    launches, pushed = traffic(layers)
+    return 3 + launches, total + pushed

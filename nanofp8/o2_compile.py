@@ -121,8 +121,9 @@ def _triton_casts(layers):
     scale per tensor); the biases' bf16 copies in one foreach copy. Whether they ran."""
     from nanofp8 import optim_foreach  # (it imports this file)
 
-    if not optim_foreach.triton_takes(layers[0].weight) or optim_foreach.on_triton(
-            "the FP8 weight casts of a step", lambda ot: ot.cast_weights(layers)) is None:
+    if not optim_foreach.triton_takes(layers[0].weight) or optim_foreach.on_triton(  # (current scaling, or
+            "the FP8 weight casts of a step",  # delayed: the casts and their pushes, nanofp8/history_triton.py)
+            lambda ot: ot.cast_weights(layers) or _history_triton().cast_weights(layers)) is None:
         return False
     biased = [m for m in layers if m.bias is not None]
     if biased:

@@ -91,3 +91,53 @@ def test_push_amaxes_takes_the_kernel_where_it_runs(monkeypatch):
     other = _layers(Recipe(scaling="delayed", scale_rule=lambda *a, **k: compute_scale(*a, **k)))  # (a rule of its own)
     o2_compile.push_amaxes(other)
     assert calls == [5]
+
+
+@pytest.mark.parametrize("recipe", [Recipe(scaling="delayed"),
+                                    Recipe(scaling="delayed", amax_algo="most_recent", margin=1, power_of_two=True)],
+                         ids=["default", "most-recent-margin-pow2"])
+def test_o1s_delayed_weight_casts_are_the_layers_own_with_their_pushes(recipe):
+    """history_triton.cast_weights (O1's step under delayed scaling: two launches for all layers)
+    against the layers' own casts and pushes (o2_compile._recast, _push_histories: the code a GPU
+    compiles), over 8 steps of adversarial weights (rows 1e6 apart, values past the format's
+    range that the cast clips, zeros, 1e-30, a NaN): the kept FP8 W and W^T, their scales and
+    inverses, and every history buffer, bit-equal."""
+    from nanofp8 import history_triton
+
+    twins = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = convert_to_fp8(nn.Sequential(nn.Linear(96, 64), nn.Linear(64, 130), nn.Linear(130, 40)), recipe)
+        o2_compile.cast_once_per_step(model)
+        o2_compile.cast_for_step(model, record=False)  # (the kept casts' buffers)
+        layers = [m for m in model if isinstance(m, Fp8Linear)]
+        gen = torch.Generator().manual_seed(1)
+        for m in layers:  # every role's history warm, as after a first micro-step
+            m.amax_history[:, 0] = torch.rand(3, generator=gen) * 10
+            m.history_count.fill_(1)
+            m.push_amax()
+        twins.append(layers)
+    ref, mine = twins
+    for step in range(8):
+        gen = torch.Generator().manual_seed(step)
+        for a, b in zip(ref, mine):
+            w = torch.randn(a.weight.shape, generator=gen) * 10.0 ** torch.randint(-4, 3, (), generator=gen)
+            kind = step % 4
+            if kind == 1:
+                w *= 10 ** torch.linspace(-3, 3, w.shape[0])[:, None]
+                w[0, :3] = torch.tensor([1e6, -1e6, 0.0])  # (past the range the history's scale allows)
+            elif kind == 2:
+                w[: w.shape[0] // 2] = 0.0
+                w[-1] = 1e-30
+            elif kind == 3 and step == 7 and a is ref[1]:
+                w[3, 5] = float("nan")
+            with torch.no_grad():
+                a.weight.copy_(w)
+                b.weight.copy_(w)
+        o2_compile._recast(ref, True)
+        o2_compile._push_histories(ref)
+        assert history_triton.cast_weights(mine)
+        for a, b in zip(ref, mine):
+            for name in ("fp8_w", "fp8_wt", "fp8_w_scale", "fp8_w_inv", "fp8_wt_scale", "fp8_wt_inv") + BUFFERS:
+                assert _same_bits(getattr(a, name), getattr(b, name)), (step, name)
+    assert sum(int(m.clipped.sum()) for m in mine) > 0 and sum(int(m.nonfinite[1]) for m in mine) == 1

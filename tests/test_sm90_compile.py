@@ -140,6 +140,15 @@ def _optim_variants():
                 {"table": "*i64", "tile_weight": "*i32", "amax": "*fp32"}, dict(TILE_=ot.TILE), 4, 3))
     out.append(("optim place o3", "nanofp8.optim_triton:_place_kernel",
                 {"table": "*i64", "prog_weight": "*i32", "recv": "*u8", "row_len": "i64"}, rows, 4, 3))
+    # delayed scaling's (nanofp8/history_triton.py): the pushes, with the weights' casts logged or not
+    for most_recent, has_cast in ((False, False), (True, True)):
+        out.append((f"history push most_recent={most_recent} cast={has_cast}", "nanofp8.history_triton:_push_kernel",
+                    {"table": "*i64"}, dict(H=16, HP=16, MOST_RECENT=most_recent, FWD_MAX=448.0, BWD_MAX=57344.0,
+                                            MARGIN_MUL=1.0, POW2=False, HAS_CAST=has_cast), 4, 3))
+    for e5m2, (fmax, mbits, emin, edge) in ((False, (448.0, 3, -6, 464.0)), (True, (57344.0, 2, -14, 61440.0))):
+        out.append((f"history delayed cast e5m2={e5m2}", "nanofp8.history_triton:_delayed_cast_kernel",
+                    {"table": "*i64", "tile_weight": "*i32", "amax": "*fp32", "over": "*i32"},
+                    dict(FP8_MAX=fmax, MBITS=mbits, EMIN=emin, E5M2=e5m2, CLIP_EDGE=edge, TILE_=ot.TILE), 4, 3))
     return out
 
 
@@ -225,7 +234,7 @@ def test_split_k_reduction_compiles_for_sm90(compiled):
 
 @pytest.mark.slow
 def test_every_quantizer_compiles_for_sm90(compiled):
-    quant = [r for r in compiled if not r["name"].startswith(("gemm", "reduce", "optim"))]
+    quant = [r for r in compiled if not r["name"].startswith(("gemm", "reduce", "optim", "history"))]
     assert len(quant) >= 11
     for r in quant:
         # The one documented exception (kernels.tile_warps): the 128x128 weight-tile quantizer
@@ -234,6 +243,19 @@ def test_every_quantizer_compiles_for_sm90(compiled):
         assert r["shared"] <= H100_SHARED and r["spills"] <= allowed, r
         if "cast" in r["name"] or "tiles" in r["name"] or "rows" in r["name"]:
             assert r["neg"], f"{r['name']}: the sign restore is not a neg.f32"
+
+
+@pytest.mark.slow
+def test_the_history_kernels_compile_for_sm90(compiled):
+    """nanofp8/history_triton.py: no spills; the next scales' inverses a correctly rounded division
+    (div.rn, as torch's reciprocal), no .approx, no flush of subnormals; the casts' amaxes and
+    clipped counts as atomics."""
+    history = {r["name"]: r for r in compiled if r["name"].startswith("history")}
+    assert len(history) == 4
+    for name, r in history.items():
+        assert r["shared"] <= H100_SHARED and r["spills"] == 0, r
+        assert not r["ftz"] and not r["approx"], r
+        assert r["div_rn"] == ("push" in name) and r["atomic_max"] == ("cast e5m2" in name), name
 
 
 @pytest.mark.slow
