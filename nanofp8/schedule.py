@@ -243,10 +243,12 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
     keep_triton_fns = {name: getattr(optim_triton, name) for name in stand_ins}
     for name, fn in stand_ins.items():
         setattr(optim_triton, name, fn)
-    from nanofp8 import history_triton  # (delayed scaling's pushes: one launch for all layers)
-    keep_pushes = history_triton.push_histories
+    from nanofp8 import history_triton  # (delayed scaling's casts and pushes: one launch for all layers each)
+    keep_history = history_triton.push_histories, history_triton.cast_weights
     history_triton.push_histories = _counted(triton_calls, history_triton.traffic, _pushes,
                                              takes=history_triton.takes_layers)
+    history_triton.cast_weights = _counted(triton_calls, history_triton.traffic_casts, _delayed_casts,
+                                           takes=history_triton.takes_weights)
     keep_noise = optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled  # (compiled on a GPU)
     optim_foreach.compiled_noise = lambda device: True
     optim_foreach.hash_noise.compiled = _run_uncounted(optim_foreach.hash_noise, compiled)
@@ -300,7 +302,7 @@ def step_cost(level, n_layer=12, n_embd=768, n_head=12):
         optim_fused.runs_on_triton = keep_triton
         for name, fn in keep_triton_fns.items():
             setattr(optim_triton, name, fn)
-        history_triton.push_histories = keep_pushes
+        history_triton.push_histories, history_triton.cast_weights = keep_history
         optim_foreach.compiled_noise, optim_foreach.hash_noise.compiled = keep_noise
         o2_compile._compiled_casts = keep_casts[0]
         for fn, was in zip(on_gpu, keep_casts[1]):
@@ -335,6 +337,15 @@ def _pushes(layers):
     """history_triton.push_histories' results, made by the layers' own pushes."""
     from nanofp8 import o2_compile
 
+    o2_compile._push_histories(layers)
+    return True
+
+
+def _delayed_casts(layers):
+    """history_triton.cast_weights' results, made by the layers' own casts and pushes."""
+    from nanofp8 import o2_compile
+
+    o2_compile._recast(layers, True)
     o2_compile._push_histories(layers)
     return True
 

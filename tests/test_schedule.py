@@ -284,3 +284,15 @@ def test_the_fused_o2_step_is_a_few_launches_whatever_the_depth():
     assert one["launches"] < foreach["launches"]
     assert one["bytes_per_fp8_value"] < foreach["bytes_per_fp8_value"]
     assert one["compiled_kernels"] == 0  # (no weight left to the compiled update at GPT-2's shapes)
+
+
+def test_the_delayed_o1_step_is_a_few_launches_whatever_the_depth():  # (~2 s)
+    """bench.py kernels' step measure at O1 with delayed scaling, as a GPU runs it: the weights'
+    casts and their history pushes on nanofp8/history_triton.py's two launches (counted by their
+    traffic), where compiled code made about 19 kernels per weight (941 launches at 12 layers):
+    the same launches at 1 and 2 layers, and no compiled kernel left in the step."""
+    one, two = schedule.step_cost("O1-delayed", n_layer=1), schedule.step_cost("O1-delayed", n_layer=2)
+    print(f"O1-delayed step: {one['launches']} launches ({one['optimizer_launches']} the optimizer's), "
+          f"{one['bytes_per_fp8_value']:.1f} B per FP8 value")
+    assert one["launches"] == two["launches"] < 40 and one["compiled_kernels"] == 0
+    assert two["bytes_per_fp8_value"] <= one["bytes_per_fp8_value"] < 36
