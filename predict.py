@@ -257,7 +257,7 @@ def price(ops, hw, eager=False):
 def step_compiled(level, recipe=()):
     """Does a CUDA run compile this level's optimizer step? torch's fused AdamW (bf16, O1: a few
     kernels) and O2's fused step (o2_fused: the default where the model is compiled) are priced
-    as compiled code; O3's shards step on the foreach path, as eager code."""
+    as compiled code (O3's step, several ranks', is not among the levels priced here)."""
     import train
 
     cfg = train.load_config([f"precision={level}", *recipe])

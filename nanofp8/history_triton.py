@@ -1,5 +1,6 @@
 """
-Delayed scaling's amax histories, every layer's in one Triton launch (on a GPU).
+Delayed scaling's per-step work on a GPU: every layer's amax history pushed in one Triton launch,
+and O1's weight casts in one more.
 
 Under delayed scaling (nanofp8/fp8.py, Fp8Linear.delayed_quantize) each cast takes its scale from
 the amaxes of earlier casts and records its own amax in the layer's cast_log; a compiled graph
@@ -7,21 +8,27 @@ leaves the histories to o2_compile.push_amaxes, which train.py calls after each 
 O1 step after its weight casts. Fp8Linear.push_history is the readable reference: per layer, put
 each role's recorded amax at the front of its history (a finite one only), add up the counters,
 zero the log, and make each role's next scale and its inverse from the history. Those are about
-fifteen tiny operators per layer: compiled for all layers, inductor still made about twelve
-kernels of each layer's, some 600 launches per push at GPT-2's 48 layers, after every micro-step.
+fifteen tiny operators per layer: compiled for all layers, inductor still made about ten kernels
+of each layer's (bench.py kernels' step count), some 480 launches per push at GPT-2's 48 layers,
+after every micro-step; the O1 step's weight casts (cast_now, compiled) nine more per layer.
 
 Here one program does one layer's push, all three roles at once, reading a table of the layer's
 buffers' addresses: one launch for the whole model, its bytes a few hundred per layer. The
 arithmetic is the reference's: the float64 log's amax rounded to fp32, the scales by
 kernels._scale_from_amax (fp8.compute_scale's float64 division), their inverses a correctly
 rounded division (torch's reciprocal), counts converted from float64 by truncation (torch's
-.long()). tests/test_history_triton.py holds every buffer bit-equal to push_history's over
-adversarial logs (NaN and inf amaxes, zero counts, a history that wraps), in Triton's interpreter;
-tests/test_sm90_compile.py compiles it for sm_90.
+.long()). The O1 step's casts (cast_weights) take one launch before it: each weight tile by tile
+under its layer's next scale, its amax and its count of clipped values as atomics, which the push
+then logs as delayed_quantize does (fp8._logged). tests/test_history_triton.py holds every buffer
+bit-equal to the layers' own pushes and casts over adversarial logs and weights (NaN and inf
+amaxes, zero counts, a history that wraps, values the cast clips), in Triton's interpreter;
+tests/test_sm90_compile.py compiles both kernels for sm_90.
 
-What it takes (takes_layers): layers in training under delayed scaling, the scale rule
-fp8.compute_scale, one recipe's numbers (history length, amax algorithm, formats, margin, power of
-two) for all, their buffers contiguous.
+What it takes (takes_layers, takes_weights): layers in training under delayed scaling, the scale
+rule fp8.compute_scale, one recipe's numbers (history length, amax algorithm, formats, margin,
+power of two) for all, their buffers contiguous; for the casts, every role's history warm (a
+layer's first casts make their scales from their own amaxes: the compiled code does those), the
+weight cast per tensor and W^T its transpose.
 """
 
 import torch
