@@ -374,9 +374,14 @@ def _o3_worker(rank, world, v_format):
     assert off <= 1e-3 * total
 
 
+def _o3_workers(rank, world):  # (one spawn for the two tests below: a spawn costs seconds of imports)
+    for v_format in ("fp16", "fp8"):
+        _o3_worker(rank, world, v_format)
+    _o3_launches_worker(rank, world)
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("v_format", ["fp16", "fp8"])
-def test_o3s_triton_step_matches_its_foreach_step(v_format):
+def test_o3s_triton_step_matches_its_foreach_step_in_a_few_launches():
     """O3's step on the kernels (optim_triton.step_shards: launch 1 from fp32 gradient shards
     times the clipping factor, the MAX all-reduce of the amaxes, launch 2 writing the state and the
     FP8 shard under the shared scale, one all-gather, the bytes put into the weights) against
@@ -384,8 +389,12 @@ def test_o3s_triton_step_matches_its_foreach_step(v_format):
     clipped every third step, a NaN in one rank's shard that every rank skips; weights whose last
     shard is padded; one the kernels do not take (48 x 50: bit-equal, the same code both sides).
     The bounds of test_the_triton_step_matches_the_fused_step; the kept casts are the new weight's,
-    the weight the same bytes on every rank."""
-    spawn(_o3_worker, 2, v_format)
+    the weight the same bytes on every rank; with v in fp16 and in E4M3.
+    Then its launches: three Triton launches and the same few dozen operators (tables, the norm,
+    the replicated parameters' foreach step, scale copies, collectives) at 1 and 3 layers, where
+    the foreach step launches hundreds, more with every layer (counted as nanofp8/schedule.py
+    counts a step: the ATen operators that launch work, a foreach call one)."""
+    spawn(_o3_workers, 2)
 
 
 def _o3_launches_worker(rank, world):
@@ -425,11 +434,3 @@ def _o3_launches_worker(rank, world):
     assert counts[1, True][1] == ["_adam_amax_kernel", "_adam_store_kernel", "_place_kernel"]
     assert counts[3, True][0] < 60 and counts[3, False][0] > 5 * counts[3, True][0], counts
 
-
-@pytest.mark.dist
-def test_o3s_triton_step_is_a_few_launches_whatever_the_depth():
-    """O3's step on the kernels: three Triton launches and the same few dozen operators (tables,
-    the norm, the replicated parameters' foreach step, scale copies, collectives) at 1 and 3
-    layers, where the foreach step launches hundreds, more with every layer (counted as
-    nanofp8/schedule.py counts a step: the ATen operators that launch work, a foreach call one)."""
-    spawn(_o3_launches_worker, 2)

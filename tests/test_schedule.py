@@ -266,23 +266,21 @@ def test_a_recast_that_cannot_compile_runs_eagerly(monkeypatch):
     _kept_matches_weight(model)
 
 
-@pytest.mark.slow  # ~1 min: GPT steps, the foreach step's noise hash scheduled
+@pytest.mark.slow  # ~20 s: GPT steps
 def test_the_fused_o2_step_is_a_few_launches_whatever_the_depth():
     """bench.py kernels' step measure at O2 (issue #36: fewer than 20 launches for the whole
     model's optimizer step, about 20 bytes per FP8 value): the fused step, as a GPU runs it
     (nanofp8/optim_triton.py's kernels, counted by their traffic; the fp32 parameters on torch's
     fused AdamW), launches the same number of kernels at 1 and at 3 layers, fewer than 20 for the
     optimizer, and moves at most 21 B per FP8 value there; the whole step (clipping, the checks)
-    also launches as many at any depth, fewer than the foreach step, and moves fewer bytes."""
+    also launches as many at any depth, under 50, and moves under 27 B per value (the foreach step:
+    671 launches and 434 B at 12 layers, results/kernels_schedule_cpu.json)."""
     one, three = schedule.step_cost("O2-fused", n_layer=1), schedule.step_cost("O2-fused", n_layer=3)
-    foreach = schedule.step_cost("O2", n_layer=1)
-    print(f"O2 step: foreach {foreach['launches']} launches, {foreach['bytes_per_fp8_value']:.0f} B per FP8 value; "
-          f"fused {one['launches']} ({one['optimizer_launches']} of them the optimizer's), "
-          f"{one['bytes_per_fp8_value']:.1f} B ({one['optimizer_bytes_per_fp8_value']:.1f})")
-    assert one["launches"] == three["launches"] and one["optimizer_launches"] == three["optimizer_launches"]
+    print(f"O2 fused step: {one['launches']} launches ({one['optimizer_launches']} of them the optimizer's), "
+          f"{one['bytes_per_fp8_value']:.1f} B per FP8 value ({one['optimizer_bytes_per_fp8_value']:.1f})")
+    assert one["launches"] == three["launches"] < 50 and one["optimizer_launches"] == three["optimizer_launches"]
     assert one["optimizer_launches"] < 20 and three["optimizer_bytes_per_fp8_value"] <= 21
-    assert one["launches"] < foreach["launches"]
-    assert one["bytes_per_fp8_value"] < foreach["bytes_per_fp8_value"]
+    assert three["bytes_per_fp8_value"] < 27
     assert one["compiled_kernels"] == 0  # (no weight left to the compiled update at GPT-2's shapes)
 
 
