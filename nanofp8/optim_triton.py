@@ -582,8 +582,8 @@ def update_shards(opt, group, ps, shards, coef, ts, numbers, step_numbers, share
 
         weights = [m.weight for m in mods]
         pw, first = _programs([cdiv(w.numel(), STATE_BLOCK) for w in weights], device)
-        table = host_to_device([[w.data_ptr(), w.numel(), c, o, f] for w, c, o, f in zip(weights, lens, offsets, first)],
-                               torch.int64, device)
+        rows = [[w.data_ptr(), w.numel(), c, o, f] for w, c, o, f in zip(weights, lens, offsets, first)]
+        table = host_to_device(rows, torch.int64, device)
         _place_kernel[(pw.numel(),)](table, pw, recv, recv.shape[1], ROWS_=ROWS, B=STATE_BLOCK)
         fp8_scales = [m.fp8_w_scale if v else scale[i] for i, (m, v) in enumerate(zip(mods, views))]
         torch._foreach_copy_([st["master_scale"] for st in sts] + [m.weight_scale for m in mods],

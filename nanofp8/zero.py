@@ -52,7 +52,8 @@ from .dist import (COMM, Fp8Chunks, _all_gather, all_gather_fp8, any_nonfinite, 
                    held_grad_chunks, held_shard_len, reduce_scatter_fp8)
 from .fp8 import BLOCK, E4M3, Fp8Tensor, compute_scale, dequantize, expand_tiles, measure_amax, quantize
 from .optim import Fp8AdamW, O2Linear, convert_to_o2, holds_fp8_grad, state_block, to_fp16_scaled
-from .optim_foreach import count_steps, dequantize_blocks_all, step_chunks, to_fp16_scaled_all, update_decoupled, update_plain
+from .optim_foreach import (count_steps, dequantize_blocks_all, step_chunks, to_fp16_scaled_all, update_decoupled,
+                            update_plain)
 
 
 class O3Linear(O2Linear):
@@ -256,12 +257,12 @@ class ZeroFp8AdamW(Fp8AdamW):
             self.o2[p].set_fp8_weight(data[: p.numel()], s)
         return True
 
-
     def _step_on_triton(self, group, mine, shard, coef, number):
         """Steps 2 and 3 for the weights of `mine` that nanofp8/optim_triton.py's kernels take (on a
         GPU, where optim_fused.runs_on_triton): its launches, with this file's two collectives
         between them (the MAX all-reduce of the new amaxes, one all-gather of every weight's FP8
-        shard); the same bits as below (tests/test_zero.py). Returns the weights left to step here.
+        shard); the update below to within the roundings a compiler may fuse (tests/test_optim_triton.py).
+        Returns the weights left to step here.
         A kernel that fails the first time (a GPU's toolchain) costs a warning, and the foreach step."""
         if not mine or self.fused_triton is False or not optim_fused.runs_on_triton(mine[0]):
             return mine

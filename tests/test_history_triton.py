@@ -31,7 +31,8 @@ def _adversarial_logs(layers, gen):
             amax = float(10.0 ** (torch.rand((), generator=gen, dtype=torch.float64) * 40 - 20))
             amax = {1: float("nan"), 2: float("inf"), 3: 0.0}.get(kind, amax)
             values = int(torch.randint(1, 5000, (), generator=gen))
-            log[role] = torch.tensor([amax, float(kind in (1, 2)), values, int(torch.randint(0, values, (), generator=gen)),
+            clipped = int(torch.randint(0, values, (), generator=gen))
+            log[role] = torch.tensor([amax, float(kind in (1, 2)), values, clipped,
                                       float(torch.rand((), generator=gen) * 1e4)], dtype=torch.float64)
         m.cast_log.copy_(log)
 

@@ -356,7 +356,8 @@ def _o3_worker(rank, world, v_format):
                 assert d.max() <= (1 if k != "master" else 2**10), (step, k)  # (see the O2 test on the masters)
                 off, total = off + int((d > 0).sum()), total + d.numel()
             for a, b in ((st0["master_scale"], st1["master_scale"]), (l0.weight_scale, l1.weight_scale),
-                         (st0["exp_avg_scale"], st1["exp_avg_scale"]), (st0["exp_avg_sq_scale"], st1["exp_avg_sq_scale"]),
+                         (st0["exp_avg_scale"], st1["exp_avg_scale"]),
+                         (st0["exp_avg_sq_scale"], st1["exp_avg_sq_scale"]),
                          *((getattr(l0, k), getattr(l1, k)) for k in ("fp8_w_scale", "fp8_w_inv", "fp8_wt_scale",
                                                                      "fp8_wt_inv"))):
                 assert torch.allclose(a, b, rtol=2.0**-20, atol=0), step
