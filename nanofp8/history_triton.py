@@ -38,7 +38,7 @@ import triton.language as tl
 from kernels import FLT_MAX, FP8_FORMATS, _abs_for_amax, _scale_from_amax, _store_fp8, cdiv
 from nanofp8.fp8 import CAST_LOG, clip_edge, compute_scale
 from nanofp8.optim_foreach import host_to_device
-from nanofp8.optim_triton import NMETA, NSLOT, ROW_C, TILE, _addr, _fp8_addr, _own_wt, _programs, _tile
+from nanofp8.optim_triton import NMETA, NSLOT, ROW_C, TILE, _addr, _fp8_addr, _own_wt, _tile, weights_table
 
 # a layer's row of the table: the addresses of its buffers, in this order
 BUFFERS = ("cast_log", "amax_history", "history_count", "nonfinite", "cast_values", "clipped", "scale",
@@ -198,14 +198,7 @@ def cast_weights(layers):
     if not takes_weights(layers):
         return None
     device = layers[0].weight.device
-    shapes = [tuple(m.weight.shape) for m in layers]
-    tw, first_tile = _programs([cdiv(r, TILE) * cdiv(c, TILE) for r, c in shapes], device, 1)
-    rows = []
-    for m, (r, c), f in zip(layers, shapes, first_tile):
-        slots = [m.next_scale_1, m.next_inv_1, m.weight, None, None, None, None, None, m.fp8_w, m.fp8_w_scale,
-                 m.fp8_w_inv, m.fp8_wt if _own_wt(m) else None, m.fp8_wt_scale, m.fp8_wt_inv]
-        rows.append([0 if t is None else t.data_ptr() for t in slots] + [0, r, c, 0, 0, f, 0, 0, 0] + [0] * 8)
-    table = host_to_device(rows, torch.int64, device)
+    tw, table = weights_table(layers, lambda m: (m.next_scale_1, m.next_inv_1))  # (the weight role's scale)
     scratch = torch.zeros(2 * len(layers), dtype=torch.int32, device=device)  # (the maxima and counts start at 0)
     amax, over = scratch[:len(layers)].view(torch.float32), scratch[len(layers):]
     fmt = layers[0].recipe.casts["w"][0]

@@ -628,6 +628,20 @@ def takes_weights(layers):
                                          and m.weight.is_contiguous() for m in layers)
 
 
+def weights_table(layers, head=lambda m: (None, None)):
+    """(which weight each tile program casts, the table) of the launches that cast these layers'
+    fp32 weights into their kept casts (W^T where the layer keeps its own): each layer's row holds
+    its weight, the casts and their scales, and head(layer) in its first two slots."""
+    shapes = [tuple(m.weight.shape) for m in layers]
+    tw, first_tile = _programs([cdiv(r, TILE) * cdiv(c, TILE) for r, c in shapes], layers[0].weight.device, 1)
+    rows = []
+    for m, (r, c), f in zip(layers, shapes, first_tile):
+        slots = [*head(m), m.weight, None, None, None, None, None, m.fp8_w, m.fp8_w_scale, m.fp8_w_inv,
+                 m.fp8_wt if _own_wt(m) else None, m.fp8_wt_scale, m.fp8_wt_inv]
+        rows.append([0 if t is None else t.data_ptr() for t in slots] + [0, r, c, 0, 0, f, 0, 0, 0] + [0] * 8)
+    return tw, host_to_device(rows, torch.int64, layers[0].weight.device)
+
+
 def cast_weights(layers):
     """O1's FP8 weight casts for the next forward (o2_compile.cast_for_step) in two launches for
     all layers (each weight's amax, then W and W^T as launch 3 makes them): the bytes and scales
@@ -636,14 +650,7 @@ def cast_weights(layers):
     if not takes_weights(layers):
         return None
     device = layers[0].weight.device
-    shapes = [tuple(m.weight.shape) for m in layers]
-    tw, first_tile = _programs([cdiv(r, TILE) * cdiv(c, TILE) for r, c in shapes], device, 1)
-    rows = []
-    for m, (r, c), f in zip(layers, shapes, first_tile):
-        slots = [None, None, m.weight, None, None, None, None, None, m.fp8_w, m.fp8_w_scale, m.fp8_w_inv,
-                 m.fp8_wt if _own_wt(m) else None, m.fp8_wt_scale, m.fp8_wt_inv]
-        rows.append([0 if t is None else t.data_ptr() for t in slots] + [0, r, c, 0, 0, f, 0, 0, 0] + [0] * 8)
-    table = host_to_device(rows, torch.int64, device)
+    tw, table = weights_table(layers)
     amax = torch.zeros(len(layers), dtype=torch.float32, device=device)
     fmt = layers[0].recipe.casts["w"][0].dtype
     _weights_amax_kernel[(tw.numel(),)](table, tw, amax, TILE_=TILE)

@@ -51,6 +51,14 @@ def _twins(v_format, on_triton, monkeypatch, **kw):
     return twins
 
 
+def _twin_layers(twins):
+    """(layer, its twin, their weights, their optimizer states) for each layer with a weight."""
+    (m0, opt0), (m1, opt1) = twins
+    for l0, l1 in zip(m0, m1):
+        if hasattr(l0, "weight"):
+            yield l0, l1, l0.weight, l1.weight, opt0.state[l0.weight], opt1.state[l1.weight]
+
+
 def _micro_steps(twins, step, nan=False):
     gen = torch.Generator().manual_seed(step)
     m0 = twins[0][0]
@@ -88,11 +96,7 @@ def test_the_triton_step_matches_the_fused_step(v_format, monkeypatch):
             assert opt.step() == (step != 6)
             opt.zero_grad()
         assert opt1.fused_triton is True
-        for l0, l1 in zip(m0, m1):
-            if not hasattr(l0, "weight"):
-                continue
-            p0, p1 = l0.weight, l1.weight
-            st0, st1 = opt0.state[p0], opt1.state[p1]
+        for l0, l1, p0, p1, st0, st1 in _twin_layers(twins):
             assert set(st0) == set(st1)
             if p0.numel() % 128:  # (not the kernels': the same code both sides)
                 assert all(_same_bits(st0[k], st1[k]) for k in st0) and _same_bits(p0, p1)
@@ -342,11 +346,7 @@ def _o3_worker(rank, world, v_format):
             assert opt.step(max_norm=1.0 if step % 3 == 0 else float("inf"), shards=shards) == (step != 5)
             opt.zero_grad()
         assert opt1.fused_triton is True
-        for l0, l1 in zip(m0, m1):
-            if not hasattr(l0, "weight"):
-                continue
-            p0, p1 = l0.weight, l1.weight
-            st0, st1 = opt0.state[p0], opt1.state[p1]
+        for l0, l1, p0, p1, st0, st1 in _twin_layers(twins):
             if st0["master"].numel() % 128:  # (not the kernels': the same code both sides)
                 assert all(_same_bits(st0[k], st1[k]) for k in st0) and _same_bits(p0, p1)
                 continue
