@@ -643,8 +643,9 @@ def clip_grad_norm(model, max_norm):
     if not norms:
         return torch.zeros(())
     norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's rule, as below
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's rule (clip_grads_with_norm_)
+    for dtype in {p.grad.dtype for p in params}:  # ... and its product, by this coefficient (fp32)
+        torch._foreach_mul_([p.grad for p in params if p.grad.dtype == dtype], coef)
     if fp8:  # (one foreach call each, not a launch per gradient)
         scales, amaxes = torch._foreach_div([q.scale for q in fp8], coef), torch._foreach_mul([q.amax for q in fp8], coef)
         for q, scale, amax in zip(fp8, scales, amaxes):
