@@ -1,7 +1,7 @@
 """Delayed scaling's history pushes on one Triton launch (nanofp8/history_triton.py), run in
 Triton's interpreter (tests/conftest.py) against Fp8Linear.push_history, the reference."""
 
-import copy
+import os
 
 import pytest
 import torch
@@ -13,9 +13,14 @@ from nanofp8.fp8 import Fp8Linear, Recipe, compute_scale, convert_to_fp8
 from nanofp8.history_triton import BUFFERS, push_histories
 
 
+# Where the kernels run: here the interpreter on the CPU; on a GPU (scripts/gpu_speed.sh) the same tests
+# with NANOFP8_TEST_DEVICE=cuda TRITON_INTERPRET=0
+DEVICE = torch.device(os.environ.get("NANOFP8_TEST_DEVICE", "cpu"))
+
+
 def _layers(recipe):
     torch.manual_seed(0)
-    model = convert_to_fp8(nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)]), recipe)
+    model = convert_to_fp8(nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)]).to(DEVICE), recipe)
     return [m for m in model if isinstance(m, Fp8Linear)]
 
 
@@ -108,7 +113,8 @@ def test_o1s_delayed_weight_casts_are_the_layers_own_with_their_pushes(recipe):
     twins = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = convert_to_fp8(nn.Sequential(nn.Linear(96, 64), nn.Linear(64, 130), nn.Linear(130, 40)), recipe)
+        model = convert_to_fp8(nn.Sequential(nn.Linear(96, 64), nn.Linear(64, 130), nn.Linear(130, 40)).to(DEVICE),
+                               recipe)
         o2_compile.cast_once_per_step(model)
         o2_compile.cast_for_step(model, record=False)  # (the kept casts' buffers)
         layers = [m for m in model if isinstance(m, Fp8Linear)]

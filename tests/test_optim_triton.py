@@ -12,6 +12,7 @@ test_fused_step_matches_the_loop gives a compiler's roundings.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -29,6 +30,9 @@ from nanofp8.optim import (FP16, FP16_MAX, MASTER_HEADROOM, Fp8AdamW, O2Linear, 
                            counter_noise, fp16_scale, holds_fp8_grad, noise_bits, round_stochastic)
 from nanofp8.optim_triton import _noise, _pow2_scale, _round_stochastic
 
+# Where the kernels run: here the interpreter on the CPU; on a GPU (scripts/gpu_speed.sh) the same tests
+# with NANOFP8_TEST_DEVICE=cuda TRITON_INTERPRET=0, the kernels compiled for it
+DEVICE = torch.device(os.environ.get("NANOFP8_TEST_DEVICE", "cpu"))
 KEPT = ("weight", "weight_scale", "fp8_w", "fp8_w_scale", "fp8_w_inv", "fp8_wt", "fp8_wt_scale", "fp8_wt_inv")
 
 
@@ -41,7 +45,7 @@ def _twins(v_format, on_triton, monkeypatch, **kw):
                          nn.Linear(64, 56), nn.Linear(56, 40))
     twins = []
     for _ in range(2):
-        m = convert_to_o2(convert_to_fp8(copy.deepcopy(base), Recipe()))
+        m = convert_to_o2(convert_to_fp8(copy.deepcopy(base).to(DEVICE), Recipe()))
         opt = Fp8AdamW(m.parameters(), m, lr=1e-2, weight_decay=0.1, betas=(0.75, 0.95), v_format=v_format,
                        fused=True, **kw)
         twins.append((m, opt))
@@ -62,7 +66,7 @@ def _twin_layers(twins):
 def _micro_steps(twins, step, nan=False):
     gen = torch.Generator().manual_seed(step)
     m0 = twins[0][0]
-    grads = [[_adversarial_grad(p.shape, step, gen) for p in m0.parameters()] for _ in range(2)]
+    grads = [[_adversarial_grad(p.shape, step, gen).to(DEVICE) for p in m0.parameters()] for _ in range(2)]
     if nan:
         grads[1][0][5, 7] = float("nan")
     for m, _ in twins:
@@ -172,7 +176,9 @@ def test_the_kernels_building_blocks_are_the_references_bit_for_bit():
     out = dict(n16=torch.empty(n, dtype=torch.int32), n8=torch.empty(n, dtype=torch.int32),
                r16=torch.empty(n, dtype=torch.float16), r8=torch.empty(n, dtype=E4M3.dtype),
                s12=torch.empty(n), s13=torch.empty(n))
-    _building_blocks_kernel[(1,)](x, key, element, *out.values(), N=n)
+    on = {k: v.to(DEVICE) for k, v in out.items()}
+    _building_blocks_kernel[(1,)](x.to(DEVICE), key.to(DEVICE), element.to(DEVICE), *on.values(), N=n)
+    out = {k: v.cpu() for k, v in on.items()}  # (the references: optim.py's functions on the CPU)
     n16, n8 = counter_noise(key, element, noise_bits(FP16)), counter_noise(key, element, noise_bits(E4M3))
     assert torch.equal(out["n16"], n16) and torch.equal(out["n8"], n8)
     finite = torch.isfinite(x)
@@ -234,8 +240,8 @@ def test_the_gradient_casts_and_norms_are_the_references(monkeypatch):
             g[3, 5] = float("nan")
         if i == 7:
             g[1, 2] = float("inf")
-        sums.append(to_fp16_scaled(g, FP16_MAX / 4))
-    params = [nn.Parameter(torch.zeros(d.shape, dtype=torch.float16)) for d, _ in sums]
+        sums.append(to_fp16_scaled(g.to(DEVICE), FP16_MAX / 4))
+    params = [nn.Parameter(torch.zeros(d.shape, dtype=torch.float16, device=DEVICE)) for d, _ in sums]
     ref = optim_foreach._cast_sums(sums)
     for p, acc in zip(params, sums):  # (an O2 weight's gradient sum, as take_wgrad leaves it)
         p._held_grad = _HeldGrad()
@@ -278,7 +284,8 @@ def test_o1s_weight_casts_are_the_layers_own_bit_for_bit(recipe, monkeypatch):
     from nanofp8.o2_compile import cast_after_steps, cast_for_step, cast_now, cast_once_per_step
 
     torch.manual_seed(0)
-    model = convert_to_fp8(nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 192), nn.Linear(192, 64)), recipe)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 192), nn.Linear(192, 64)).to(DEVICE),
+                           recipe)
     cast_once_per_step(model)
     cast_for_step(model, record=False)
     opt = cast_after_steps(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
@@ -288,10 +295,10 @@ def test_o1s_weight_casts_are_the_layers_own_bit_for_bit(recipe, monkeypatch):
     monkeypatch.setattr(o2_compile, "_triton_casts",
                         lambda layers: ran.append((len(layers), real(layers))) or ran[-1][1])
     for step in range(4):
-        model(torch.randn(8, 128)).square().sum().backward()
+        model(torch.randn(8, 128, device=DEVICE)).square().sum().backward()
         with torch.no_grad():
             if step == 1:
-                model[0].weight.mul_(10.0 ** torch.linspace(-3, 3, 64)[:, None])
+                model[0].weight.mul_(10.0 ** torch.linspace(-3, 3, 64, device=DEVICE)[:, None])
                 model[2].weight.zero_()
             if step == 2:
                 model[3].weight.mul_(1e-30)
