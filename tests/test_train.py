@@ -506,7 +506,7 @@ def test_no_logits_outlive_their_micro_step(tmp_path, monkeypatch):
 def test_the_weight_check_reads_the_weights_not_their_fp8_casts(level):
     """run.weights_finite (every step) reads the weights and scales, not the FP8 W and W^T the
     step cast from them (a float copy each, more bytes than the weights) nor the kept bf16 copies
-    of the biases (a launch each): a non-finite weight is still seen, in any parameter."""
+    of the biases (a launch each): a non-finite weight (NaN, -inf) is still seen, in any parameter."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import bench
@@ -536,6 +536,8 @@ def test_the_weight_check_reads_the_weights_not_their_fp8_casts(level):
     for p in model.parameters():
         with torch.no_grad():
             keep = p.view(-1)[0].clone()
-            p.view(-1)[0] = float("nan")
-            assert weights_finite(model, layout).item() == 0.0
+            for bad in (float("nan"), float("-inf")):
+                p.view(-1)[0] = bad
+                assert weights_finite(model, layout).item() == 0.0, (p.shape, bad)
             p.view(-1)[0] = keep
+    assert weights_finite(model, layout).item() == 1.0
