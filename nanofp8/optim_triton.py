@@ -519,7 +519,7 @@ def step_group(opt, group, o2, grads, ts, numbers, step_numbers):
 
 
 def steps_shard(opt, mod, shard):
-    """Whether O3's weight of layer `mod` (this rank's fp32 gradient shard) steps on step_shards:
+    """Whether O3's weight of layer `mod` (this rank's fp32 gradient shard) steps on update_shards:
     2-D, in blocks of STATE_BLOCK values, its FP8 weight under one E4M3 scale by fp8.compute_scale
     (the scale gather_shared_scale gives it), every stored tensor contiguous."""
     shape, granularity, _, rule = mod.weight_layout()

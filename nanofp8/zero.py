@@ -277,7 +277,8 @@ class ZeroFp8AdamW(Fp8AdamW):
         try:
             send, place = optim_triton.update_shards(
                 self, group, on, [shard[p] for p in on], coef, count_steps([self.state[p] for p in on]),
-                [number[p] for p in on], optim_fused.step_numbers, self._max_over_ranks)
+                [number[p] for p in on], optim_fused.step_numbers,
+                lambda amax: max_over_ranks(amax, self.group))
         except Exception as e:  # (a kernel's compile, before it wrote any state: on every rank alike)
             if self.fused_triton:
                 raise
@@ -294,13 +295,6 @@ class ZeroFp8AdamW(Fp8AdamW):
         warnings.warn(f"nanofp8: the O3 step's Triton kernels failed ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); the shards take the foreach step")
         return False
-
-    def _max_over_ranks(self, amax):
-        """gather_shared_scale's MAX all-reduce, of the new weights' amaxes (in place)."""
-        if self.world > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            COMM.add("all_reduce_amax", amax.nbytes, amax.nbytes * 2 * (self.world - 1) / self.world)
-        return amax
 
     def _gather_rows(self, send):
         """Every rank's bytes `send` (its FP8 shards of a group's weights), one row per rank."""
@@ -348,6 +342,16 @@ def _shard_amax(w, shape, granularity, lo, block=(BLOCK, BLOCK)):
     return amax, per_value
 
 
+def max_over_ranks(amax, group=None):
+    """The amaxes of every rank's shards, the largest of each over the ranks (one MAX all-reduce,
+    in place): what the shared scales are made of. Returns amax."""
+    world = dist.get_world_size(group)
+    if world > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        COMM.add("all_reduce_amax", amax.nbytes, amax.nbytes * 2 * (world - 1) / world)
+    return amax
+
+
 def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
     """All-gather flat fp32 shards (one per tensor, this rank's part of the tensor flattened and
     zero-padded to world * shard length) as FP8 under scales every rank agrees on: one MAX
@@ -365,10 +369,7 @@ def gather_shared_scale(shards, group=None, fmt=E4M3, layouts=None):
                ((1, world * w.numel()), "tensor", None, compute_scale) for w, lay in zip(shards, layouts or [None] * len(shards))]
     grids = [_shard_amax(w.detach().reshape(-1).float(), shape, g, rank * w.numel(), tile)
              for w, (shape, g, tile, _) in zip(shards, layouts)]
-    amax = torch.cat([a.reshape(-1) for a, _ in grids])
-    if world > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        COMM.add("all_reduce_amax", amax.nbytes, amax.nbytes * 2 * (world - 1) / world)
+    amax = max_over_ranks(torch.cat([a.reshape(-1) for a, _ in grids]), group)
     scales = [lay[3](a, fmt).view(g.shape)  # (the rule is elementwise: per tensor as at once)
               for a, (g, _), lay in zip(amax.split([g.numel() for g, _ in grids]), grids, layouts)]
     pending = []

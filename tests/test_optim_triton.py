@@ -317,7 +317,7 @@ def test_o1s_weight_casts_are_the_layers_own_bit_for_bit(recipe, monkeypatch):
 
 def _o3_worker(rank, world, v_format):
     """Two O3 twins on each rank, the first on the foreach step, the second on the kernels
-    (step_shards), fed the same adversarial gradient shards (test_o3s_triton_step_...)."""
+    (update_shards), fed the same adversarial gradient shards (test_o3s_triton_step_...)."""
     import torch.nn.functional as F
 
     from nanofp8.dist import held_shard_len
@@ -390,7 +390,7 @@ def _o3_workers(rank, world):  # (one spawn for the two tests below: a spawn cos
 
 @pytest.mark.dist
 def test_o3s_triton_step_matches_its_foreach_step_in_a_few_launches():
-    """O3's step on the kernels (optim_triton.step_shards: launch 1 from fp32 gradient shards
+    """O3's step on the kernels (optim_triton.update_shards: launch 1 from fp32 gradient shards
     times the clipping factor, the MAX all-reduce of the amaxes, launch 2 writing the state and the
     FP8 shard under the shared scale, one all-gather, the bytes put into the weights) against
     its foreach step (nanofp8/zero.py), on 2 gloo ranks: 7 steps of adversarial gradient shards,

@@ -116,7 +116,7 @@ def _optim_variants():
         out.append((f"optim adam store v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_store_kernel",
                     {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32", "amax_q": "*fp32", "s_new": "*fp32"},
                     dict(const, BITS16=13, BITS8=20, SHARD=False), 4, 3))
-        # O3's (step_shards): fp32 gradient shards; the FP8 shard under the shared scale
+        # O3's (update_shards): fp32 gradient shards; the FP8 shard under the shared scale
         out.append((f"optim adam amax o3 v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_amax_kernel",
                     {"table": "*i64", "prog_weight": "*i32", "amax_w": "*fp32"}, dict(const, G_FP32=True), 4, 3))
         out.append((f"optim adam store o3 v_fp8={v_fp8}", "nanofp8.optim_triton:_adam_store_kernel",
